@@ -1,0 +1,1 @@
+"""Hugging Face glue: layer-kind detection, attention registration and per-family quirks."""
