@@ -1,0 +1,209 @@
+"""The coordinator: all KV cache groups of one model, allocated and freed as one.
+
+It finds the longest prefix that hits in every group, allocates a step's blocks in every group or in
+none, caches blocks that became full and returns blocks that fell out of a sliding window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridkv.block_pool import BlockPool, KVBlock
+from hybridkv.grouping import KVCacheConfig
+from hybridkv.managers import FullAttentionManager, SingleTypeManager, SlidingWindowManager
+from hybridkv.request import KVRequest
+
+
+@dataclass(slots=True)
+class CacheHit:
+    """A prefix-cache hit: the starting block list of each group and the tokens it covers."""
+
+    blocks: list[list[KVBlock]]
+    num_tokens: int
+
+
+@dataclass
+class KVCacheStats:
+    """Counters since the coordinator was built; blocks_in_use_per_group counts real blocks."""
+
+    num_blocks: int
+    num_free_blocks: int
+    blocks_in_use: int
+    blocks_in_use_per_group: list[int]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+    group_size: int
+    padding_layers: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class KVCacheCoordinator:
+    """Every group's manager over one shared block pool.
+
+    Contract: allocate_slots either succeeds in every group or changes nothing; free returns every
+    block of a request in every group; after update_computed the request holds no block that its
+    next query cannot attend to.
+    """
+
+    def __init__(self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, len(config.groups), enable_caching)
+        self.managers: list[SingleTypeManager] = []
+        for group in config.groups:
+            if group.sliding_window is None:
+                self.managers.append(FullAttentionManager(group.group_id, self.pool, self.block_size))
+            else:
+                self.managers.append(
+                    SlidingWindowManager(group.group_id, self.pool, self.block_size, group.sliding_window)
+                )
+        # Prefix-closed kinds first: their hit only shrinks the search of the others.
+        self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
+        """The longest block-aligned prefix of the prompt cached in every group.
+
+        Never covers the prompt's last token: it must be computed to produce logits. Iterates to a
+        fixed point, since a shorter hit in one group can move a sliding group's hit.
+        """
+        if not self.enable_caching:
+            return CacheHit([[] for _ in self.managers], 0)
+        max_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
+        hits: list[list[KVBlock]] = [[] for _ in self.managers]
+        settled = False
+        while not settled and max_blocks > 0:
+            settled = True
+            for manager in self._search_order:
+                hit = manager.find_longest_cache_hit(request.block_hashes, max_blocks)
+                hits[manager.group_id] = hit
+                if len(hit) < max_blocks:
+                    max_blocks = len(hit)
+                    settled = manager.hits_are_prefix_closed and settled
+        if max_blocks == 0:
+            hits = [[] for _ in self.managers]
+        for hit in hits:
+            del hit[max_blocks:]
+        self.prefix_cache_queries += request.num_prompt_tokens
+        self.prefix_cache_hits += max_blocks * self.block_size
+        return CacheHit(hits, max_blocks * self.block_size)
+
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
+        """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
+
+        On success the hit's blocks are taken and the request's num_computed_tokens is NOT
+        changed (the caller advances it after computing). On failure nothing changes: no ref
+        count, no free block, no block list.
+        """
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        num_total = num_computed + num_new_tokens
+        request_id = request.request_id
+        no_hit: list[KVBlock] = []
+        num_needed = 0
+        for manager in self.managers:
+            hit_blocks = hit.blocks[manager.group_id] if hit else no_hit
+            num_needed += manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
+        if num_needed > self.pool.num_free_blocks:
+            return False
+        for manager in self.managers:
+            if hit is not None:
+                manager.take_hit_blocks(request_id, hit.blocks[manager.group_id])
+            manager.allocate_new_blocks(request_id, num_computed, num_total)
+        return True
+
+    def update_computed(self, request: KVRequest) -> None:
+        """After a step computed tokens: cache blocks that became full, then return the blocks that
+        request.num_computed_tokens has left out of every sliding window.
+
+        Caching comes first so that out-of-window blocks go back to the pool still hashed.
+        """
+        num_full_blocks = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        request_id = request.request_id
+        for manager in self.managers:
+            if self.enable_caching:
+                manager.cache_blocks(request_id, request.block_hashes, num_full_blocks)
+            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        """Return every block the request holds, in every group."""
+        for manager in self.managers:
+            manager.free(request_id)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each group (null block = 0)."""
+        return [[b.block_id for b in m.blocks_of(request_id)] for m in self.managers]
+
+    def num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
+        """Per group, leading blocks shared by all running requests (0 for sliding groups)."""
+        return [
+            m.num_common_prefix_blocks(request_id, num_running_requests)
+            if isinstance(m, FullAttentionManager)
+            else 0
+            for m in self.managers
+        ]
+
+    def stats(self) -> KVCacheStats:
+        per_group = [
+            sum(m.num_real_blocks(request_id) for request_id in m.req_to_blocks) for m in self.managers
+        ]
+        return KVCacheStats(
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free_blocks,
+            blocks_in_use=self.pool.num_used_blocks,
+            blocks_in_use_per_group=per_group,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_evictions=self.pool.num_evictions,
+            group_size=self.config.group_size,
+            padding_layers=self.config.padding_layers,
+        )
+
+    def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
+        """Assert every memory-manager invariant (ARCHITECTURE.md); tests call it after each change.
+
+        With requests given, also checks each held hashed block against the request's own hashes
+        and the sliding-window bound on real blocks per request.
+        """
+        pool = self.pool
+        pool.check_integrity()
+        expected_refs = [0] * pool.num_blocks
+        for manager in self.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                seen = set()
+                for block in blocks:
+                    if block.is_null:
+                        continue
+                    assert block.block_id not in seen, f"{block} twice in {request_id}'s group {manager.group_id}"
+                    seen.add(block.block_id)
+                    expected_refs[block.block_id] += 1
+                    if block.block_hash is not None:
+                        assert block.hash_group == manager.group_id, f"{block} cached for another group"
+        for block in pool.blocks[1:]:
+            assert block.ref_cnt == expected_refs[block.block_id], (
+                f"{block}: ref count {block.ref_cnt} but held by {expected_refs[block.block_id]} lists"
+            )
+        if requests is None:
+            return
+        for manager in self.managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                request = requests[request_id]
+                for i, block in enumerate(blocks):
+                    if block.block_hash is not None:
+                        assert i < len(request.block_hashes) and block.block_hash == request.block_hashes[i], (
+                            f"{block} at position {i} of {request_id} carries another chain's hash"
+                        )
+                if isinstance(manager, SlidingWindowManager):
+                    bound = manager.num_window_blocks + 1
+                    held = manager.num_real_blocks(request_id)
+                    computed_blocks = -(-request.num_computed_tokens // self.block_size)
+                    chunk_blocks = max(0, len(blocks) - computed_blocks)
+                    assert held <= bound + chunk_blocks, (
+                        f"{request_id} holds {held} real blocks in sliding group {manager.group_id}, "
+                        f"more than {bound} + {chunk_blocks} for its chunk"
+                    )

@@ -1,0 +1,60 @@
+"""Chained block hashes: the identity of a full block of tokens together with everything before it.
+
+hash(block i) = SHA-256(hash(block i-1) || token ids of block i as uint32 [|| 0xff || extra keys])
+
+The chain starts from a root hash that depends on the request's `cache_salt`, so requests with
+different salts share no block at all. SHA-256 is stable across processes and collision-resistant
+(a forged collision would poison the prefix cache); docs/design.md has the measurement behind the
+choice (benchmarks/hashing.py).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from hashlib import sha256
+
+_ROOT_SEED = b"hybridkv-block-hash-v1"
+_EXTRA_KEYS_SEPARATOR = b"\xff"
+
+
+def root_hash(cache_salt: str | None = None) -> bytes:
+    """The parent hash of a request's first block; a different salt gives a disjoint chain."""
+    seed = _ROOT_SEED if cache_salt is None else _ROOT_SEED + b"\x00salt" + cache_salt.encode()
+    return sha256(seed).digest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; a clear error for ids outside [0, 2**32)."""
+    try:
+        return array("I", token_ids).tobytes()
+    except OverflowError as exc:
+        bad = next(t for t in token_ids if not 0 <= t < 2**32)
+        raise ValueError(
+            f"token id {bad} is outside [0, 2**32); token ids must be vocabulary indices"
+        ) from exc
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent_hash: bytes,
+    start_block: int = 0,
+    extra_keys: bytes = b"",
+) -> list[bytes]:
+    """Chained hashes of the full blocks of token_ids from start_block on.
+
+    parent_hash is the hash of block start_block - 1 (or the root hash when start_block == 0).
+    extra_keys (e.g. an adapter id) join every block's hash after a separator.
+    """
+    num_full_blocks = len(token_ids) // block_size
+    if num_full_blocks <= start_block:
+        return []
+    data = token_bytes(token_ids[start_block * block_size : num_full_blocks * block_size])
+    step = block_size * 4
+    suffix = _EXTRA_KEYS_SEPARATOR + extra_keys if extra_keys else b""
+    hashes = []
+    for offset in range(0, len(data), step):
+        parent_hash = sha256(parent_hash + data[offset : offset + step] + suffix).digest()
+        hashes.append(parent_hash)
+    return hashes

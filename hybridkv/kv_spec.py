@@ -1,0 +1,39 @@
+"""Per-layer KV specs: what one attention layer stores per token, and under which attention rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One attention layer's KV cache needs.
+
+    sliding_window is None for full attention; W for a sliding window where, as in transformers,
+    a query at position i sees the keys at positions (i - W, i].
+    """
+
+    layer_idx: int
+    sliding_window: int | None
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, got {self.sliding_window}")
+        if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1:
+            raise ValueError(f"layer {self.layer_idx}: kv heads, head dim and dtype bytes must be positive")
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else f"sliding_window={self.sliding_window}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token of this layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one block of this layer (K and V)."""
+        return block_size * self.kv_bytes_per_token

@@ -1,0 +1,190 @@
+"""Single-type managers: one per KV cache group, each applying its attention kind's rules.
+
+All managers share one interface: find the longest cache hit under the kind's rule, count and
+allocate the blocks a step needs, cache blocks that became full, return blocks that can no longer
+be attended to, and free a request. Block lists are append-only and indexed by block position
+(block i covers tokens [i * block_size, (i + 1) * block_size)); the null block stands in for
+positions a sliding window no longer sees.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from hybridkv.block_pool import BlockPool, KVBlock
+
+
+class SingleTypeManager(ABC):
+    """Block lists of every request in one KV cache group."""
+
+    #: True when a cache hit of n blocks implies hits of every shorter length (full attention).
+    hits_are_prefix_closed: bool = True
+
+    def __init__(self, group_id: int, pool: BlockPool, block_size: int) -> None:
+        self.group_id = group_id
+        self.pool = pool
+        self.block_size = block_size
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @abstractmethod
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
+        """The longest hit of at most max_num_blocks blocks, as the block list it would start with.
+
+        The returned list may contain the null block (positions the kind never reads again).
+        """
+
+    @abstractmethod
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """Index of the first block a query at position num_computed_tokens can attend to."""
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def num_blocks_to_allocate(
+        self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
+    ) -> int:
+        """Free blocks the pool must hand out to take hit_blocks and cover num_total_tokens.
+
+        num_computed_tokens counts the hit's tokens. Positions before first_needed_block get the
+        null block; a hit block with ref count 0 counts too, since taking it leaves the free queue.
+        """
+        num_held = len(self.req_to_blocks.get(request_id, ())) + len(hit_blocks)
+        num_required = -(-num_total_tokens // self.block_size)
+        start = max(num_held, self.first_needed_block(num_computed_tokens))
+        num_new = max(0, num_required - start)
+        return num_new + sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+
+    def take_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        """Add a cache hit to a request that holds no blocks yet; hit blocks are already cached."""
+        if self.req_to_blocks.get(request_id):
+            raise ValueError(
+                f"request {request_id!r} already holds blocks in group {self.group_id}; "
+                "a cache hit applies only to a request's first allocation"
+            )
+        self.pool.touch(hit_blocks)
+        self.req_to_blocks[request_id] = list(hit_blocks)
+        self.num_cached_blocks[request_id] = len(hit_blocks)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_computed_tokens: int, num_total_tokens: int
+    ) -> list[KVBlock]:
+        """Extend the request's list to cover num_total_tokens; returns the new real blocks."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        self.num_cached_blocks.setdefault(request_id, 0)
+        num_required = -(-num_total_tokens // self.block_size)
+        if num_required <= len(blocks):
+            return []
+        num_null = max(0, self.first_needed_block(num_computed_tokens) - len(blocks))
+        num_null = min(num_null, num_required - len(blocks))
+        if num_null:
+            blocks.extend([self.pool.null_block] * num_null)
+        new_blocks = self.pool.get_new_blocks(num_required - len(blocks))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_full_blocks: int) -> None:
+        """Register the request's blocks [num_cached, num_full_blocks) under their hashes."""
+        start = self.num_cached_blocks.get(request_id, 0)
+        if num_full_blocks <= start:
+            return
+        blocks = self.req_to_blocks[request_id]
+        pool, group_id = self.pool, self.group_id
+        for i in range(start, num_full_blocks):
+            block = blocks[i]
+            if not block.is_null:
+                pool.cache_block(block, block_hashes[i], group_id)
+        self.num_cached_blocks[request_id] = num_full_blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Return blocks no future query of the request can attend to (none for full attention)."""
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's blocks, deepest first, so its least shareable blocks are evicted first."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def num_real_blocks(self, request_id: str) -> int:
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
+
+
+class FullAttentionManager(SingleTypeManager):
+    """Every query attends to every earlier token: a hit is the longest run of cached blocks from 0."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id]
+        hit = []
+        for block_hash in block_hashes[:max_num_blocks]:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def num_common_prefix_blocks(self, request_id: str, num_requests: int) -> int:
+        """Leading blocks of this request that every one of num_requests running requests holds."""
+        count = 0
+        for block in self.req_to_blocks.get(request_id, ()):
+            if block.ref_cnt != num_requests:
+                break
+            count += 1
+        return count
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """A query at position i attends to keys in (i - W, i].
+
+    A hit ending at (block-aligned) position p needs only the blocks covering tokens
+    [p - W + 1, p): ceil((W - 1) / block_size) blocks, all earlier positions become null blocks.
+    """
+
+    hits_are_prefix_closed = False
+
+    def __init__(self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int) -> None:
+        super().__init__(group_id, pool, block_size)
+        self.sliding_window = sliding_window
+        self.num_window_blocks = -(-(sliding_window - 1) // block_size)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id]
+        need = self.num_window_blocks
+        max_num_blocks = min(max_num_blocks, len(block_hashes))
+        if need == 0:
+            return [self.pool.null_block] * max_num_blocks
+        run: list[KVBlock] = []
+        for i in range(max_num_blocks - 1, -1, -1):
+            block = cached.get(block_hashes[i])
+            if block is None:
+                run.clear()
+                continue
+            run.append(block)
+            if len(run) == need:
+                run.reverse()
+                return [self.pool.null_block] * i + run
+        # The run reaches block 0: every position before the end is covered.
+        run.reverse()
+        return run
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null_block = self.pool.null_block
+        skipped = []
+        for i in range(min(self.first_needed_block(num_computed_tokens), len(blocks)) - 1, -1, -1):
+            block = blocks[i]
+            if block is null_block:
+                break
+            skipped.append(block)
+            blocks[i] = null_block
+        if skipped:
+            self.pool.free_blocks(skipped)

@@ -1,0 +1,70 @@
+"""The KV-cache view of a request: its tokens, how many are computed, and its block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.hashing import hash_full_blocks, root_hash
+
+
+class KVRequest:
+    """Token state that the memory manager needs for one request.
+
+    `num_computed_tokens` is the only progress state: tokens whose K/V are in the cache.
+    `block_hashes[i]` is the chained hash of full block i of `token_ids`; it is kept up to date as
+    tokens are appended (only when `block_size` is given, i.e. prefix caching is on).
+    """
+
+    __slots__ = (
+        "_root_hash",
+        "block_hashes",
+        "block_size",
+        "cache_salt",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_size: int | None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.block_size = block_size
+        self._root_hash = root_hash(cache_salt)
+        self.block_hashes: list[bytes] = []
+        self._hash_new_full_blocks()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append_token_ids(self, token_ids: Sequence[int]) -> None:
+        """Append generated tokens; hashes the blocks they complete."""
+        self.token_ids.extend(token_ids)
+        self._hash_new_full_blocks()
+
+    def _hash_new_full_blocks(self) -> None:
+        if self.block_size is None:
+            return
+        done = len(self.block_hashes)
+        if len(self.token_ids) < (done + 1) * self.block_size:
+            return
+        parent = self.block_hashes[-1] if done else self._root_hash
+        self.block_hashes.extend(hash_full_blocks(self.token_ids, self.block_size, parent, done))
+
+    def __repr__(self) -> str:
+        return (
+            f"KVRequest({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, hashed_blocks={len(self.block_hashes)})"
+        )
