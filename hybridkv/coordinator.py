@@ -142,16 +142,12 @@ class KVCacheCoordinator:
     def num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
         """Per group, leading blocks shared by all running requests (0 for sliding groups)."""
         return [
-            m.num_common_prefix_blocks(request_id, num_running_requests)
-            if isinstance(m, FullAttentionManager)
-            else 0
+            m.num_common_prefix_blocks(request_id, num_running_requests) if isinstance(m, FullAttentionManager) else 0
             for m in self.managers
         ]
 
     def stats(self) -> KVCacheStats:
-        per_group = [
-            sum(m.num_real_blocks(request_id) for request_id in m.req_to_blocks) for m in self.managers
-        ]
+        per_group = [sum(m.num_real_blocks(request_id) for request_id in m.req_to_blocks) for m in self.managers]
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,
@@ -179,7 +175,7 @@ class KVCacheCoordinator:
                 for block in blocks:
                     if block.is_null:
                         continue
-                    assert block.block_id not in seen, f"{block} twice in {request_id}'s group {manager.group_id}"
+                    assert block.block_id not in seen, f"{block} twice in {request_id}, group {manager.group_id}"
                     seen.add(block.block_id)
                     expected_refs[block.block_id] += 1
                     if block.block_hash is not None:
@@ -195,7 +191,8 @@ class KVCacheCoordinator:
                 request = requests[request_id]
                 for i, block in enumerate(blocks):
                     if block.block_hash is not None:
-                        assert i < len(request.block_hashes) and block.block_hash == request.block_hashes[i], (
+                        own_hash = request.block_hashes[i] if i < len(request.block_hashes) else None
+                        assert block.block_hash == own_hash, (
                             f"{block} at position {i} of {request_id} carries another chain's hash"
                         )
                 if isinstance(manager, SlidingWindowManager):

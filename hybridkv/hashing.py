@@ -30,9 +30,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
         return array("I", token_ids).tobytes()
     except OverflowError as exc:
         bad = next(t for t in token_ids if not 0 <= t < 2**32)
-        raise ValueError(
-            f"token id {bad} is outside [0, 2**32); token ids must be vocabulary indices"
-        ) from exc
+        raise ValueError(f"token id {bad} is outside [0, 2**32); token ids must be vocabulary indices") from exc
 
 
 def hash_full_blocks(

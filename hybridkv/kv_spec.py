@@ -21,7 +21,7 @@ class LayerSpec:
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, got {self.sliding_window}")
+            raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, not {self.sliding_window}")
         if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1:
             raise ValueError(f"layer {self.layer_idx}: kv heads, head dim and dtype bytes must be positive")
 

@@ -67,9 +67,7 @@ class SingleTypeManager(ABC):
         self.req_to_blocks[request_id] = list(hit_blocks)
         self.num_cached_blocks[request_id] = len(hit_blocks)
 
-    def allocate_new_blocks(
-        self, request_id: str, num_computed_tokens: int, num_total_tokens: int
-    ) -> list[KVBlock]:
+    def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         """Extend the request's list to cover num_total_tokens; returns the new real blocks."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
         self.num_cached_blocks.setdefault(request_id, 0)
@@ -97,8 +95,9 @@ class SingleTypeManager(ABC):
                 pool.cache_block(block, block_hashes[i], group_id)
         self.num_cached_blocks[request_id] = num_full_blocks
 
+    @abstractmethod
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Return blocks no future query of the request can attend to (none for full attention)."""
+        """Return blocks no future query of the request can attend to (null blocks take their place)."""
 
     def free(self, request_id: str) -> None:
         """Drop the request's blocks, deepest first, so its least shareable blocks are evicted first."""
@@ -126,6 +125,9 @@ class FullAttentionManager(SingleTypeManager):
 
     def first_needed_block(self, num_computed_tokens: int) -> int:
         return 0
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        return
 
     def num_common_prefix_blocks(self, request_id: str, num_requests: int) -> int:
         """Leading blocks of this request that every one of num_requests running requests holds."""

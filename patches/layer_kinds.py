@@ -23,9 +23,7 @@ def layer_windows(config: Any) -> list[int | None]:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers = config.num_hidden_layers
     if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError(
-            "this config uses bidirectional attention (an encoder); hybridkv serves causal decoders only"
-        )
+        raise ValueError("this config uses bidirectional attention (an encoder); hybridkv serves causal decoders only")
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
@@ -33,9 +31,7 @@ def layer_windows(config: Any) -> list[int | None]:
             window = None
         return [window] * num_layers
     if len(layer_types) != num_layers:
-        raise ValueError(
-            f"config.layer_types has {len(layer_types)} entries for {num_layers} layers; fix the config"
-        )
+        raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers; fix the config")
     windows: list[int | None] = []
     for layer_idx, layer_type in enumerate(layer_types):
         if layer_type == FULL_ATTENTION:
