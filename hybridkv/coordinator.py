@@ -24,7 +24,7 @@ class CacheHit:
 
 @dataclass
 class KVCacheStats:
-    """Counters since the coordinator was built; blocks_in_use_per_group counts real blocks."""
+    """Counters since the coordinator was built; blocks_in_use_per_group counts distinct real blocks."""
 
     num_blocks: int
     num_free_blocks: int
@@ -68,14 +68,16 @@ class KVCacheCoordinator:
         self.prefix_cache_hits = 0
 
     def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
-        """The longest block-aligned prefix of the prompt cached in every group.
+        """The longest block-aligned prefix of the request's tokens cached in every group.
 
-        Never covers the prompt's last token: it must be computed to produce logits. Iterates to a
-        fixed point, since a shorter hit in one group can move a sliding group's hit.
+        Called before a request's first allocation (new, or back after preemption, when its known
+        tokens include its outputs). Never covers the last token: it must be computed to produce
+        logits. Iterates to a fixed point, since a shorter hit in one group can move a sliding
+        group's hit.
         """
         if not self.enable_caching:
             return CacheHit([[] for _ in self.managers], 0)
-        max_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(request.block_hashes))
+        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
         settled = False
         while not settled and max_blocks > 0:
@@ -90,7 +92,7 @@ class KVCacheCoordinator:
             hits = [[] for _ in self.managers]
         for hit in hits:
             del hit[max_blocks:]
-        self.prefix_cache_queries += request.num_prompt_tokens
+        self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += max_blocks * self.block_size
         return CacheHit(hits, max_blocks * self.block_size)
 
@@ -147,7 +149,10 @@ class KVCacheCoordinator:
         ]
 
     def stats(self) -> KVCacheStats:
-        per_group = [sum(m.num_real_blocks(request_id) for request_id in m.req_to_blocks) for m in self.managers]
+        per_group = [
+            len({b.block_id for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null})
+            for m in self.managers
+        ]
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,
@@ -195,10 +200,15 @@ class KVCacheCoordinator:
                         assert block.block_hash == own_hash, (
                             f"{block} at position {i} of {request_id} carries another chain's hash"
                         )
+                first_needed = manager.first_needed_block(request.num_computed_tokens)
+                computed_blocks = -(-request.num_computed_tokens // self.block_size)
+                assert len(blocks) >= computed_blocks, f"{request_id} lost blocks of computed tokens"
+                assert not any(b.is_null for b in blocks[first_needed:]), (
+                    f"{request_id} has a null block where group {manager.group_id} still attends"
+                )
                 if isinstance(manager, SlidingWindowManager):
                     bound = manager.num_window_blocks + 1
                     held = manager.num_real_blocks(request_id)
-                    computed_blocks = -(-request.num_computed_tokens // self.block_size)
                     chunk_blocks = max(0, len(blocks) - computed_blocks)
                     assert held <= bound + chunk_blocks, (
                         f"{request_id} holds {held} real blocks in sliding group {manager.group_id}, "

@@ -1,0 +1,33 @@
+"""Builders shared by the memory-manager tests."""
+
+from __future__ import annotations
+
+from hybridkv.coordinator import KVCacheCoordinator
+from hybridkv.grouping import group_layers
+from hybridkv.kv_spec import LayerSpec
+from hybridkv.request import KVRequest
+
+
+def specs(windows: list[int | None]) -> list[LayerSpec]:
+    """One layer per entry: None = full attention, W = sliding window W."""
+    return [LayerSpec(i, w, num_kv_heads=2, head_dim=8, dtype_bytes=2) for i, w in enumerate(windows)]
+
+
+def make_coordinator(
+    windows: list[int | None], num_blocks: int, block_size: int = 4, enable_caching: bool = True
+) -> KVCacheCoordinator:
+    return KVCacheCoordinator(group_layers(specs(windows), block_size), num_blocks, enable_caching)
+
+
+def run_prefill(coordinator: KVCacheCoordinator, request: KVRequest) -> bool:
+    """Look up the cache, allocate the whole rest of the prompt and mark it computed, as one step."""
+    hit = coordinator.find_longest_cache_hit(request)
+    if not coordinator.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
+        return False
+    request.num_computed_tokens = request.num_tokens
+    coordinator.update_computed(request)
+    return True
+
+
+def free_order(coordinator: KVCacheCoordinator) -> list[int]:
+    return [b.block_id for b in coordinator.pool.free_queue]

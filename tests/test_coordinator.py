@@ -1,0 +1,170 @@
+from hybridkv.request import KVRequest
+
+from alloc_helpers import free_order, make_coordinator, run_prefill
+
+BS = 4
+
+
+def request(request_id, tokens, salt=None):
+    return KVRequest(request_id, tokens, BS, cache_salt=salt)
+
+
+def ref_counts(coordinator):
+    return [b.ref_cnt for b in coordinator.pool.blocks]
+
+
+def test_second_request_sharing_three_full_blocks_hits_exactly_three():
+    coordinator = make_coordinator([None], num_blocks=16)
+    a = request("a", list(range(14)))  # 3 full blocks + 2 tokens
+    assert run_prefill(coordinator, a)
+    b = request("b", list(range(12)) + [99, 98, 97, 96, 95])
+    hit = coordinator.find_longest_cache_hit(b)
+    assert hit.num_tokens == 12
+    assert coordinator.allocate_slots(b, b.num_tokens - 12, hit)
+    shared = coordinator.block_ids("a")[0][:3]
+    assert coordinator.block_ids("b")[0][:3] == shared
+    assert [coordinator.pool.blocks[i].ref_cnt for i in shared] == [2, 2, 2]
+    coordinator.check_integrity({"a": a, "b": b})
+
+
+def test_hit_never_covers_the_last_prompt_token():
+    coordinator = make_coordinator([None], num_blocks=16)
+    assert run_prefill(coordinator, request("a", list(range(12))))
+    assert coordinator.find_longest_cache_hit(request("b", list(range(12)))).num_tokens == 8
+    assert coordinator.find_longest_cache_hit(request("c", list(range(13)))).num_tokens == 12
+
+
+def test_eviction_order_is_deepest_block_first_then_least_recently_freed():
+    coordinator = make_coordinator([None], num_blocks=10)
+    a, b = request("a", list(range(12))), request("b", list(range(100, 112)))
+    assert run_prefill(coordinator, a) and run_prefill(coordinator, b)  # a: 1,2,3  b: 4,5,6
+    coordinator.free("a")
+    coordinator.free("b")
+    assert free_order(coordinator) == [7, 8, 9, 3, 2, 1, 6, 5, 4]
+    c = request("c", list(range(200, 220)))  # 5 blocks: 3 never-used ones, then a's deepest two
+    assert run_prefill(coordinator, c)
+    assert coordinator.block_ids("c")[0] == [7, 8, 9, 3, 2]
+    assert coordinator.pool.num_evictions == 2
+    assert coordinator.find_longest_cache_hit(request("a2", list(range(12)) + [1])).num_tokens == 4
+    assert coordinator.find_longest_cache_hit(request("b2", list(range(100, 112)) + [1])).num_tokens == 12
+
+
+def test_hit_on_a_free_block_never_evicts_that_block():
+    coordinator = make_coordinator([None], num_blocks=3)  # blocks 1 and 2
+    a, c = request("a", list(range(4))), request("c", list(range(50, 54)))
+    assert run_prefill(coordinator, a) and run_prefill(coordinator, c)
+    coordinator.free("a")
+    coordinator.free("c")
+    assert free_order(coordinator) == [1, 2]  # a's block is at the head: next to be evicted
+    b = request("b", list(range(4)) + [7, 7])
+    hit = coordinator.find_longest_cache_hit(b)
+    assert [blk.block_id for blk in hit.blocks[0]] == [1]
+    assert coordinator.allocate_slots(b, 2, hit)
+    assert coordinator.block_ids("b")[0] == [1, 2]
+    assert coordinator.pool.blocks[1].block_hash == a.block_hashes[0]
+    assert coordinator.pool.num_evictions == 1  # c's block, not a's
+
+
+def test_failed_allocation_changes_nothing():
+    coordinator = make_coordinator([None, 9], num_blocks=12)
+    a = request("a", list(range(16)))
+    assert run_prefill(coordinator, a)
+    coordinator.free("a")
+    refs, order = ref_counts(coordinator), free_order(coordinator)
+    b = request("b", list(range(16)) + list(range(500, 540)))  # hits 4 blocks, needs far more
+    hit = coordinator.find_longest_cache_hit(b)
+    assert hit.num_tokens == 16
+    assert not coordinator.allocate_slots(b, b.num_tokens - 16, hit)
+    assert ref_counts(coordinator) == refs
+    assert free_order(coordinator) == order
+    assert coordinator.block_ids("b") == [[], []]
+    coordinator.check_integrity()
+
+
+def test_cache_salt_isolates_requests():
+    coordinator = make_coordinator([None], num_blocks=16)
+    assert run_prefill(coordinator, request("a", list(range(13)), salt="alice"))
+    assert coordinator.find_longest_cache_hit(request("b", list(range(13)), salt="bob")).num_tokens == 0
+    assert coordinator.find_longest_cache_hit(request("c", list(range(13)))).num_tokens == 0
+    assert coordinator.find_longest_cache_hit(request("d", list(range(13)), salt="alice")).num_tokens == 12
+
+
+def test_evicting_one_sliding_block_shortens_the_common_hit_exactly():
+    # full + sliding + sliding, W = 9: a hit at p needs the 2 blocks before p in each sliding group.
+    coordinator = make_coordinator([None, 9, 9], num_blocks=19)
+    a = request("a", list(range(24)))
+    assert run_prefill(coordinator, a)
+    coordinator.free("a")
+    b = request("b", list(range(16)) + [77])
+    assert coordinator.find_longest_cache_hit(b).num_tokens == 16
+    # Group 1 returned its out-of-window blocks first (deepest first), so the least recently used
+    # free block is group 1's block at position 3. One allocation evicts exactly that block.
+    head = next(iter(coordinator.pool.free_queue))
+    assert (head.block_hash, head.hash_group) == (a.block_hashes[3], 1)
+    (evicted,) = coordinator.pool.get_new_blocks(1)
+    assert evicted is head and evicted.block_hash is None
+    coordinator.pool.free_blocks([evicted])
+    assert coordinator.pool.num_evictions == 1
+    hit = coordinator.find_longest_cache_hit(b)
+    # Group 1 now lacks position 3, so its longest hit ends at 3 blocks (positions 1, 2);
+    # group 2 accepts 3 too (positions 1, 2), and full attention any prefix.
+    assert hit.num_tokens == 12
+    assert ["".join("n" if blk.is_null else "b" for blk in group) for group in hit.blocks] == ["bbb", "nbb", "nbb"]
+
+
+def test_sliding_group_is_charged_for_window_and_chunk_only():
+    coordinator = make_coordinator([9], num_blocks=40)
+    long_prompt = request("a", list(range(160)))
+    assert coordinator.allocate_slots(long_prompt, 32)
+    long_prompt.num_computed_tokens = 32
+    coordinator.update_computed(long_prompt)
+    # A query at 32 sees keys from 24: positions 6 and 7 stay, 0..5 went back to the pool.
+    assert coordinator.pool.num_used_blocks == 2
+    assert coordinator.allocate_slots(long_prompt, 8)  # the chunk 32..39: positions 8, 9
+    assert coordinator.pool.num_used_blocks == 4
+    long_prompt.num_computed_tokens = 40
+    coordinator.update_computed(long_prompt)
+    assert coordinator.pool.num_used_blocks == 2
+    coordinator.check_integrity({"a": long_prompt})
+
+
+def test_stats_count_queries_hits_and_blocks_per_group():
+    coordinator = make_coordinator([None, 9], num_blocks=40)
+    a = request("a", list(range(24)))
+    assert run_prefill(coordinator, a)
+    b = request("b", list(range(20)) + [1, 2, 3])
+    assert run_prefill(coordinator, b)
+    stats = coordinator.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (24 + 23, 20)
+    # Full group: a's 6 blocks + b's 1 new (5 shared). Sliding group: a keeps positions 4, 5; b took
+    # a's freed position 3 and shared position 4 as its hit, and added position 5.
+    assert stats.blocks_in_use_per_group == [7, 4]
+    assert stats.blocks_in_use == 11
+    assert stats.num_free_blocks == 40 - 1 - stats.blocks_in_use
+
+
+def test_common_prefix_blocks_count_blocks_every_running_request_holds():
+    coordinator = make_coordinator([None, 9], num_blocks=40)
+    a = request("a", list(range(20)))
+    b = request("b", list(range(12)) + [50] * 8)
+    assert run_prefill(coordinator, a) and run_prefill(coordinator, b)
+    assert coordinator.num_common_prefix_blocks("b", 2) == [3, 0]
+    assert coordinator.num_common_prefix_blocks("b", 3) == [0, 0]
+
+
+def test_no_hits_when_caching_is_off():
+    coordinator = make_coordinator([None], num_blocks=16, enable_caching=False)
+    assert run_prefill(coordinator, request("a", list(range(13))))
+    coordinator.free("a")
+    assert coordinator.find_longest_cache_hit(request("b", list(range(13)))).num_tokens == 0
+    assert all(b.block_hash is None for b in coordinator.pool.blocks)
+
+
+def test_free_returns_every_block_of_every_group():
+    coordinator = make_coordinator([None, 9, 9], num_blocks=40)
+    a = request("a", list(range(30)))
+    assert run_prefill(coordinator, a)
+    coordinator.free("a")
+    assert coordinator.pool.num_used_blocks == 0
+    assert coordinator.block_ids("a") == [[], [], []]
+    coordinator.check_integrity()
