@@ -113,9 +113,13 @@ class KVCacheCoordinator:
             num_needed += manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
         if num_needed > self.pool.num_free_blocks:
             return False
-        for manager in self.managers:
-            if hit is not None:
+        # Every group takes its hit before any group pops new blocks: a free hit block of one
+        # group may sit at the head of the free queue, where another group's allocation would
+        # evict it.
+        if hit is not None:
+            for manager in self.managers:
                 manager.take_hit_blocks(request_id, hit.blocks[manager.group_id])
+        for manager in self.managers:
             manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
 

@@ -168,3 +168,19 @@ def test_free_returns_every_block_of_every_group():
     assert coordinator.pool.num_used_blocks == 0
     assert coordinator.block_ids("a") == [[], [], []]
     coordinator.check_integrity()
+
+
+def test_free_hit_block_of_a_sliding_group_is_not_evicted_by_the_full_groups_allocation():
+    coordinator = make_coordinator([None, 5], num_blocks=7)  # blocks 1..6
+    a = request("a", list(range(12)))
+    assert run_prefill(coordinator, a)  # full [1, 2, 3], sliding [4, 5, 6] then positions 0, 1 freed
+    coordinator.free("a")
+    assert free_order(coordinator) == [5, 4, 3, 2, 1, 6]  # the sliding group's hit block 5 leads
+    b = request("b", list(range(8)) + [40])
+    hit = coordinator.find_longest_cache_hit(b)
+    assert [[blk.block_id for blk in group] for group in hit.blocks] == [[1, 2], [0, 5]]
+    assert coordinator.allocate_slots(b, 1, hit)
+    assert coordinator.block_ids("b") == [[1, 2, 4], [0, 5, 3]]
+    assert coordinator.pool.blocks[5].block_hash == a.block_hashes[1]
+    b.num_computed_tokens = hit.num_tokens
+    coordinator.check_integrity({"b": b})

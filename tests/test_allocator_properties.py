@@ -1,0 +1,171 @@
+"""Stateful property tests: random engine-like use of the coordinator on tiny pools.
+
+Besides check_integrity() after every rule, the machine keeps a shadow of what each physical
+block holds: writing token t of a request into a block records (group, cache salt, tokens[:t+1]),
+the full context that K/V at t depends on. Then, for every block a request attends to (computed
+ones, hit ones included), the shadow must be exactly that request's context, and every hashed block
+must hold the tokens its hash was made from.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hybridkv.request import KVRequest
+
+from alloc_helpers import make_coordinator
+
+PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9, 9, 9), tuple(range(10, 30))]
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    windows: tuple[int | None, ...] = (None,)
+    block_size = 2
+    num_blocks = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coordinator = make_coordinator(list(self.windows), self.num_blocks, self.block_size)
+        self.requests: dict[str, KVRequest] = {}
+        self.holding: set[str] = set()
+        self.hash_source: dict[bytes, tuple] = {}
+        self.written: dict[int, dict[int, tuple]] = {}
+        self.next_id = 0
+
+    def pick(self, index: int) -> KVRequest:
+        return self.requests[sorted(self.requests)[index % len(self.requests)]]
+
+    def record_hashes(self, request: KVRequest) -> None:
+        bs = self.block_size
+        for i, block_hash in enumerate(request.block_hashes):
+            source = (request.cache_salt, tuple(request.token_ids[: (i + 1) * bs]))
+            assert self.hash_source.setdefault(block_hash, source) == source, "hash collision"
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 5), min_size=1, max_size=10),
+        salt=st.sampled_from([None, None, "tenant"]),
+    )
+    def add_request(self, prefix, suffix, salt):
+        request = KVRequest(f"r{self.next_id}", list(prefix) + suffix, self.block_size, cache_salt=salt)
+        self.next_id += 1
+        self.requests[request.request_id] = request
+        self.record_hashes(request)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 100), chunk=st.integers(1, 12), sampled=st.integers(0, 5))
+    def step(self, index, chunk, sampled):
+        request = self.pick(index)
+        coordinator = self.coordinator
+        if request.request_id not in self.holding:
+            hit = coordinator.find_longest_cache_hit(request)
+            num_new = min(chunk, request.num_tokens - hit.num_tokens)
+            if not coordinator.allocate_slots(request, num_new, hit):
+                assert coordinator.block_ids(request.request_id) == [[] for _ in coordinator.managers]
+                return
+            self.holding.add(request.request_id)
+            request.num_computed_tokens = hit.num_tokens
+        else:
+            num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+            if not coordinator.allocate_slots(request, num_new):
+                return
+        self.write_kv(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_token_ids([sampled])
+            self.record_hashes(request)
+        coordinator.update_computed(request)
+
+    def write_kv(self, request: KVRequest, start: int, end: int) -> None:
+        for group_id, block_ids in enumerate(self.coordinator.block_ids(request.request_id)):
+            for t in range(start, end):
+                block_id = block_ids[t // self.block_size]
+                assert block_id != 0, "a token of the chunk has no real block"
+                contents = (group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
+                self.written.setdefault(block_id, {})[t % self.block_size] = contents
+
+    @precondition(lambda self: self.holding)
+    @rule(index=st.integers(0, 100))
+    def preempt(self, index):
+        request = self.requests[sorted(self.holding)[index % len(self.holding)]]
+        self.coordinator.free(request.request_id)
+        self.holding.discard(request.request_id)
+        request.num_computed_tokens = 0
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 100))
+    def finish_or_abort(self, index):
+        request = self.pick(index)
+        self.coordinator.free(request.request_id)
+        self.holding.discard(request.request_id)
+        del self.requests[request.request_id]
+
+    @invariant()
+    def memory_manager_is_consistent(self):
+        self.coordinator.check_integrity(self.requests)
+
+    @invariant()
+    def hashed_blocks_hold_the_tokens_of_their_hash(self):
+        bs = self.block_size
+        for group_id, cached in enumerate(self.coordinator.pool.cached):
+            for block_hash, block in cached.items():
+                salt, tokens = self.hash_source[block_hash]
+                start = len(tokens) - bs
+                expected = {o: (group_id, salt, tokens[: start + o + 1]) for o in range(bs)}
+                assert self.written[block.block_id] == expected, f"{block} holds other tokens than its hash"
+
+    @invariant()
+    def attended_blocks_hold_the_requests_own_context(self):
+        bs = self.block_size
+        for request_id in self.holding:
+            request = self.requests[request_id]
+            for manager, block_ids in zip(
+                self.coordinator.managers, self.coordinator.block_ids(request_id), strict=True
+            ):
+                first = manager.first_needed_block(request.num_computed_tokens) * bs
+                for t in range(first, request.num_computed_tokens):
+                    expected = (manager.group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
+                    assert self.written[block_ids[t // bs]][t % bs] == expected, (
+                        f"{request_id} position {t} in group {manager.group_id} reads another request's KV"
+                    )
+
+    def teardown(self):
+        for request_id in list(self.requests):
+            self.coordinator.free(request_id)
+        assert self.coordinator.pool.num_used_blocks == 0
+        self.coordinator.check_integrity()
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class FullAttentionOnly(AllocatorMachine):
+    windows = (None,)
+
+
+class SlidingWindowOnly(AllocatorMachine):
+    windows = (5,)
+    num_blocks = 10
+
+
+class Hybrid(AllocatorMachine):
+    windows = (None, 5, 7, 5)
+    num_blocks = 24
+
+
+class HybridLargerBlocks(AllocatorMachine):
+    windows = (3, None, 3, 3)
+    block_size = 4
+    num_blocks = 16
+
+
+TestFullAttentionOnly = FullAttentionOnly.TestCase
+TestSlidingWindowOnly = SlidingWindowOnly.TestCase
+TestHybrid = Hybrid.TestCase
+TestHybridLargerBlocks = HybridLargerBlocks.TestCase
+for case in (TestFullAttentionOnly, TestSlidingWindowOnly, TestHybrid, TestHybridLargerBlocks):
+    case.settings = MACHINE_SETTINGS
