@@ -96,14 +96,24 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free_blocks += 1
 
-    def appendleft(self, block: KVBlock) -> None:
-        """Put a block at the head: reused first."""
-        first = self._head.next_free
-        first.prev_free = block
-        block.next_free = first
-        block.prev_free = self._head
-        self._head.next_free = block
-        self.num_free_blocks += 1
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Link blocks that just reached ref count 0, in order: hashed ones at the tail (kept for
+        hits, least recently used first), unhashed ones at the head (reused first)."""
+        head, tail = self._head, self._tail
+        for block in blocks:
+            if block.block_hash is None:
+                first = head.next_free
+                first.prev_free = block
+                block.next_free = first
+                block.prev_free = head
+                head.next_free = block
+            else:
+                last = tail.prev_free
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = tail
+                tail.prev_free = block
+        self.num_free_blocks += len(blocks)
 
     def _unlink(self, block: KVBlock) -> None:
         block.prev_free.next_free = block.next_free
@@ -154,9 +164,16 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
         blocks = self.free_queue.popleft_n(n)
+        cached = self.cached
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                group_map = cached[block.hash_group]
+                if group_map.get(block_hash) is block:
+                    del group_map[block_hash]
+                block.block_hash = None
+                block.hash_group = -1
+                self.num_evictions += 1
             block.ref_cnt = 1
         return blocks
 
@@ -170,16 +187,18 @@ class BlockPool:
                 queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: bytes, group_id: int) -> None:
-        """Register a full block under its hash, unless the map already has a block for it."""
-        if block.block_hash is not None or not self.enable_caching:
+    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes], group_id: int) -> None:
+        """Register full blocks under their hashes (pairwise). Null blocks, blocks that already
+        carry a hash and hashes the map already holds (another block has those tokens) are skipped."""
+        if not self.enable_caching:
             return
         group_map = self.cached[group_id]
-        if block_hash in group_map:
-            return
-        group_map[block_hash] = block
-        block.block_hash = block_hash
-        block.hash_group = group_id
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+                continue
+            if group_map.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                block.hash_group = group_id
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each, in the given order (callers pass a request's blocks tail-first).
@@ -187,24 +206,14 @@ class BlockPool:
         A block reaching ref count 0 joins the tail if it carries a hash (still a cache hit until
         evicted) and the head if not (nothing to keep, so it is reused before any cached block).
         """
-        queue = self.free_queue
+        released = []
         for block in ordered_blocks:
             if block.block_id == NULL_BLOCK_ID:
                 continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    queue.appendleft(block)
-                else:
-                    queue.append(block)
-
-    def _evict(self, block: KVBlock) -> None:
-        group_map = self.cached[block.hash_group]
-        if group_map.get(block.block_hash) is block:
-            del group_map[block.block_hash]
-        block.block_hash = None
-        block.hash_group = -1
-        self.num_evictions += 1
+                released.append(block)
+        self.free_queue.release(released)
 
     def check_integrity(self) -> None:
         """Assert the pool's own accounting: every block is exactly one of null / free / used."""

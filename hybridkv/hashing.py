@@ -50,9 +50,14 @@ def hash_full_blocks(
         return []
     data = token_bytes(token_ids[start_block * block_size : num_full_blocks * block_size])
     step = block_size * 4
-    suffix = _EXTRA_KEYS_SEPARATOR + extra_keys if extra_keys else b""
     hashes = []
-    for offset in range(0, len(data), step):
-        parent_hash = sha256(parent_hash + data[offset : offset + step] + suffix).digest()
-        hashes.append(parent_hash)
+    if extra_keys:
+        suffix = _EXTRA_KEYS_SEPARATOR + extra_keys
+        for offset in range(0, len(data), step):
+            parent_hash = sha256(parent_hash + data[offset : offset + step] + suffix).digest()
+            hashes.append(parent_hash)
+    else:
+        for offset in range(0, len(data), step):
+            parent_hash = sha256(parent_hash + data[offset : offset + step]).digest()
+            hashes.append(parent_hash)
     return hashes

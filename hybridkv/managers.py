@@ -88,11 +88,7 @@ class SingleTypeManager(ABC):
         if num_full_blocks <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        pool, group_id = self.pool, self.group_id
-        for i in range(start, num_full_blocks):
-            block = blocks[i]
-            if not block.is_null:
-                pool.cache_block(block, block_hashes[i], group_id)
+        self.pool.cache_blocks(blocks[start:num_full_blocks], block_hashes[start:num_full_blocks], self.group_id)
         self.num_cached_blocks[request_id] = num_full_blocks
 
     @abstractmethod

@@ -15,19 +15,23 @@ def test_free_queue_starts_in_id_order_and_pops_from_the_head():
     assert len(queue) == 2
 
 
-def test_free_queue_removes_from_the_middle_and_appends_at_both_ends():
+def test_free_queue_removes_from_the_middle_and_appends_at_the_tail():
     blocks = [KVBlock(i) for i in range(1, 6)]
     queue = FreeBlockQueue(blocks)
     queue.remove(blocks[2])
     assert ids(queue) == [1, 2, 4, 5]
     queue.append(blocks[2])
     assert ids(queue) == [1, 2, 4, 5, 3]
-    queue.remove(blocks[0])
-    queue.appendleft(blocks[0])
-    assert ids(queue) == [1, 2, 4, 5, 3]
-    queue.remove(blocks[4])
-    queue.appendleft(blocks[4])
-    assert ids(queue) == [5, 1, 2, 4, 3]
+    assert len(queue) == 5
+
+
+def test_free_queue_release_puts_hashed_blocks_at_the_tail_and_others_at_the_head():
+    blocks = [KVBlock(i) for i in range(1, 6)]
+    queue = FreeBlockQueue(blocks[:2])
+    blocks[2].block_hash = b"x"
+    blocks[4].block_hash = b"y"
+    queue.release(blocks[2:])
+    assert ids(queue) == [4, 1, 2, 3, 5]
     assert len(queue) == 5
 
 
@@ -61,8 +65,8 @@ def test_pool_needs_a_block_besides_the_null_block():
 def test_freed_hashed_blocks_join_the_tail_and_unhashed_ones_the_head():
     pool = BlockPool(num_blocks=7, num_groups=1)
     blocks = pool.get_new_blocks(3)  # ids 1, 2, 3; free queue [4, 5, 6]
-    pool.cache_block(blocks[0], b"h1", 0)
-    pool.cache_block(blocks[1], b"h2", 0)
+    pool.cache_blocks([blocks[0]], [b"h1"], 0)
+    pool.cache_blocks([blocks[1]], [b"h2"], 0)
     pool.free_blocks(reversed(blocks))  # tail-first: 3 (no hash), 2, 1
     assert ids(pool.free_queue) == [3, 4, 5, 6, 2, 1]
     pool.check_integrity()
@@ -71,7 +75,7 @@ def test_freed_hashed_blocks_join_the_tail_and_unhashed_ones_the_head():
 def test_reused_block_loses_its_hash_at_allocation():
     pool = BlockPool(num_blocks=2, num_groups=1)
     (block,) = pool.get_new_blocks(1)
-    pool.cache_block(block, b"h", 0)
+    pool.cache_blocks([block], [b"h"], 0)
     pool.free_blocks([block])
     assert pool.get_cached_block(b"h", 0) is block
     (again,) = pool.get_new_blocks(1)
@@ -83,8 +87,8 @@ def test_reused_block_loses_its_hash_at_allocation():
 def test_second_block_with_a_cached_hash_is_not_registered():
     pool = BlockPool(num_blocks=3, num_groups=1)
     first, second = pool.get_new_blocks(2)
-    pool.cache_block(first, b"h", 0)
-    pool.cache_block(second, b"h", 0)
+    pool.cache_blocks([first], [b"h"], 0)
+    pool.cache_blocks([second], [b"h"], 0)
     assert pool.get_cached_block(b"h", 0) is first
     assert second.block_hash is None
 
@@ -92,8 +96,8 @@ def test_second_block_with_a_cached_hash_is_not_registered():
 def test_hash_maps_are_per_group():
     pool = BlockPool(num_blocks=3, num_groups=2)
     a, b = pool.get_new_blocks(2)
-    pool.cache_block(a, b"h", 0)
-    pool.cache_block(b, b"h", 1)
+    pool.cache_blocks([a], [b"h"], 0)
+    pool.cache_blocks([b], [b"h"], 1)
     assert pool.get_cached_block(b"h", 0) is a
     assert pool.get_cached_block(b"h", 1) is b
 
@@ -101,7 +105,7 @@ def test_hash_maps_are_per_group():
 def test_touch_takes_a_free_block_out_of_the_queue():
     pool = BlockPool(num_blocks=4, num_groups=1)
     blocks = pool.get_new_blocks(3)
-    pool.cache_block(blocks[1], b"h", 0)
+    pool.cache_blocks([blocks[1]], [b"h"], 0)
     pool.free_blocks([blocks[1]])
     assert pool.num_free_blocks == 1
     pool.touch([blocks[1]])

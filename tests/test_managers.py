@@ -12,7 +12,7 @@ def cached_pattern(manager, pattern: str) -> list[bytes]:
     pool = manager.pool
     blocks = pool.get_new_blocks(pattern.count("1"))
     for block, i in zip(blocks, [i for i, c in enumerate(pattern) if c == "1"], strict=True):
-        pool.cache_block(block, hashes[i], manager.group_id)
+        pool.cache_blocks([block], [hashes[i]], manager.group_id)
     pool.free_blocks(blocks)
     return hashes
 
