@@ -92,16 +92,14 @@ class KVCacheCoordinator:
             hits = [[] for _ in self.managers]
         for hit in hits:
             del hit[max_blocks:]
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += max_blocks * self.block_size
         return CacheHit(hits, max_blocks * self.block_size)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
 
-        On success the hit's blocks are taken and the request's num_computed_tokens is NOT
-        changed (the caller advances it after computing). On failure nothing changes: no ref
-        count, no free block, no block list.
+        On success the hit's blocks are taken (and counted in the prefix-cache stats) and the
+        request's num_computed_tokens is NOT changed (the caller advances it). On failure nothing
+        changes: no ref count, no free block, no block list, no stat.
         """
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
@@ -119,6 +117,9 @@ class KVCacheCoordinator:
         if hit is not None:
             for manager in self.managers:
                 manager.take_hit_blocks(request_id, hit.blocks[manager.group_id])
+            if self.enable_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += hit.num_tokens
         for manager in self.managers:
             manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
@@ -140,6 +141,12 @@ class KVCacheCoordinator:
         """Return every block the request holds, in every group."""
         for manager in self.managers:
             manager.free(request_id)
+
+    def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of num_tokens tokens, computed in chunks of at most
+        max_chunk_tokens, holds at once: a sliding group never holds more than its window + 1
+        blocks plus the chunk being computed."""
+        return sum(m.max_blocks_held(num_tokens, max_chunk_tokens) for m in self.managers)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (null block = 0)."""

@@ -1,10 +1,12 @@
-"""The KV-cache view of a request: its tokens, how many are computed, and its block hashes."""
+"""Requests: the memory manager's view (KVRequest) and the scheduler's (Request)."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 from hybridkv.hashing import hash_full_blocks, root_hash
+from hybridkv.sampling_params import SamplingParams
 
 
 class KVRequest:
@@ -68,3 +70,47 @@ class KVRequest:
             f"KVRequest({self.request_id!r}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, hashed_blocks={len(self.block_hashes)})"
         )
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+class Request(KVRequest):
+    """A request as the scheduler and engine see it: KV state plus how to generate and when to stop."""
+
+    __slots__ = ("error", "num_preemptions", "params", "status")
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        block_size: int | None,
+    ) -> None:
+        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt)
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.error: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        self.status = status
+        self.error = error
