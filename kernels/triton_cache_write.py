@@ -31,13 +31,13 @@ def write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # Padding tokens (slot -1) store nothing: every lane is masked off.
-    block_id = tl.maximum(slot, 0) // BLOCK_SIZE
-    offset = tl.maximum(slot, 0) % BLOCK_SIZE
     heads = tl.arange(0, NUM_KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
-    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :] & (slot >= 0)
+    # The token's slot, broadcast over heads; padding tokens (slot -1) store nothing: every lane is off.
+    slot = tl.load(slot_mapping_ptr + token + heads * 0).to(tl.int64)
+    block_id = (tl.maximum(slot, 0) // BLOCK_SIZE)[:, None]
+    offset = (tl.maximum(slot, 0) % BLOCK_SIZE)[:, None]
+    mask = ((heads < NUM_KV_HEADS) & (slot >= 0))[:, None] & (dims < HEAD_DIM)[None, :]
 
     token_offset = token.to(tl.int64)
     key = tl.load(

@@ -12,7 +12,6 @@ import random
 from dataclasses import dataclass
 
 import torch
-
 from hybridkv.kernels import PagedAttentionMetadata
 
 
