@@ -75,13 +75,20 @@ def torch_paged_attention(
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     plan = metadata.torch_plan(sliding_window)
     num_tokens, num_q_heads, head_dim = query.shape
+    num_query_tokens = metadata.num_query_tokens
     num_kv_heads = key_cache.shape[1]
     group = num_q_heads // num_kv_heads
     keys = _gather_heads(key_cache, plan.gather_block_ids, "key")
     values = _gather_heads(value_cache, plan.gather_block_ids, "value")
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
-    out[metadata.num_query_tokens :] = 0
+    # Once per layer, not per sequence: fp32, pre-scaled, laid out [kv_head, token, group, dim] so that
+    # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
+    grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
+    rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
+    rows.copy_(query[:num_query_tokens].view(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
+    rows.mul_(scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    out[num_query_tokens:] = 0
     for seq in plan.sequences:
         seq_keys = keys[:, seq.key_start : seq.key_end]
         seq_values = values[:, seq.key_start : seq.key_end]
@@ -91,9 +98,7 @@ def torch_paged_attention(
             hidden = None
             if seq.hidden is not None:
                 hidden = seq.hidden[start - seq.query_start : end - seq.query_start]
-            _attend(
-                query[start:end], seq_keys, seq_values, out[start:end], scale, softcap, sink_logits, hidden
-            )
+            _attend(rows[:, start:end], seq_keys, seq_values, out[start:end], softcap, sink_logits, hidden)
     return out
 
 
@@ -112,22 +117,18 @@ def _gather_heads(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> to
 
 
 def _attend(
-    query: torch.Tensor,
+    rows: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     out: torch.Tensor,
-    scale: float,
     softcap: float | None,
     sink_logits: torch.Tensor | None,
     hidden: torch.Tensor | None,
 ) -> None:
-    num_queries, num_q_heads, head_dim = query.shape
-    num_kv_heads, num_keys, _ = keys.shape
-    group = num_q_heads // num_kv_heads
-    # Row (token j, head g) of kv head h: the whole group of q heads shares one bmm against its keys.
-    rows = query.reshape(num_queries, num_kv_heads, group, head_dim).transpose(0, 1)
-    rows = rows.reshape(num_kv_heads, num_queries * group, head_dim).float()
-    scores = torch.bmm(rows, keys.transpose(1, 2)).mul_(scale)
+    """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]``, into ``out``."""
+    num_kv_heads, num_queries, group, head_dim = rows.shape
+    num_keys = keys.shape[1]
+    scores = torch.bmm(rows.view(num_kv_heads, num_queries * group, head_dim), keys.transpose(1, 2))
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
     scores = scores.view(num_kv_heads, num_queries, group, num_keys)
@@ -138,6 +139,11 @@ def _attend(
     else:
         log_denominator = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink_logits)
         probs = scores.sub_(log_denominator).exp_()
-    out_rows = torch.bmm(probs.view(num_kv_heads, num_queries * group, num_keys), values)
-    out_rows = out_rows.view(num_kv_heads, num_queries, group, head_dim).transpose(0, 1)
-    out.view(num_queries, num_kv_heads, group, head_dim).copy_(out_rows)
+    probs = probs.view(num_kv_heads, num_queries * group, num_keys)
+    if num_queries == 1 and out.dtype == torch.float32:
+        # A decode row's [kv_heads, group, dim] is its [q_heads, dim]: bmm writes it in place (a strided
+        # out= would make bmm loop over the batch, measured 3x slower).
+        torch.bmm(probs, values, out=out.view(num_kv_heads, group, head_dim))
+        return
+    result = torch.bmm(probs, values).view(num_kv_heads, num_queries, group, head_dim)
+    out.view(num_queries, num_kv_heads, group, head_dim).copy_(result.transpose(0, 1))
