@@ -38,7 +38,7 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
     num_blocks = sum(blocks_per_seq) + 1
     block_ids = list(range(1, num_blocks))
     rng.shuffle(block_ids)
-    shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
     block_table = []
@@ -54,10 +54,10 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
     for seq, (seq_len, row) in enumerate(zip(seq_lens, block_table, strict=True)):
         ids = torch.tensor(row)
         dense_keys[seq, :, :seq_len] = (
-            key_cache[ids].transpose(0, 1).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :seq_len]
+            key_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
         )
         dense_values[seq, :, :seq_len] = (
-            value_cache[ids].transpose(0, 1).reshape(NUM_KV_HEADS, -1, HEAD_DIM)[:, :seq_len]
+            value_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
         )
     return SimpleNamespace(
         query=query,
@@ -66,9 +66,9 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
         metadata=metadata,
         dense_keys=dense_keys,
         dense_values=dense_values,
-        # The other layout, [num_blocks, block_size, kv_heads, head_dim], for the layout comparison.
-        key_cache_nhd=key_cache.transpose(1, 2).contiguous(),
-        value_cache_nhd=value_cache.transpose(1, 2).contiguous(),
+        # The head-major layout [num_blocks, kv_heads, block_size, head_dim], for the layout comparison.
+        key_cache_hnd=key_cache.transpose(1, 2).contiguous(),
+        value_cache_hnd=value_cache.transpose(1, 2).contiguous(),
     )
 
 
@@ -105,23 +105,31 @@ def dense_rows(step, dense_out: torch.Tensor) -> torch.Tensor:
 # ---- alternatives, each a complete attention step over the same paged cache --------------------------
 
 
-def per_sequence(step, attend: Callable, fresh_gather: bool = False) -> torch.Tensor:
-    """Per-head gather of the step's blocks, then ``attend(query_rows, keys, values, hidden)`` per seq."""
+def per_sequence(
+    step, attend: Callable, head_major: bool = False, fresh_gather: bool = False
+) -> torch.Tensor:
+    """Gather the step's blocks, then ``attend(query_rows, keys, values, hidden)`` per sequence."""
     plan = step.metadata.torch_plan(None)
     out = torch.empty(step.query.shape, dtype=step.query.dtype)
+    caches = (step.key_cache_hnd, step.value_cache_hnd) if head_major else (step.key_cache, step.value_cache)
     gathered = []
-    for cache in (step.key_cache, step.value_cache):
+    for role, cache in enumerate(caches):
         if fresh_gather:
-            heads = [cache[:, head].index_select(0, plan.gather_block_ids) for head in range(NUM_KV_HEADS)]
-            gathered.append(torch.stack(heads).view(NUM_KV_HEADS, -1, HEAD_DIM))
-        else:
-            buffer = _buffers.setdefault(
-                (cache.shape, cache.dtype, plan.num_gathered_blocks),
-                torch.empty(NUM_KV_HEADS, plan.num_gathered_blocks, BLOCK_SIZE, HEAD_DIM, dtype=cache.dtype),
+            blocks = cache.index_select(0, plan.gather_block_ids)
+            gathered.append(blocks.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1))
+        elif head_major:
+            buffer = _buffer(
+                role, (NUM_KV_HEADS, plan.num_gathered_blocks, BLOCK_SIZE, HEAD_DIM), cache.dtype
             )
             for head in range(NUM_KV_HEADS):
                 torch.index_select(cache[:, head], 0, plan.gather_block_ids, out=buffer[head])
             gathered.append(buffer.view(NUM_KV_HEADS, -1, HEAD_DIM))
+        else:
+            buffer = _buffer(
+                role, (plan.num_gathered_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), cache.dtype
+            )
+            torch.index_select(cache, 0, plan.gather_block_ids, out=buffer)
+            gathered.append(buffer.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1))
     keys, values = gathered
     for seq in plan.sequences:
         rows = slice(seq.query_start, seq.query_end)
@@ -132,6 +140,10 @@ def per_sequence(step, attend: Callable, fresh_gather: bool = False) -> torch.Te
             seq.hidden,
         )
     return out
+
+
+def _buffer(role: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return _buffers.setdefault((role, shape, dtype), torch.empty(shape, dtype=dtype))
 
 
 _buffers: dict = {}
@@ -163,41 +175,6 @@ def sdpa_enable_gqa(query, keys, values, hidden):
     return out.transpose(0, 1)
 
 
-def nhd_layout_strided(step) -> torch.Tensor:
-    """Layout [blocks, block_size, kv_heads, dim]: one gather of whole blocks, bmm on strided head views."""
-    plan = step.metadata.torch_plan(None)
-    out = torch.empty(step.query.shape, dtype=step.query.dtype)
-    gathered = []
-    for cache in (step.key_cache_nhd, step.value_cache_nhd):
-        buffer = _buffers.setdefault(
-            (cache.shape, cache.dtype, plan.num_gathered_blocks),
-            torch.empty(plan.num_gathered_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=cache.dtype),
-        )
-        torch.index_select(cache, 0, plan.gather_block_ids, out=buffer)
-        gathered.append(buffer.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1))
-    keys, values = gathered
-    for seq in plan.sequences:
-        rows = slice(seq.query_start, seq.query_end)
-        query = step.query[rows]
-        num_queries = query.shape[0]
-        packed = (
-            query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM)
-            .transpose(0, 1)
-            .reshape(NUM_KV_HEADS, -1, HEAD_DIM)
-        )
-        seq_keys = keys[:, seq.key_start : seq.key_end]
-        scores = torch.bmm(packed.float(), seq_keys.transpose(1, 2).float()).mul_(SCALE)
-        if seq.hidden is not None:
-            scores.view(NUM_KV_HEADS, num_queries, GROUP, -1).masked_fill_(seq.hidden, float("-inf"))
-        result = torch.bmm(scores.softmax(-1), values[:, seq.key_start : seq.key_end].float())
-        out[rows] = (
-            result.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM)
-            .transpose(0, 1)
-            .reshape(num_queries, -1, HEAD_DIM)
-        )
-    return out
-
-
 def padded_one_sdpa(step) -> torch.Tensor:
     """One padded gather of every sequence's blocks and one SDPA with a mask."""
     metadata = step.metadata
@@ -208,9 +185,8 @@ def padded_one_sdpa(step) -> torch.Tensor:
     query, mask = dense_inputs(step, max_rows)
     gathered = [
         cache[table.flatten()]
-        .view(metadata.num_seqs, max_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+        .view(metadata.num_seqs, max_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         .transpose(1, 2)
-        .reshape(metadata.num_seqs, NUM_KV_HEADS, -1, HEAD_DIM)
         for cache in (step.key_cache, step.value_cache)
     ]
     mask = F.pad(mask, (0, gathered[0].shape[2] - mask.shape[-1]))
@@ -272,8 +248,11 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
     alternatives = {
         "per-seq SDPA, packed GQA rows": lambda: per_sequence(step, sdpa_packed_rows),
         "per-seq SDPA, enable_gqa": lambda: per_sequence(step, sdpa_enable_gqa),
-        "chosen path, fresh gather tensors": lambda: per_sequence(step, _explicit_rows, fresh_gather=True),
-        "layout [blocks, slot, heads, dim], strided": lambda: nhd_layout_strided(step),
+        "explicit bmm, gather into fresh tensors": lambda: per_sequence(
+            step, _explicit_rows, fresh_gather=True
+        ),
+        "explicit bmm, head-major layout": lambda: per_sequence(step, _explicit_rows, head_major=True),
+        "explicit bmm in the cache dtype (no upcast)": lambda: per_sequence(step, _explicit_rows_native),
         "padded gather + one SDPA + mask": lambda: padded_one_sdpa(step),
     }
     print("  alternatives:")
@@ -284,22 +263,26 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
         print(f"    {label:44s} {ms:8.2f} ms   (max |diff| {error:.1e})")
 
 
-def _explicit_rows(query, keys, values, hidden):
+def _explicit_rows(query, keys, values, hidden, dtype=torch.float32):
     num_queries = query.shape[0]
     rows = (
         query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM)
         .transpose(0, 1)
         .reshape(NUM_KV_HEADS, -1, HEAD_DIM)
     )
-    scores = torch.bmm(rows.float(), keys.transpose(1, 2).float()).mul_(SCALE)
+    scores = torch.bmm(rows.to(dtype), keys.transpose(1, 2).to(dtype)).float().mul_(SCALE)
     if hidden is not None:
         scores.view(NUM_KV_HEADS, num_queries, GROUP, -1).masked_fill_(hidden, float("-inf"))
-    out = torch.bmm(scores.softmax(-1), values.float())
+    out = torch.bmm(scores.softmax(-1).to(dtype), values.to(dtype))
     return (
         out.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM)
         .transpose(0, 1)
         .reshape(num_queries, -1, HEAD_DIM)
     )
+
+
+def _explicit_rows_native(query, keys, values, hidden):
+    return _explicit_rows(query, keys, values, hidden, dtype=query.dtype)
 
 
 def main() -> None:

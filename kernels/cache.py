@@ -1,9 +1,9 @@
 """KV tensors: sizing from a byte budget or a device-memory fraction, and allocation.
 
-Layout of every K and V tensor: ``[num_blocks, num_kv_heads, block_size, head_dim]`` (head-major
-inside a block). The slot of token t of a sequence is ``block_table[t // block_size] * block_size +
-t % block_size``; slot s lives at ``cache[s // block_size, :, s % block_size, :]``. docs/kernels.md
-has the measurement that chose this layout over ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Layout of every K and V tensor: ``[num_blocks, block_size, num_kv_heads, head_dim]``, so slot s is
+row s of ``cache.view(-1, num_kv_heads, head_dim)``. The slot of token t of a sequence is
+``block_table[t // block_size] * block_size + t % block_size``. docs/kernels.md has the measurement
+against the head-major alternative ``[num_blocks, num_kv_heads, block_size, head_dim]``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def allocate_kv_cache(
         raise ValueError(
             f"num_blocks must be at least 2 (the null block and one real block), got {num_blocks}"
         )
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_tensors)

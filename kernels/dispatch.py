@@ -45,8 +45,8 @@ def write_kv(
 ) -> None:
     """Store this step's K/V rows in the cache, in place.
 
-    key/value: ``[num_tokens, num_kv_heads, head_dim]``; caches: ``[num_blocks, num_kv_heads,
-    block_size, head_dim]``; slot_mapping: int ``[num_tokens]``, row t goes to slot
+    key/value: ``[num_tokens, num_kv_heads, head_dim]``; caches: ``[num_blocks, block_size,
+    num_kv_heads, head_dim]``; slot_mapping: int ``[num_tokens]``, row t goes to slot
     ``slot_mapping[t]``, and -1 (padding) leaves the cache untouched.
     """
     if key.shape != value.shape or key.dim() != 3:
@@ -90,7 +90,7 @@ def paged_attention(
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[1] if key_cache.dim() == 4 else 0
+    num_kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
     if query.dtype not in _SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
         raise ValueError(
@@ -100,8 +100,8 @@ def paged_attention(
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_tokens < metadata.num_query_tokens:
         raise ValueError(f"metadata describes {metadata.num_query_tokens} query rows, query has {num_tokens}")
-    if metadata.block_size != key_cache.shape[2]:
-        raise ValueError(f"metadata uses block_size {metadata.block_size}, the cache {key_cache.shape[2]}")
+    if metadata.block_size != key_cache.shape[1]:
+        raise ValueError(f"metadata uses block_size {metadata.block_size}, the cache {key_cache.shape[1]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
     if softcap is not None and softcap <= 0:
@@ -124,12 +124,12 @@ def _check_cache(
 ) -> None:
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if key_cache.shape[1] != num_kv_heads or key_cache.shape[3] != head_dim:
+    if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim:
         raise ValueError(
-            f"the cache holds {key_cache.shape[1]} kv heads of dim {key_cache.shape[3]}, "
+            f"the cache holds {key_cache.shape[2]} kv heads of dim {key_cache.shape[3]}, "
             f"the inputs {num_kv_heads} of dim {head_dim}"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:

@@ -1,9 +1,9 @@
 """The torch path: cache write and paged attention for CPU (and any device torch runs on).
 
-Per layer: gather the step's visible blocks of each kv head into a reused fp32 workspace (one
-``index_select`` per head for K and for V), then per sequence one explicit ``bmm -> softmax -> bmm``
-with the q heads of one kv head stacked as rows. docs/kernels.md has the measurements behind each
-choice (workspace reuse, per-head gather, explicit matmul instead of SDPA).
+Per layer: gather the step's visible blocks into a reused fp32 workspace (one ``index_select`` for
+K and one for V), then per sequence one explicit ``bmm -> softmax -> bmm`` with the q heads of one kv
+head stacked as rows. docs/kernels.md has the measurements behind each choice (workspace reuse,
+explicit matmul instead of SDPA, fp32 upcast).
 """
 
 from __future__ import annotations
@@ -55,11 +55,9 @@ def torch_write_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    block_size = key_cache.shape[2]
-    block_ids = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    key_cache[block_ids, :, offsets] = key.to(key_cache.dtype)
-    value_cache[block_ids, :, offsets] = value.to(value_cache.dtype)
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def torch_paged_attention(
@@ -76,10 +74,10 @@ def torch_paged_attention(
     plan = metadata.torch_plan(sliding_window)
     num_tokens, num_q_heads, head_dim = query.shape
     num_query_tokens = metadata.num_query_tokens
-    num_kv_heads = key_cache.shape[1]
+    num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    keys = _gather_heads(key_cache, plan.gather_block_ids, "key")
-    values = _gather_heads(value_cache, plan.gather_block_ids, "value")
+    keys = _gather_blocks(key_cache, plan.gather_block_ids, "key")
+    values = _gather_blocks(value_cache, plan.gather_block_ids, "value")
     # Once per layer, not per sequence: fp32, pre-scaled, laid out [kv_head, token, group, dim] so that
     # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
     grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
@@ -102,18 +100,17 @@ def torch_paged_attention(
     return out
 
 
-def _gather_heads(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-    """The listed blocks as fp32 ``[num_kv_heads, num_blocks * block_size, head_dim]`` (a workspace view)."""
-    _, num_kv_heads, block_size, head_dim = cache.shape
-    shape = (num_kv_heads, block_ids.numel(), block_size, head_dim)
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """The listed blocks as an fp32 ``[num_kv_heads, num_blocks * block_size, head_dim]`` workspace view."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    shape = (block_ids.numel(), block_size, num_kv_heads, head_dim)
     gathered = _WORKSPACE.get(name, shape, cache.dtype, cache.device)
-    for head in range(num_kv_heads):
-        torch.index_select(cache[:, head], 0, block_ids, out=gathered[head])
+    torch.index_select(cache, 0, block_ids, out=gathered)
     if cache.dtype != torch.float32:
         # 16-bit bmm on CPU measured 2-3x slower than upcast + fp32 bmm, and fp32 keeps the logits exact.
         upcast = _WORKSPACE.get(name + "_fp32", shape, torch.float32, cache.device)
         gathered = upcast.copy_(gathered)
-    return gathered.view(num_kv_heads, -1, head_dim)
+    return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1)
 
 
 def _attend(

@@ -180,7 +180,7 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
-    _, num_kv_heads, block_size, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     queries_per_kv = num_q_heads // num_kv_heads
     block_m, block_q, tile_n = launch_config(queries_per_kv, INTERPRETED)
     tiles = metadata.triton_tiles(block_q)
@@ -210,11 +210,11 @@ def triton_paged_attention(
         out.stride(0),
         out.stride(1),
         key_cache.stride(0),
-        key_cache.stride(1),
         key_cache.stride(2),
+        key_cache.stride(1),
         value_cache.stride(0),
-        value_cache.stride(1),
         value_cache.stride(2),
+        value_cache.stride(1),
         metadata.block_table.stride(0),
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,

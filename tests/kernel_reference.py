@@ -46,7 +46,7 @@ def make_paged_batch(
     free_ids = list(range(1, num_blocks))
     shuffler.shuffle(free_ids)
 
-    cache_shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(cache_shape, garbage, dtype=dtype)
     value_cache = torch.full(cache_shape, garbage, dtype=dtype)
     block_table: list[list[int]] = []
@@ -67,8 +67,8 @@ def make_paged_batch(
             row.append(block_id)
             for offset in range(min(block_size, seq_len - block * block_size)):
                 position = block * block_size + offset
-                key_cache[block_id, :, offset] = keys[position]
-                value_cache[block_id, :, offset] = values[position]
+                key_cache[block_id, offset] = keys[position]
+                value_cache[block_id, offset] = values[position]
         block_table.append(row)
         dense_keys.append(keys)
         dense_values.append(values)

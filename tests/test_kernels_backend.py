@@ -60,7 +60,7 @@ def test_fewer_query_rows_than_the_metadata_describes_is_rejected():
 
 
 def test_write_kv_with_a_mismatched_slot_mapping_is_rejected():
-    key_cache = torch.zeros(4, 2, 8, 64)
+    key_cache = torch.zeros(4, 8, 2, 64)
     with pytest.raises(ValueError, match=r"slot_mapping must be \[3\]"):
         write_kv(
             torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), key_cache, key_cache.clone(), torch.tensor([1, 2])

@@ -129,9 +129,11 @@ def _compile_all(variants: list[Variant]) -> list[str]:
 
 
 @pytest.mark.slow
-def test_every_kernel_variant_compiles_for_cuda():
+def test_every_kernel_variant_compiles_for_cuda(tmp_path):
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     environment["TRITON_DEFAULT_FP_FUSION"] = "1"
+    # A fresh cache: a hit from an earlier run would skip the compile this test exists to run.
+    environment["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
         [sys.executable, __file__, json.dumps(_variants())],
         env=environment,

@@ -50,13 +50,13 @@ def test_num_blocks_for_memory_utilization_rejects_fractions_outside_0_1():
         num_blocks_for_memory_utilization(1.5, 10, 10, 1)
 
 
-def test_allocate_kv_cache_returns_zeroed_pairs_in_the_head_major_layout():
+def test_allocate_kv_cache_returns_zeroed_pairs_in_the_block_slot_head_dim_layout():
     caches = allocate_kv_cache(
         3, num_blocks=10, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu"
     )
     assert len(caches) == 3
     for key_cache, value_cache in caches:
-        assert key_cache.shape == value_cache.shape == (10, 2, 16, 64)
+        assert key_cache.shape == value_cache.shape == (10, 16, 2, 64)
         assert key_cache.dtype == torch.bfloat16
         assert not key_cache.any() and not value_cache.any()
         assert key_cache.data_ptr() != value_cache.data_ptr()
@@ -102,30 +102,30 @@ def test_write_kv_stores_each_row_at_its_slot(backend, dtype):
     slots = torch.tensor([9, 0, 31])
     write_kv(key, value, key_cache, value_cache, slots, backend=backend)
     for row, slot in enumerate(slots.tolist()):
-        assert torch.equal(key_cache[slot // 8, :, slot % 8], key[row])
-        assert torch.equal(value_cache[slot // 8, :, slot % 8], value[row])
-    assert int((key_cache != 0).any(dim=(1, 3)).sum()) == 3
+        assert torch.equal(key_cache[slot // 8, slot % 8], key[row])
+        assert torch.equal(value_cache[slot // 8, slot % 8], value[row])
+    assert int((key_cache.view(-1, 3 * 96) != 0).any(dim=1).sum()) == 3
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_kv_leaves_padding_rows_untouched(backend):
-    key_cache = torch.full((4, 2, 8, 64), 7.0)
-    value_cache = torch.full((4, 2, 8, 64), -7.0)
+    key_cache = torch.full((4, 8, 2, 64), 7.0)
+    value_cache = torch.full((4, 8, 2, 64), -7.0)
     key = torch.randn(4, 2, 64)
     value = torch.randn(4, 2, 64)
     slots = torch.tensor([-1, 10, -1, 3])
     write_kv(key, value, key_cache, value_cache, slots, backend=backend)
-    expected_keys = torch.full((4, 2, 8, 64), 7.0)
-    expected_values = torch.full((4, 2, 8, 64), -7.0)
-    expected_keys[1, :, 2], expected_values[1, :, 2] = key[1], value[1]
-    expected_keys[0, :, 3], expected_values[0, :, 3] = key[3], value[3]
+    expected_keys = torch.full((4, 8, 2, 64), 7.0)
+    expected_values = torch.full((4, 8, 2, 64), -7.0)
+    expected_keys[1, 2], expected_values[1, 2] = key[1], value[1]
+    expected_keys[0, 3], expected_values[0, 3] = key[3], value[3]
     assert torch.equal(key_cache, expected_keys)
     assert torch.equal(value_cache, expected_values)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_write_kv_of_only_padding_changes_nothing(backend):
-    key_cache = torch.full((2, 1, 4, 64), 3.0)
+    key_cache = torch.full((2, 4, 1, 64), 3.0)
     value_cache = key_cache.clone()
     write_kv(
         torch.randn(2, 1, 64),
@@ -135,5 +135,5 @@ def test_write_kv_of_only_padding_changes_nothing(backend):
         torch.tensor([-1, -1]),
         backend=backend,
     )
-    assert torch.equal(key_cache, torch.full((2, 1, 4, 64), 3.0))
-    assert torch.equal(value_cache, torch.full((2, 1, 4, 64), 3.0))
+    assert torch.equal(key_cache, torch.full((2, 4, 1, 64), 3.0))
+    assert torch.equal(value_cache, torch.full((2, 4, 1, 64), 3.0))
