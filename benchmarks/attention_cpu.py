@@ -251,7 +251,10 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
         "explicit bmm, gather into fresh tensors": lambda: per_sequence(
             step, _explicit_rows, fresh_gather=True
         ),
-        "explicit bmm, head-major layout": lambda: per_sequence(step, _explicit_rows, head_major=True),
+        "explicit bmm, layout [blocks, slot, heads, dim]": lambda: per_sequence(step, _explicit_rows),
+        "explicit bmm, layout [blocks, heads, slot, dim]": lambda: per_sequence(
+            step, _explicit_rows, head_major=True
+        ),
         "explicit bmm in the cache dtype (no upcast)": lambda: per_sequence(step, _explicit_rows_native),
         "padded gather + one SDPA + mask": lambda: padded_one_sdpa(step),
     }

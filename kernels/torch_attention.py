@@ -1,9 +1,9 @@
 """The torch path: cache write and paged attention for CPU (and any device torch runs on).
 
-Per layer: gather the step's visible blocks into a reused fp32 workspace (one ``index_select`` for
-K and one for V), then per sequence one explicit ``bmm -> softmax -> bmm`` with the q heads of one kv
+Per layer: gather the step's visible blocks into a reused workspace (one ``index_select`` for K and
+one for V), then per sequence one explicit fp32 ``bmm -> softmax -> bmm`` with the q heads of one kv
 head stacked as rows. docs/kernels.md has the measurements behind each choice (workspace reuse,
-explicit matmul instead of SDPA, fp32 upcast).
+explicit matmul instead of SDPA, fp32 upcast per sequence, layout).
 """
 
 from __future__ import annotations
@@ -88,8 +88,10 @@ def torch_paged_attention(
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     out[num_query_tokens:] = 0
     for seq in plan.sequences:
-        seq_keys = keys[:, seq.key_start : seq.key_end]
-        seq_values = values[:, seq.key_start : seq.key_end]
+        # fp32 math: 16-bit bmm on CPU measured slower than upcast + fp32 bmm, and fp32 keeps the logits
+        # exact. Upcasting one sequence at a time keeps the copy in cache and the workspace 16-bit.
+        seq_keys = keys[:, seq.key_start : seq.key_end].float()
+        seq_values = values[:, seq.key_start : seq.key_end].float()
         rows_per_chunk = max(1, _SCORE_BUDGET_ELEMENTS // (num_q_heads * seq_keys.shape[1]))
         for start in range(seq.query_start, seq.query_end, rows_per_chunk):
             end = min(start + rows_per_chunk, seq.query_end)
@@ -101,15 +103,11 @@ def torch_paged_attention(
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-    """The listed blocks as an fp32 ``[num_kv_heads, num_blocks * block_size, head_dim]`` workspace view."""
+    """The listed blocks as a ``[num_kv_heads, num_blocks * block_size, head_dim]`` workspace view."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     shape = (block_ids.numel(), block_size, num_kv_heads, head_dim)
     gathered = _WORKSPACE.get(name, shape, cache.dtype, cache.device)
     torch.index_select(cache, 0, block_ids, out=gathered)
-    if cache.dtype != torch.float32:
-        # 16-bit bmm on CPU measured 2-3x slower than upcast + fp32 bmm, and fp32 keeps the logits exact.
-        upcast = _WORKSPACE.get(name + "_fp32", shape, torch.float32, cache.device)
-        gathered = upcast.copy_(gathered)
     return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1)
 
 

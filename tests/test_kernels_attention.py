@@ -221,7 +221,6 @@ def test_torch_path_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch")
 
 
-@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(shape=paged_shapes())
 def test_triton_kernel_matches_reference_on_drawn_shapes(shape):
