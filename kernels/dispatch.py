@@ -100,6 +100,12 @@ def paged_attention(
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_tokens < metadata.num_query_tokens:
         raise ValueError(f"metadata describes {metadata.num_query_tokens} query rows, query has {num_tokens}")
+    if metadata.block_table.device != query.device or key_cache.device != query.device:
+        raise ValueError(
+            f"query ({query.device}), cache ({key_cache.device}) and metadata "
+            f"({metadata.block_table.device}) must be on one device; build the metadata with "
+            "PagedAttentionMetadata.build(..., device=query.device)"
+        )
     if metadata.block_size != key_cache.shape[1]:
         raise ValueError(f"metadata uses block_size {metadata.block_size}, the cache {key_cache.shape[1]}")
     if sliding_window is not None and sliding_window < 1:

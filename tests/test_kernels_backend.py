@@ -65,3 +65,13 @@ def test_write_kv_with_a_mismatched_slot_mapping_is_rejected():
         write_kv(
             torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), key_cache, key_cache.clone(), torch.tensor([1, 2])
         )
+
+
+def test_metadata_on_another_device_than_the_query_is_rejected():
+    batch = make_paged_batch([1], [10])
+    with pytest.raises(
+        ValueError, match=r"must be on one device; build the metadata with .*device=query.device"
+    ):
+        paged_attention(
+            batch.query.to("meta"), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125
+        )
