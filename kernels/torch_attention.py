@@ -82,7 +82,9 @@ def torch_paged_attention(
     # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
     grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
     rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
-    rows.copy_(query[:num_query_tokens].view(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
+    rows.copy_(
+        query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
+    )
     rows.mul_(scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)

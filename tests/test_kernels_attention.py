@@ -225,3 +225,15 @@ def test_torch_path_matches_reference_on_drawn_shapes(shape):
 @given(shape=paged_shapes())
 def test_triton_kernel_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_query_matches_reference(backend):
+    batch = make_paged_batch([1, 12], [40, 30])
+    # HF hands attention [batch, heads, tokens, dim]; a caller's transpose gives a strided query.
+    strided_query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided_query.is_contiguous()
+    out = paged_attention(
+        strided_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, backend=backend
+    )
+    assert max_abs_error(out, reference_attention(batch, scale=0.125)) <= FP32_TOLERANCE
