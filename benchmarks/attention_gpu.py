@@ -1,0 +1,113 @@
+"""GPU attention: hybridkv's Triton kernels against torch SDPA over a padded dense cache, on CUDA.
+
+The same steps as benchmarks/attention_cpu.py (decode of 32 sequences over 100..2,000 tokens, a
+long-tail decode, 4 prefill chunks of 256 + 28 decodes), in bf16 by default, timed with CUDA events;
+also the cache write. Exits with a message when no CUDA GPU is present. ``--smoke`` runs tiny
+shapes once, and works on CPU under TRITON_INTERPRET=1 (to check this script without a GPU).
+
+    .venv/bin/python benchmarks/attention_gpu.py [--dtype float16] [--repeats 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from collections.abc import Callable
+
+import torch
+from attention_cpu import SCALE, dense_inputs, dense_rows, hf_dense_sdpa, make_step
+from hybridkv.kernels import paged_attention, write_kv
+
+
+def time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    fn()
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def to_device(step, device: torch.device):
+    for name in ("query", "key_cache", "value_cache", "dense_keys", "dense_values"):
+        setattr(step, name, getattr(step, name).to(device))
+    metadata = step.metadata
+    step.metadata = type(metadata).build(
+        metadata.query_lens_list,
+        metadata.seq_lens_list,
+        metadata.block_table_rows,
+        metadata.block_size,
+        device,
+    )
+    return step
+
+
+def run_step(name: str, step, query_rows: int, repeats: int, device: torch.device) -> None:
+    paged = lambda: paged_attention(  # noqa: E731
+        step.query, step.key_cache, step.value_cache, step.metadata, scale=SCALE, backend="triton"
+    )
+    dense_query, dense_mask = (tensor.to(device) for tensor in dense_inputs(step, query_rows))
+    dense = lambda: hf_dense_sdpa(step, dense_query, dense_mask)  # noqa: E731
+    error = (paged().float() - dense_rows(step, dense()).float()).abs().max().item()
+    paged_ms = time_ms(paged, repeats, device)
+    dense_ms = time_ms(dense, repeats, device)
+    print(f"\n{name}: {step.metadata.num_seqs} sequences, {step.metadata.num_query_tokens} query rows")
+    print(f"  hybridkv Triton                 {paged_ms:8.3f} ms")
+    print(f"  torch sdpa, padded dense        {dense_ms:8.3f} ms   (max |diff| {error:.1e})")
+    print(f"  ratio dense / paged             {dense_ms / paged_ms:8.2f}x")
+
+    slots = step.metadata.slot_mapping
+    new_keys = torch.randn(slots.numel(), *step.key_cache.shape[1:2], step.key_cache.shape[3], device=device)
+    new_keys = new_keys.to(step.key_cache.dtype)
+    write = lambda: write_kv(new_keys, new_keys, step.key_cache, step.value_cache, slots, backend="triton")  # noqa: E731
+    print(f"  cache write of {slots.numel()} tokens      {time_ms(write, repeats, device):8.3f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes, one call each (CPU: TRITON_INTERPRET=1)"
+    )
+    args = parser.parse_args()
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.smoke and os.environ.get("TRITON_INTERPRET") == "1":
+        device = torch.device("cpu")
+    else:
+        sys.exit(
+            "attention_gpu.py needs a CUDA GPU and none is present; run benchmarks/attention_cpu.py for the "
+            "CPU path (or --smoke with TRITON_INTERPRET=1 to check this script)"
+        )
+    dtype = getattr(torch, args.dtype)
+    repeats = 1 if args.smoke else args.repeats
+    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (interpreter)'}, {args.dtype}")
+
+    rng = random.Random(0)
+    if args.smoke:
+        steps = [("smoke decode", [1, 1, 1], [20, 70, 33], 1), ("smoke mixed", [1, 24, 1], [40, 50, 9], 24)]
+    else:
+        decode_lens = [100 + (1900 * i) // 31 for i in range(32)]
+        rng.shuffle(decode_lens)
+        mixed_decode_lens = [100 + (1900 * i) // 27 for i in range(28)]
+        rng.shuffle(mixed_decode_lens)
+        steps = [
+            ("decode", [1] * 32, decode_lens, 1),
+            ("decode, long tail (31 x 200 + 1 x 4,000)", [1] * 32, [200] * 31 + [4000], 1),
+            ("mixed", [256] * 4 + [1] * 28, [256, 512, 768, 1280, *mixed_decode_lens], 256),
+        ]
+    for name, query_lens, seq_lens, query_rows in steps:
+        step = to_device(make_step(query_lens, seq_lens, dtype), device)
+        run_step(name, step, query_rows, repeats, device)
+
+
+if __name__ == "__main__":
+    main()

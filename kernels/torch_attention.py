@@ -1,0 +1,146 @@
+"""The torch path: cache write and paged attention for CPU (and any device torch runs on).
+
+Per layer: gather the step's visible blocks into a reused workspace (one ``index_select`` for K and
+one for V), then per sequence one explicit fp32 ``bmm -> softmax -> bmm`` with the q heads of one kv
+head stacked as rows. docs/kernels.md has the measurements behind each choice (workspace reuse,
+explicit matmul instead of SDPA, fp32 upcast per sequence, layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import PagedAttentionMetadata
+
+# Bounds the fp32 score matrix of one chunk of query rows (64 MiB), so long prefills stay in memory.
+_SCORE_BUDGET_ELEMENTS = 1 << 24
+
+
+class _Workspace:
+    """Grow-only scratch buffers reused by every layer and step.
+
+    A fresh tensor of tens of MB per layer costs page faults: measured 19 ms for a gather into a new
+    tensor against 3 ms into a reused one. Buffers are overwritten by the next call, so no view of
+    one may outlive the call that asked for it.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        key = (name, dtype, device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(shape)
+
+
+_WORKSPACE = _Workspace()
+
+
+def torch_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store row t of key/value at slot ``slot_mapping[t]``; rows with slot -1 are skipped."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def torch_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
+    plan = metadata.torch_plan(sliding_window)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_query_tokens = metadata.num_query_tokens
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    keys = _gather_blocks(key_cache, plan.gather_block_ids, "key")
+    values = _gather_blocks(value_cache, plan.gather_block_ids, "value")
+    # Once per layer, not per sequence: fp32, pre-scaled, laid out [kv_head, token, group, dim] so that
+    # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
+    grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
+    rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
+    rows.copy_(
+        query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
+    )
+    rows.mul_(scale)
+    sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    out[num_query_tokens:] = 0
+    for seq in plan.sequences:
+        # fp32 math: 16-bit bmm on CPU measured slower than upcast + fp32 bmm, and fp32 keeps the logits
+        # exact. Upcasting one sequence at a time keeps the copy in cache and the workspace 16-bit.
+        seq_keys = keys[:, seq.key_start : seq.key_end].float()
+        seq_values = values[:, seq.key_start : seq.key_end].float()
+        rows_per_chunk = max(1, _SCORE_BUDGET_ELEMENTS // (num_q_heads * seq_keys.shape[1]))
+        for start in range(seq.query_start, seq.query_end, rows_per_chunk):
+            end = min(start + rows_per_chunk, seq.query_end)
+            hidden = None
+            if seq.hidden is not None:
+                hidden = seq.hidden[start - seq.query_start : end - seq.query_start]
+            _attend(rows[:, start:end], seq_keys, seq_values, out[start:end], softcap, sink_logits, hidden)
+    return out
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
+    """The listed blocks as a ``[num_kv_heads, num_blocks * block_size, head_dim]`` workspace view."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    shape = (block_ids.numel(), block_size, num_kv_heads, head_dim)
+    gathered = _WORKSPACE.get(name, shape, cache.dtype, cache.device)
+    torch.index_select(cache, 0, block_ids, out=gathered)
+    return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1)
+
+
+def _attend(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    out: torch.Tensor,
+    softcap: float | None,
+    sink_logits: torch.Tensor | None,
+    hidden: torch.Tensor | None,
+) -> None:
+    """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]``, into ``out``."""
+    num_kv_heads, num_queries, group, head_dim = rows.shape
+    num_keys = keys.shape[1]
+    scores = torch.bmm(rows.view(num_kv_heads, num_queries * group, head_dim), keys.transpose(1, 2))
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    scores = scores.view(num_kv_heads, num_queries, group, num_keys)
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
+    if sink_logits is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        log_denominator = torch.logaddexp(torch.logsumexp(scores, dim=-1, keepdim=True), sink_logits)
+        probs = scores.sub_(log_denominator).exp_()
+    probs = probs.view(num_kv_heads, num_queries * group, num_keys)
+    if num_queries == 1 and out.dtype == torch.float32:
+        # A decode row's [kv_heads, group, dim] is its [q_heads, dim]: bmm writes it in place (a strided
+        # out= would make bmm loop over the batch, measured 3x slower).
+        torch.bmm(probs, values, out=out.view(num_kv_heads, group, head_dim))
+        return
+    result = torch.bmm(probs, values).view(num_kv_heads, num_queries, group, head_dim)
+    out.view(num_queries, num_kv_heads, group, head_dim).copy_(result.transpose(0, 1))

@@ -1,0 +1,235 @@
+"""Unified paged attention in Triton: prefill chunks and decodes in one launch.
+
+One program handles a tile of ``BLOCK_Q`` query tokens of one sequence and one kv head; its
+``BLOCK_M = BLOCK_Q * QUERIES_PER_KV`` rows are (token, q head of the group) pairs, so GQA reads each
+KV tile once for the whole group. It loops over the keys the tile can see in tiles of ``TILE_N``
+tokens (block ids looked up per key, so TILE_N is independent of the cache block size), with an
+online softmax in base 2. Keys before the tile's window are never loaded: that is what keeps null
+blocks (out-of-window entries of the block table) unread.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import PagedAttentionMetadata
+
+# Read at import, the same moment @triton.jit reads it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tanh(x):
+    # exp2 form: portable across the interpreter and every backend; saturates correctly at +-inf.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    tile_seq_ids_ptr,
+    tile_starts_ptr,
+    sinks_ptr,
+    scale,
+    softcap,
+    sliding_window,
+    stride_query_token,
+    stride_query_head,
+    stride_out_token,
+    stride_out_head,
+    stride_key_block,
+    stride_key_head,
+    stride_key_slot,
+    stride_value_block,
+    stride_value_head,
+    stride_value_slot,
+    stride_table_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ids_ptr + tile)
+    tile_start = tl.load(tile_starts_ptr + tile)
+    query_begin = tl.load(cu_seqlens_q_ptr + seq)
+    query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - query_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_M)
+    row_token = tile_start + rows // QUERIES_PER_KV
+    row_head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows // QUERIES_PER_KV < BLOCK_Q) & (row_token < query_len)
+    row_position = context_len + row_token
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+
+    query_offsets = (
+        (query_begin + row_token).to(tl.int64)[:, None] * stride_query_token
+        + row_head[:, None] * stride_query_head
+        + dims[None, :]
+    )
+    query_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + query_offsets, mask=query_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    if USE_SINKS:
+        # The sink joins the denominator as one more logit with no value: start from it.
+        sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0).to(tl.float32)
+        running_max = sink * 1.4426950408889634
+        running_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+
+    key_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)
+    key_start = 0
+    if USE_WINDOW:
+        key_start = tl.maximum(context_len + tile_start - sliding_window + 1, 0)
+    table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
+    key_head_base = key_cache_ptr + kv_head.to(tl.int64) * stride_key_head
+    value_head_base = value_cache_ptr + kv_head.to(tl.int64) * stride_value_head
+
+    for tile_key_start in range(key_start, key_end, TILE_N):
+        key_positions = tile_key_start + tl.arange(0, TILE_N)
+        key_valid = key_positions < key_end
+        block_ids = tl.load(table_row + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slots = (key_positions % BLOCK_SIZE).to(tl.int64)
+
+        key_offsets = block_ids[None, :] * stride_key_block + slots[None, :] * stride_key_slot + dims[:, None]
+        k = tl.load(key_head_base + key_offsets, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision="ieee") * scale
+        if USE_SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        scores = scores * 1.4426950408889634
+
+        visible = key_valid[None, :] & (key_positions[None, :] <= row_position[:, None])
+        if USE_WINDOW:
+            visible = visible & (key_positions[None, :] > row_position[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        # Rows with nothing visible yet (padding rows) keep a finite max so exp2 gives 0, not NaN.
+        new_max = tl.where(new_max > float("-inf"), new_max, 0.0)
+        probs = tl.exp2(scores - new_max[:, None])
+        correction = tl.exp2(running_max - new_max)
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+
+        value_offsets = (
+            block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + dims[None, :]
+        )
+        v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
+        running_max = new_max
+
+    running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
+    out = acc / running_sum[:, None]
+    out_offsets = (
+        (query_begin + row_token).to(tl.int64)[:, None] * stride_out_token
+        + row_head[:, None] * stride_out_head
+        + dims[None, :]
+    )
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=query_mask)
+
+
+def launch_config(queries_per_kv: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_Q, TILE_N) for a GQA ratio.
+
+    On a GPU: 16 rows (the tl.dot minimum) and 32-key tiles. Under the interpreter each program x
+    KV tile costs milliseconds of Python, so tiles are as large as the test shapes allow.
+    """
+    block_m = max(64 if interpreted else 16, triton.next_power_of_2(queries_per_kv))
+    tile_n = 128 if interpreted else 32
+    return block_m, block_m // queries_per_kv, tile_n
+
+
+def triton_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    queries_per_kv = num_q_heads // num_kv_heads
+    block_m, block_q, tile_n = launch_config(queries_per_kv, INTERPRETED)
+    tiles = metadata.triton_tiles(block_q)
+    query = _last_dim_contiguous(query)
+    key_cache = _last_dim_contiguous(key_cache)
+    value_cache = _last_dim_contiguous(value_cache)
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    out[metadata.num_query_tokens :] = 0
+    if tiles.num_tiles == 0:
+        return out
+    paged_attention_kernel[(tiles.num_tiles, num_kv_heads)](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        metadata.seq_lens,
+        metadata.cu_seqlens_q,
+        tiles.seq_ids,
+        tiles.starts,
+        sinks if sinks is not None else query,
+        scale,
+        softcap if softcap is not None else 1.0,
+        sliding_window if sliding_window is not None else 0,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(2),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(2),
+        value_cache.stride(1),
+        metadata.block_table.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
+    )
+    return out
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()

@@ -1,0 +1,119 @@
+"""Test helpers for the kernels: a random paged batch and a dense fp64 reference attention.
+
+The batch is built the way the allocator lays it out: real blocks get distinct random ids, blocks
+wholly before the step's sliding window are the null block (id 0), and every slot that holds no
+real token (the null block included) is filled with ``garbage`` so that any read of it shows.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from hybridkv.kernels import PagedAttentionMetadata
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    metadata: PagedAttentionMetadata
+    dense_keys: list[torch.Tensor]
+    dense_values: list[torch.Tensor]
+
+
+def make_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: int | None = None,
+    garbage: float = float("nan"),
+    seed: int = 0,
+) -> PagedBatch:
+    """Random query rows and K/V for the given sequences, stored in a paged cache."""
+    generator = torch.Generator().manual_seed(seed)
+    shuffler = random.Random(seed)
+    blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free_ids = list(range(1, num_blocks))
+    shuffler.shuffle(free_ids)
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(cache_shape, garbage, dtype=dtype)
+    value_cache = torch.full(cache_shape, garbage, dtype=dtype)
+    block_table: list[list[int]] = []
+    dense_keys: list[torch.Tensor] = []
+    dense_values: list[torch.Tensor] = []
+    for query_len, seq_len, num_seq_blocks in zip(query_lens, seq_lens, blocks_per_seq, strict=True):
+        keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        first_needed = 0
+        if sliding_window is not None:
+            first_needed = max(0, seq_len - query_len - sliding_window + 1)
+        row = []
+        for block in range(num_seq_blocks):
+            if (block + 1) * block_size <= first_needed:
+                row.append(0)
+                continue
+            block_id = free_ids.pop()
+            row.append(block_id)
+            for offset in range(min(block_size, seq_len - block * block_size)):
+                position = block * block_size + offset
+                key_cache[block_id, offset] = keys[position]
+                value_cache[block_id, offset] = values[position]
+        block_table.append(row)
+        dense_keys.append(keys)
+        dense_values.append(values)
+    query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(dtype)
+    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, block_table, block_size)
+    return PagedBatch(query, key_cache, value_cache, metadata, dense_keys, dense_values)
+
+
+def reference_attention(
+    batch: PagedBatch,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense masked softmax attention in fp64, per sequence, from the dense K/V (never the cache)."""
+    metadata = batch.metadata
+    num_q_heads = batch.query.shape[1]
+    outputs = []
+    query_start = 0
+    for seq, (query_len, seq_len) in enumerate(
+        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
+    ):
+        query = batch.query[query_start : query_start + query_len].double().transpose(0, 1)
+        query_start += query_len
+        group = num_q_heads // batch.dense_keys[seq].shape[1]
+        keys = batch.dense_keys[seq].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        values = batch.dense_values[seq].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        logits = query @ keys.transpose(1, 2) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        query_positions = torch.arange(seq_len - query_len, seq_len)[:, None]
+        key_positions = torch.arange(seq_len)[None, :]
+        visible = key_positions <= query_positions
+        if sliding_window is not None:
+            visible &= key_positions > query_positions - sliding_window
+        logits = logits.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink_column = sinks.double().view(num_q_heads, 1, 1).expand(num_q_heads, query_len, 1)
+            logits = torch.cat([logits, sink_column], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :seq_len]
+        outputs.append((probs @ values).transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.double() - expected).abs().max().item()

@@ -1,0 +1,77 @@
+"""Backend choice and the errors a caller can cause."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybridkv.kernels import paged_attention, resolve_backend, write_kv
+from kernel_reference import make_paged_batch
+
+
+def test_cpu_tensors_default_to_the_torch_path():
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+
+
+def test_cuda_tensors_default_to_triton():
+    assert resolve_backend(None, torch.device("cuda", 0)) == "triton"
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"set TRITON_INTERPRET=1 .* or use backend='torch'"):
+        resolve_backend("triton", torch.device("cpu"))
+
+
+def test_forcing_triton_on_cpu_under_the_interpreter_is_allowed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend must be"):
+        resolve_backend("flash", torch.device("cpu"))
+
+
+def test_query_heads_not_a_multiple_of_kv_heads_is_rejected():
+    batch = make_paged_batch([1], [10], num_q_heads=4, num_kv_heads=2)
+    query = torch.randn(1, 3, 64)
+    with pytest.raises(ValueError, match=r"num_q_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        paged_attention(query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+
+
+def test_query_dtype_different_from_the_cache_is_rejected():
+    batch = make_paged_batch([1], [10])
+    with pytest.raises(ValueError, match="must share one of fp32/fp16/bf16"):
+        paged_attention(batch.query.half(), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+
+
+def test_sinks_of_the_wrong_shape_are_rejected():
+    batch = make_paged_batch([1], [10])
+    with pytest.raises(ValueError, match=r"sinks must be \[num_q_heads=4\]"):
+        paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, sinks=torch.zeros(2)
+        )
+
+
+def test_fewer_query_rows_than_the_metadata_describes_is_rejected():
+    batch = make_paged_batch([3], [10])
+    with pytest.raises(ValueError, match="metadata describes 3 query rows, query has 2"):
+        paged_attention(batch.query[:2], batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+
+
+def test_write_kv_with_a_mismatched_slot_mapping_is_rejected():
+    key_cache = torch.zeros(4, 8, 2, 64)
+    with pytest.raises(ValueError, match=r"slot_mapping must be \[3\]"):
+        write_kv(
+            torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), key_cache, key_cache.clone(), torch.tensor([1, 2])
+        )
+
+
+def test_metadata_on_another_device_than_the_query_is_rejected():
+    batch = make_paged_batch([1], [10])
+    with pytest.raises(
+        ValueError, match=r"must be on one device; build the metadata with .*device=query.device"
+    ):
+        paged_attention(
+            batch.query.to("meta"), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125
+        )

@@ -1,0 +1,149 @@
+"""Every Triton kernel variant compiles for a real CUDA target, without a GPU.
+
+The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so the
+variants are compiled to a cubin for sm_90 (and one for sm_80) by the ptxas in the triton wheel. It
+runs in a subprocess because TRITON_INTERPRET, set by conftest.py, would turn the kernels into
+interpreted functions in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import product
+
+import pytest
+from hybridkv.kernels.triton_attention import launch_config
+
+# (kernel, pointer dtype, constexprs, compute capability); the launch shapes come from launch_config,
+# so this compiles exactly what a GPU launch would.
+Variant = tuple[str, str, dict, int]
+
+_INT32_POINTERS = {
+    "block_table_ptr",
+    "seq_lens_ptr",
+    "cu_seqlens_q_ptr",
+    "tile_seq_ids_ptr",
+    "tile_starts_ptr",
+}
+
+
+def _attention_variant(
+    dtype: str,
+    head_dim: int,
+    window: bool,
+    softcap: bool,
+    sinks: bool,
+    queries_per_kv: int = 4,
+    capability: int = 90,
+) -> Variant:
+    block_m, block_q, tile_n = launch_config(queries_per_kv, interpreted=False)
+    constexprs = {
+        "QUERIES_PER_KV": queries_per_kv,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PADDED": 1 << (head_dim - 1).bit_length(),
+        "BLOCK_SIZE": 16,
+        "BLOCK_Q": block_q,
+        "BLOCK_M": block_m,
+        "TILE_N": tile_n,
+        "USE_WINDOW": window,
+        "USE_SOFTCAP": softcap,
+        "USE_SINKS": sinks,
+        "UPCAST": False,
+    }
+    return ("attention", dtype, constexprs, capability)
+
+
+def _write_variant(dtype: str, head_dim: int, num_kv_heads: int = 4) -> Variant:
+    constexprs = {
+        "NUM_KV_HEADS": num_kv_heads,
+        "NUM_KV_HEADS_PADDED": 1 << (num_kv_heads - 1).bit_length(),
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PADDED": 1 << (head_dim - 1).bit_length(),
+        "BLOCK_SIZE": 16,
+    }
+    return ("write", dtype, constexprs, 90)
+
+
+def _variants() -> list[Variant]:
+    flags = list(product([False, True], repeat=3))
+    variants = [_attention_variant("bf16", 128, *combination) for combination in flags]
+    variants += [
+        _attention_variant(dtype, head_dim, True, True, True)
+        for dtype, head_dim in product(["fp16", "bf16", "fp32"], [64, 128, 256])
+        if (dtype, head_dim) != ("bf16", 128)
+    ]
+    variants += [
+        _attention_variant("fp16", 96, False, False, False),
+        _attention_variant("fp16", 128, False, False, False, queries_per_kv=1),
+        _attention_variant("fp16", 128, True, False, False, queries_per_kv=32),
+        _attention_variant("bf16", 128, True, True, True, capability=80),
+    ]
+    variants += [
+        _write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]
+    ]
+    variants.append(_write_variant("bf16", 96, num_kv_heads=3))
+    return variants
+
+
+def _signature(kernel, dtype: str) -> dict[str, str]:
+    signature = {}
+    for name in kernel.arg_names:
+        if name in _INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name == "slot_mapping_ptr":
+            signature[name] = "*i64"
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{dtype}"
+        elif name in ("scale", "softcap"):
+            signature[name] = "fp32"
+        elif name.isupper():
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+def _compile_all(variants: list[Variant]) -> list[str]:
+    """Compile each variant; return one error line per failure (run in the subprocess)."""
+    import triton
+    from hybridkv.kernels.triton_attention import paged_attention_kernel
+    from hybridkv.kernels.triton_cache_write import write_kv_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel}
+    failures = []
+    for name, dtype, constexprs, capability in variants:
+        kernel = kernels[name]
+        source = ASTSource(fn=kernel, signature=_signature(kernel, dtype), constexprs=constexprs)
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+            if not compiled.asm.get("cubin"):
+                failures.append(f"{name} {dtype} sm_{capability} {constexprs}: no cubin")
+        except Exception as error:
+            failures.append(f"{name} {dtype} sm_{capability} {constexprs}: {type(error).__name__}: {error}")
+    return failures
+
+
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_cuda(tmp_path):
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    environment["TRITON_DEFAULT_FP_FUSION"] = "1"
+    # A fresh cache: a hit from an earlier run would skip the compile this test exists to run.
+    environment["TRITON_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, __file__, json.dumps(_variants())],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all([tuple(variant) for variant in json.loads(sys.argv[1])])))

@@ -1,0 +1,139 @@
+"""KV tensors: sizing, allocation, the step's slot mapping, and the cache write (both backends)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybridkv.kernels import (
+    PagedAttentionMetadata,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    num_blocks_for_budget,
+    num_blocks_for_memory_utilization,
+    write_kv,
+)
+
+BACKENDS = ["torch", "triton"]
+
+
+def test_kv_bytes_per_block_counts_keys_and_values_of_every_tensor():
+    # 2 (K and V) * 9 tensors * 16 slots * 4 heads * 64 dims * 2 bytes
+    assert kv_bytes_per_block(9, 16, 4, 64, torch.bfloat16) == 147_456
+    assert kv_bytes_per_block(1, 16, 1, 128, torch.float32) == 16_384
+
+
+def test_num_blocks_for_budget_rounds_down():
+    assert num_blocks_for_budget(10_000, 1_000) == 10
+    assert num_blocks_for_budget(10_999, 1_000) == 10
+
+
+def test_num_blocks_for_budget_below_the_minimum_names_the_fix():
+    with pytest.raises(
+        ValueError, match=r"holds 4 blocks .* at least 9 are needed .*raise the KV cache budget"
+    ):
+        num_blocks_for_budget(4_500, 1_000, min_num_blocks=9)
+
+
+def test_num_blocks_for_memory_utilization_subtracts_memory_in_use():
+    # 80% of 100 GB allowed, 30 GB already in use -> 50 GB for the cache.
+    num_blocks = num_blocks_for_memory_utilization(0.8, 70 * 10**9, 100 * 10**9, 10**6)
+    assert num_blocks == 50_000
+
+
+def test_num_blocks_for_memory_utilization_when_usage_exceeds_the_share_names_the_fix():
+    with pytest.raises(ValueError, match="raise memory_utilization"):
+        num_blocks_for_memory_utilization(0.5, 40 * 10**9, 100 * 10**9, 10**6)
+
+
+def test_num_blocks_for_memory_utilization_rejects_fractions_outside_0_1():
+    with pytest.raises(ValueError, match="memory_utilization must be in"):
+        num_blocks_for_memory_utilization(1.5, 10, 10, 1)
+
+
+def test_allocate_kv_cache_returns_zeroed_pairs_in_the_block_slot_head_dim_layout():
+    caches = allocate_kv_cache(
+        3, num_blocks=10, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cpu"
+    )
+    assert len(caches) == 3
+    for key_cache, value_cache in caches:
+        assert key_cache.shape == value_cache.shape == (10, 16, 2, 64)
+        assert key_cache.dtype == torch.bfloat16
+        assert not key_cache.any() and not value_cache.any()
+        assert key_cache.data_ptr() != value_cache.data_ptr()
+
+
+def test_allocate_kv_cache_needs_a_real_block_besides_the_null_block():
+    with pytest.raises(ValueError, match="at least 2"):
+        allocate_kv_cache(1, 1, 16, 1, 64, torch.float32, "cpu")
+
+
+def test_metadata_slot_mapping_follows_the_block_table():
+    metadata = PagedAttentionMetadata.build(
+        query_lens=[1, 3], seq_lens=[5, 19], block_table=[[7, 2], [4, 9]], block_size=16
+    )
+    # seq 0: position 4 in block 7; seq 1: positions 16..18 in block 9.
+    assert metadata.slot_mapping.tolist() == [7 * 16 + 4, 9 * 16 + 0, 9 * 16 + 1, 9 * 16 + 2]
+    assert metadata.cu_seqlens_q.tolist() == [0, 1, 4]
+    assert metadata.cu_seqlens_q.dtype == metadata.seq_lens.dtype == metadata.block_table.dtype == torch.int32
+    assert metadata.slot_mapping.dtype == torch.int64
+
+
+def test_metadata_pads_block_table_rows_with_the_null_block():
+    metadata = PagedAttentionMetadata.build([1, 1], [3, 40], [[5], [1, 2, 3]], block_size=16)
+    assert metadata.block_table.tolist() == [[5, 0, 0], [1, 2, 3]]
+
+
+def test_metadata_rejects_a_table_too_short_for_the_sequence():
+    with pytest.raises(ValueError, match="2 blocks of 16 cannot hold 40 tokens"):
+        PagedAttentionMetadata.build([1], [40], [[1, 2]], block_size=16)
+
+
+def test_metadata_rejects_more_query_tokens_than_the_sequence_holds():
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        PagedAttentionMetadata.build([5], [3], [[1]], block_size=16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_each_row_at_its_slot(backend, dtype):
+    key_cache, value_cache = allocate_kv_cache(1, 4, 8, 3, 96, dtype, "cpu")[0]
+    key = torch.randn(3, 3, 96).to(dtype)
+    value = torch.randn(3, 3, 96).to(dtype)
+    slots = torch.tensor([9, 0, 31])
+    write_kv(key, value, key_cache, value_cache, slots, backend=backend)
+    for row, slot in enumerate(slots.tolist()):
+        assert torch.equal(key_cache[slot // 8, slot % 8], key[row])
+        assert torch.equal(value_cache[slot // 8, slot % 8], value[row])
+    assert int((key_cache.view(-1, 3 * 96) != 0).any(dim=1).sum()) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_kv_leaves_padding_rows_untouched(backend):
+    key_cache = torch.full((4, 8, 2, 64), 7.0)
+    value_cache = torch.full((4, 8, 2, 64), -7.0)
+    key = torch.randn(4, 2, 64)
+    value = torch.randn(4, 2, 64)
+    slots = torch.tensor([-1, 10, -1, 3])
+    write_kv(key, value, key_cache, value_cache, slots, backend=backend)
+    expected_keys = torch.full((4, 8, 2, 64), 7.0)
+    expected_values = torch.full((4, 8, 2, 64), -7.0)
+    expected_keys[1, 2], expected_values[1, 2] = key[1], value[1]
+    expected_keys[0, 3], expected_values[0, 3] = key[3], value[3]
+    assert torch.equal(key_cache, expected_keys)
+    assert torch.equal(value_cache, expected_values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_kv_of_only_padding_changes_nothing(backend):
+    key_cache = torch.full((2, 4, 1, 64), 3.0)
+    value_cache = key_cache.clone()
+    write_kv(
+        torch.randn(2, 1, 64),
+        torch.randn(2, 1, 64),
+        key_cache,
+        value_cache,
+        torch.tensor([-1, -1]),
+        backend=backend,
+    )
+    assert torch.equal(key_cache, torch.full((2, 4, 1, 64), 3.0))
+    assert torch.equal(value_cache, torch.full((2, 4, 1, 64), 3.0))
