@@ -22,8 +22,9 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from hybridkv.kernels import PagedAttentionMetadata, paged_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hybridkv.kernels import PagedAttentionMetadata, paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -53,12 +54,8 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
     dense_values = torch.zeros_like(dense_keys)
     for seq, (seq_len, row) in enumerate(zip(seq_lens, block_table, strict=True)):
         ids = torch.tensor(row)
-        dense_keys[seq, :, :seq_len] = (
-            key_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
-        )
-        dense_values[seq, :, :seq_len] = (
-            value_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
-        )
+        dense_keys[seq, :, :seq_len] = key_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
+        dense_values[seq, :, :seq_len] = value_cache[ids].view(-1, NUM_KV_HEADS, HEAD_DIM)[:seq_len].transpose(0, 1)
     return SimpleNamespace(
         query=query,
         key_cache=key_cache,
@@ -80,9 +77,7 @@ def dense_inputs(step, query_rows: int):
     query = torch.zeros(batch, NUM_Q_HEADS, query_rows, HEAD_DIM, dtype=step.query.dtype)
     mask = torch.zeros(batch, 1, query_rows, max_len, dtype=torch.bool)
     start = 0
-    for seq, (query_len, seq_len) in enumerate(
-        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
-    ):
+    for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)):
         query[seq, :, :query_len] = step.query[start : start + query_len].transpose(0, 1)
         positions = torch.arange(seq_len - query_len, seq_len - query_len + query_rows)[:, None]
         mask[seq, 0] = torch.arange(max_len)[None, :] <= positions.clamp(max=seq_len - 1)
@@ -105,9 +100,7 @@ def dense_rows(step, dense_out: torch.Tensor) -> torch.Tensor:
 # ---- alternatives, each a complete attention step over the same paged cache --------------------------
 
 
-def per_sequence(
-    step, attend: Callable, head_major: bool = False, fresh_gather: bool = False
-) -> torch.Tensor:
+def per_sequence(step, attend: Callable, head_major: bool = False, fresh_gather: bool = False) -> torch.Tensor:
     """Gather the step's blocks, then ``attend(query_rows, keys, values, hidden)`` per sequence."""
     plan = step.metadata.torch_plan(None)
     out = torch.empty(step.query.shape, dtype=step.query.dtype)
@@ -118,16 +111,12 @@ def per_sequence(
             blocks = cache.index_select(0, plan.gather_block_ids)
             gathered.append(blocks.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1))
         elif head_major:
-            buffer = _buffer(
-                role, (NUM_KV_HEADS, plan.num_gathered_blocks, BLOCK_SIZE, HEAD_DIM), cache.dtype
-            )
+            buffer = _buffer(role, (NUM_KV_HEADS, plan.num_gathered_blocks, BLOCK_SIZE, HEAD_DIM), cache.dtype)
             for head in range(NUM_KV_HEADS):
                 torch.index_select(cache[:, head], 0, plan.gather_block_ids, out=buffer[head])
             gathered.append(buffer.view(NUM_KV_HEADS, -1, HEAD_DIM))
         else:
-            buffer = _buffer(
-                role, (plan.num_gathered_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), cache.dtype
-            )
+            buffer = _buffer(role, (plan.num_gathered_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), cache.dtype)
             torch.index_select(cache, 0, plan.gather_block_ids, out=buffer)
             gathered.append(buffer.view(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1))
     keys, values = gathered
@@ -152,18 +141,10 @@ _buffers: dict = {}
 def sdpa_packed_rows(query, keys, values, hidden):
     """SDPA per sequence with the q heads of one kv head as rows (pack_gqa)."""
     num_queries = query.shape[0]
-    rows = (
-        query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM)
-        .transpose(0, 1)
-        .reshape(NUM_KV_HEADS, -1, HEAD_DIM)
-    )
+    rows = query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM).transpose(0, 1).reshape(NUM_KV_HEADS, -1, HEAD_DIM)
     mask = None if hidden is None else ~hidden.expand(num_queries, GROUP, -1).reshape(num_queries * GROUP, -1)
     out = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=SCALE)
-    return (
-        out.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM)
-        .transpose(0, 1)
-        .reshape(num_queries, -1, HEAD_DIM)
-    )
+    return out.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM).transpose(0, 1).reshape(num_queries, -1, HEAD_DIM)
 
 
 def sdpa_enable_gqa(query, keys, values, hidden):
@@ -184,9 +165,7 @@ def padded_one_sdpa(step) -> torch.Tensor:
     max_rows = max(metadata.query_lens_list)
     query, mask = dense_inputs(step, max_rows)
     gathered = [
-        cache[table.flatten()]
-        .view(metadata.num_seqs, max_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        .transpose(1, 2)
+        cache[table.flatten()].view(metadata.num_seqs, max_blocks * BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
         for cache in (step.key_cache, step.value_cache)
     ]
     mask = F.pad(mask, (0, gathered[0].shape[2] - mask.shape[-1]))
@@ -248,13 +227,9 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
     alternatives = {
         "per-seq SDPA, packed GQA rows": lambda: per_sequence(step, sdpa_packed_rows),
         "per-seq SDPA, enable_gqa": lambda: per_sequence(step, sdpa_enable_gqa),
-        "explicit bmm, gather into fresh tensors": lambda: per_sequence(
-            step, _explicit_rows, fresh_gather=True
-        ),
+        "explicit bmm, gather into fresh tensors": lambda: per_sequence(step, _explicit_rows, fresh_gather=True),
         "explicit bmm, layout [blocks, slot, heads, dim]": lambda: per_sequence(step, _explicit_rows),
-        "explicit bmm, layout [blocks, heads, slot, dim]": lambda: per_sequence(
-            step, _explicit_rows, head_major=True
-        ),
+        "explicit bmm, layout [blocks, heads, slot, dim]": lambda: per_sequence(step, _explicit_rows, head_major=True),
         "explicit bmm in the cache dtype (no upcast)": lambda: per_sequence(step, _explicit_rows_native),
         "padded gather + one SDPA + mask": lambda: padded_one_sdpa(step),
     }
@@ -268,20 +243,12 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
 
 def _explicit_rows(query, keys, values, hidden, dtype=torch.float32):
     num_queries = query.shape[0]
-    rows = (
-        query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM)
-        .transpose(0, 1)
-        .reshape(NUM_KV_HEADS, -1, HEAD_DIM)
-    )
+    rows = query.view(num_queries, NUM_KV_HEADS, GROUP, HEAD_DIM).transpose(0, 1).reshape(NUM_KV_HEADS, -1, HEAD_DIM)
     scores = torch.bmm(rows.to(dtype), keys.transpose(1, 2).to(dtype)).float().mul_(SCALE)
     if hidden is not None:
         scores.view(NUM_KV_HEADS, num_queries, GROUP, -1).masked_fill_(hidden, float("-inf"))
     out = torch.bmm(scores.softmax(-1).to(dtype), values.to(dtype))
-    return (
-        out.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM)
-        .transpose(0, 1)
-        .reshape(num_queries, -1, HEAD_DIM)
-    )
+    return out.view(NUM_KV_HEADS, num_queries, GROUP, HEAD_DIM).transpose(0, 1).reshape(num_queries, -1, HEAD_DIM)
 
 
 def _explicit_rows_native(query, keys, values, hidden):

@@ -17,8 +17,10 @@ import sys
 from collections.abc import Callable
 
 import torch
-from attention_cpu import SCALE, dense_inputs, dense_rows, hf_dense_sdpa, make_step
+
 from hybridkv.kernels import paged_attention, write_kv
+
+from attention_cpu import SCALE, dense_inputs, dense_rows, hf_dense_sdpa, make_step
 
 
 def time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -74,9 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument(
-        "--smoke", action="store_true", help="tiny shapes, one call each (CPU: TRITON_INTERPRET=1)"
-    )
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each (CPU: TRITON_INTERPRET=1)")
     args = parser.parse_args()
     if torch.cuda.is_available():
         device = torch.device("cuda")

@@ -13,9 +13,7 @@ import torch
 NULL_BLOCK_ID = 0
 
 
-def kv_bytes_per_block(
-    num_tensors: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
+def kv_bytes_per_block(num_tensors: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes that one block id costs across all ``num_tensors`` (K, V) pairs."""
     element_bytes = torch.empty((), dtype=dtype).element_size()
     return 2 * num_tensors * block_size * num_kv_heads * head_dim * element_bytes
@@ -76,9 +74,7 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate ``num_tensors`` zeroed (key_cache, value_cache) pairs of the layout above."""
     if num_blocks < 2:
-        raise ValueError(
-            f"num_blocks must be at least 2 (the null block and one real block), got {num_blocks}"
-        )
+        raise ValueError(f"num_blocks must be at least 2 (the null block and one real block), got {num_blocks}")
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -93,9 +93,7 @@ def paged_attention(
     num_kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
     _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
     if query.dtype not in _SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
-        raise ValueError(
-            f"query and cache must share one of fp32/fp16/bf16, got {query.dtype} and {key_cache.dtype}"
-        )
+        raise ValueError(f"query and cache must share one of fp32/fp16/bf16, got {query.dtype} and {key_cache.dtype}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if num_tokens < metadata.num_query_tokens:
@@ -117,17 +115,11 @@ def paged_attention(
     if resolve_backend(backend, query.device) == "triton":
         from .triton_attention import triton_paged_attention
 
-        return triton_paged_attention(
-            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks
-        )
-    return torch_paged_attention(
-        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks
-    )
+        return triton_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
+    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
 
 
-def _check_cache(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int
-) -> None:
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
@@ -139,6 +131,4 @@ def _check_cache(
             f"the inputs {num_kv_heads} of dim {head_dim}"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError(
-            "key_cache and value_cache need a contiguous last dimension (allocate_kv_cache gives one)"
-        )
+        raise ValueError("key_cache and value_cache need a contiguous last dimension (allocate_kv_cache gives one)")

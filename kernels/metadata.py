@@ -96,17 +96,11 @@ class PagedAttentionMetadata:
                 f"query_lens, seq_lens and block_table must describe the same sequences, got "
                 f"{len(query_lens)}, {len(seq_lens)} and {len(block_table)}"
             )
-        for seq, (query_len, seq_len, blocks) in enumerate(
-            zip(query_lens, seq_lens, block_table, strict=True)
-        ):
+        for seq, (query_len, seq_len, blocks) in enumerate(zip(query_lens, seq_lens, block_table, strict=True)):
             if not 1 <= query_len <= seq_len:
-                raise ValueError(
-                    f"sequence {seq}: need 1 <= query_len <= seq_len, got {query_len} and {seq_len}"
-                )
+                raise ValueError(f"sequence {seq}: need 1 <= query_len <= seq_len, got {query_len} and {seq_len}")
             if len(blocks) * block_size < seq_len:
-                raise ValueError(
-                    f"sequence {seq}: {len(blocks)} blocks of {block_size} cannot hold {seq_len} tokens"
-                )
+                raise ValueError(f"sequence {seq}: {len(blocks)} blocks of {block_size} cannot hold {seq_len} tokens")
         query_lens_list = list(query_lens)
         seq_lens_list = list(seq_lens)
         rows = [list(blocks) for blocks in block_table]
@@ -123,9 +117,7 @@ class PagedAttentionMetadata:
         return cls(
             cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32, device=device),
-            block_table=torch.tensor(padded_rows, dtype=torch.int32, device=device).view(
-                len(rows), max_blocks
-            ),
+            block_table=torch.tensor(padded_rows, dtype=torch.int32, device=device).view(len(rows), max_blocks),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
             query_lens_list=query_lens_list,

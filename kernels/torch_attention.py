@@ -27,16 +27,17 @@ class _Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = 1
         for size in shape:
             numel *= size
         key = (name, dtype, device)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor, even when first asked for under torch.inference_mode(): an inference
+            # tensor could not be updated in place by a later call outside it.
+            with torch.inference_mode(False):
+                buffer = torch.empty(numel, dtype=dtype, device=device)
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
 
@@ -82,9 +83,7 @@ def torch_paged_attention(
     # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
     grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
     rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
-    rows.copy_(
-        query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1)
-    )
+    rows.copy_(query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
     rows.mul_(scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)

@@ -138,9 +138,7 @@ def paged_attention_kernel(
         correction = tl.exp2(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
 
-        value_offsets = (
-            block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + dims[None, :]
-        )
+        value_offsets = block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + dims[None, :]
         v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+
 from hybridkv.kernels import PagedAttentionMetadata
 
 
@@ -90,9 +91,7 @@ def reference_attention(
     num_q_heads = batch.query.shape[1]
     outputs = []
     query_start = 0
-    for seq, (query_len, seq_len) in enumerate(
-        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
-    ):
+    for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)):
         query = batch.query[query_start : query_start + query_len].double().transpose(0, 1)
         query_start += query_len
         group = num_q_heads // batch.dense_keys[seq].shape[1]

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybridkv.kernels import paged_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from hybridkv.kernels import paged_attention
+
 from kernel_reference import make_paged_batch, max_abs_error, reference_attention
 
 BACKENDS = ["torch", "triton"]

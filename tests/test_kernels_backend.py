@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hybridkv.kernels import paged_attention, resolve_backend, write_kv
+
 from kernel_reference import make_paged_batch
 
 
@@ -62,16 +64,19 @@ def test_fewer_query_rows_than_the_metadata_describes_is_rejected():
 def test_write_kv_with_a_mismatched_slot_mapping_is_rejected():
     key_cache = torch.zeros(4, 8, 2, 64)
     with pytest.raises(ValueError, match=r"slot_mapping must be \[3\]"):
-        write_kv(
-            torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), key_cache, key_cache.clone(), torch.tensor([1, 2])
-        )
+        write_kv(torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), key_cache, key_cache.clone(), torch.tensor([1, 2]))
 
 
 def test_metadata_on_another_device_than_the_query_is_rejected():
     batch = make_paged_batch([1], [10])
-    with pytest.raises(
-        ValueError, match=r"must be on one device; build the metadata with .*device=query.device"
-    ):
-        paged_attention(
-            batch.query.to("meta"), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125
-        )
+    with pytest.raises(ValueError, match=r"must be on one device; build the metadata with .*device=query.device"):
+        paged_attention(batch.query.to("meta"), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+
+
+def test_torch_path_works_outside_inference_mode_after_running_inside_it():
+    batch = make_paged_batch([1, 1], [40, 90], num_q_heads=8, num_kv_heads=2, seed=3)
+    kwargs = dict(scale=0.125, backend="torch")
+    with torch.inference_mode():
+        inside = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **kwargs)
+    outside = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **kwargs)
+    assert torch.equal(inside, outside)

@@ -15,6 +15,7 @@ import sys
 from itertools import product
 
 import pytest
+
 from hybridkv.kernels.triton_attention import launch_config
 
 # (kernel, pointer dtype, constexprs, compute capability); the launch shapes come from launch_config,
@@ -81,9 +82,7 @@ def _variants() -> list[Variant]:
         _attention_variant("fp16", 128, True, False, False, queries_per_kv=32),
         _attention_variant("bf16", 128, True, True, True, capability=80),
     ]
-    variants += [
-        _write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]
-    ]
+    variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
     return variants
 
@@ -109,10 +108,11 @@ def _signature(kernel, dtype: str) -> dict[str, str]:
 def _compile_all(variants: list[Variant]) -> list[str]:
     """Compile each variant; return one error line per failure (run in the subprocess)."""
     import triton
-    from hybridkv.kernels.triton_attention import paged_attention_kernel
-    from hybridkv.kernels.triton_cache_write import write_kv_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from hybridkv.kernels.triton_attention import paged_attention_kernel
+    from hybridkv.kernels.triton_cache_write import write_kv_kernel
 
     kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel}
     failures = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hybridkv.kernels import (
     PagedAttentionMetadata,
     allocate_kv_cache,
@@ -28,9 +29,7 @@ def test_num_blocks_for_budget_rounds_down():
 
 
 def test_num_blocks_for_budget_below_the_minimum_names_the_fix():
-    with pytest.raises(
-        ValueError, match=r"holds 4 blocks .* at least 9 are needed .*raise the KV cache budget"
-    ):
+    with pytest.raises(ValueError, match=r"holds 4 blocks .* at least 9 are needed .*raise the KV cache budget"):
         num_blocks_for_budget(4_500, 1_000, min_num_blocks=9)
 
 
