@@ -1,0 +1,124 @@
+"""The sampler: next tokens for a batch of logit rows, vectorised over the batch.
+
+Order of operations (vLLM's): penalties on the raw logits, then greedy rows take the argmax; other
+rows are divided by their temperature, filtered by top-k, top-p and min-p, and sampled. Sampling
+is an exponential race (argmax of probs / q with q ~ Exp(1)), equivalent to drawing from probs; a
+seeded row draws its q from its own generator, so its tokens do not depend on the rest of the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the unmodified logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of logits to sample: its params, its own generator if seeded, and its tokens so far."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top-k (token id, logprob) pairs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """One token per row of `logits` ([num_rows, vocab], float32), and its logprobs where asked."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
+    logits = _apply_penalties(logits, rows)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        index = torch.tensor(greedy, device=logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+        tokens[index] = _race(probs, [rows[i].generator for i in random_rows])
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                continue
+            values, ids = raw_logprobs[i].topk(k) if k else (raw_logprobs[i][:0], raw_logprobs[i][:0])
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+            logprobs[i] = TokenLogprobs(raw_logprobs[i, token_list[i]].item(), top)
+    return token_list, logprobs
+
+
+def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (transformers' rule: positive logits are
+    divided, negative ones multiplied); presence and frequency penalties over output tokens (OpenAI's
+    rule: logit -= frequency * count + presence * [count > 0])."""
+    penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not penalised:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in penalised:
+        params = rows[i].params
+        row = logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted({*rows[i].prompt_token_ids, *rows[i].output_token_ids}), dtype=torch.long)
+            seen = seen.to(row.device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if (params.presence_penalty or params.frequency_penalty) and rows[i].output_token_ids:
+            output = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(output, minlength=vocab).to(row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Softmax of logits / temperature after top-k, top-p and min-p, row by row settings."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    logits = logits / temperature
+    if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=device)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the first always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from each row of probs."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        q[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            q[i] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)

@@ -1,0 +1,116 @@
+import math
+
+import pytest
+import torch
+
+from hybridkv.sampler import SamplingRow, _apply_penalties, _filtered_probs, sample
+from hybridkv.sampling_params import SamplingParams
+
+
+def row(generator=None, prompt=(), output=(), **params):
+    return SamplingRow(SamplingParams(**params), generator, list(prompt), list(output))
+
+
+def seeded(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    tokens, logprobs = sample(logits, [row(temperature=0), row(temperature=0)])
+    assert tokens == [1, 0] and logprobs == [None, None]
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_k=2)])
+    assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+
+
+def test_top_p_drops_tokens_once_the_mass_above_reaches_p():
+    probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.7)])
+    assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    assert _filtered_probs(LOGITS, [SamplingParams(top_p=0.01)])[0].tolist() == pytest.approx([1, 0, 0, 0])
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
+    probs = _filtered_probs(LOGITS, [SamplingParams(min_p=0.5)])
+    assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+
+
+def test_temperature_sharpens_the_distribution():
+    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=0.5)])
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 2
+    assert probs[0].tolist() == pytest.approx((expected / expected.sum()).tolist())
+
+
+def test_samples_follow_the_distribution():
+    rows = [row(generator=seeded(0))]
+    counts = [0, 0, 0, 0]
+    for _ in range(4000):
+        counts[sample(LOGITS, rows)[0][0]] += 1
+    assert [c / 4000 for c in counts] == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=0.03)
+
+
+def test_seeded_row_draws_the_same_tokens_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    generator = seeded(7)
+    alone = [sample(logits[1:2], [row(generator)])[0][0] for _ in range(20)]
+    generator = seeded(7)
+    other = seeded(99)
+    in_batch = [sample(logits, [row(other), row(generator), row()])[0][1] for _ in range(20)]
+    assert in_batch == alone
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 3.0]])
+    out = _apply_penalties(logits, [row(prompt=[0], output=[1], repetition_penalty=2.0)])
+    assert out[0].tolist() == [1.0, -4.0, 1.0, 3.0]
+    assert logits[0].tolist() == [2.0, -2.0, 1.0, 3.0]  # the caller's logits are untouched
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 4)
+    out = _apply_penalties(logits, [row(prompt=[3], output=[1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)])
+    assert out[0].tolist() == [0.0, -(0.5 + 0.5), -(0.25 + 0.5), 0.0]
+
+
+def test_logprobs_are_the_raw_distribution_with_the_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    tokens, logprobs = sample(logits, [row(temperature=0, logprobs=2)])
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert tokens == [1]
+    assert logprobs[0].logprob == pytest.approx(expected[1].item())
+    assert [t for t, _ in logprobs[0].top] == [1, 2]
+    assert [v for _, v in logprobs[0].top] == pytest.approx([expected[1].item(), expected[2].item()])
+
+
+def test_logprobs_zero_returns_only_the_sampled_token():
+    _, logprobs = sample(torch.tensor([[0.0, 0.0]]), [row(temperature=0, logprobs=0)])
+    assert logprobs[0].top == [] and logprobs[0].logprob == pytest.approx(math.log(0.5))
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(temperature=-1), "temperature must be >= 0"),
+        (dict(top_p=0), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=0), "top_k must be -1"),
+        (dict(n=0), "n must be >= 1"),
+        (dict(max_tokens=0), "max_tokens must be >= 1"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens must be in"),
+        (dict(stop=[""]), "stop strings must be non-empty"),
+        (dict(presence_penalty=3), "presence_penalty must be in"),
+    ],
+)
+def test_invalid_params_name_the_rule(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params)
+
+
+def test_stop_accepts_one_string_or_many():
+    assert SamplingParams(stop="x").stop == ("x",)
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
