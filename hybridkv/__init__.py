@@ -1,3 +1,21 @@
 """hybridkv: a paged, hybrid-attention-aware KV-cache manager for Hugging Face transformers models."""
 
+from hybridkv.engine import EngineConfig, LLMEngine, min_num_blocks
+from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
+from hybridkv.patching import is_patched, patch, unpatch
+from hybridkv.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamDelta",
+    "is_patched",
+    "min_num_blocks",
+    "patch",
+    "unpatch",
+]

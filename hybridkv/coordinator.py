@@ -41,6 +41,22 @@ class KVCacheStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens: int) -> int:
+    """The most blocks one request of num_tokens tokens, computed in chunks of at most
+    max_chunk_tokens, holds at once: a full group holds a block per block_size tokens, a sliding
+    group never more than ceil((W-1)/block_size) + 1 blocks plus the chunk being computed."""
+    block_size = config.block_size
+    all_blocks = -(-num_tokens // block_size)
+    total = 0
+    for group in config.groups:
+        if group.sliding_window is None:
+            total += all_blocks
+        else:
+            window_blocks = -(-(group.sliding_window - 1) // block_size)
+            total += min(all_blocks, window_blocks + 1 + -(-max_chunk_tokens // block_size))
+    return total
+
+
 class KVCacheCoordinator:
     """Every group's manager over one shared block pool.
 
@@ -137,16 +153,34 @@ class KVCacheCoordinator:
                 manager.cache_blocks(request_id, request.block_hashes, num_full_blocks)
             manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
 
+    def restore(self, request_id: str, layout: list[list[bool]]) -> list[list[int]] | None:
+        """Give a request that holds nothing fresh blocks in the given layout (per group, True = a
+        real block, False = the null block), as it was swapped out; None, changing nothing, if the
+        pool lacks the blocks. Returns the new block ids of the real positions, per group."""
+        needed = sum(sum(group) for group in layout)
+        if needed > self.pool.num_free_blocks:
+            return None
+        restored = []
+        for manager, real in zip(self.managers, layout, strict=True):
+            new_blocks = self.pool.get_new_blocks(sum(real))
+            fresh = iter(new_blocks)
+            manager.req_to_blocks[request_id] = [next(fresh) if r else self.pool.null_block for r in real]
+            manager.num_cached_blocks[request_id] = 0
+            restored.append([b.block_id for b in new_blocks])
+        return restored
+
+    def layout(self, request_id: str) -> list[list[bool]]:
+        """Per group, which positions of the request's block list hold a real block."""
+        return [[not b.is_null for b in m.blocks_of(request_id)] for m in self.managers]
+
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""
         for manager in self.managers:
             manager.free(request_id)
 
     def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """The most blocks one request of num_tokens tokens, computed in chunks of at most
-        max_chunk_tokens, holds at once: a sliding group never holds more than its window + 1
-        blocks plus the chunk being computed."""
-        return sum(m.max_blocks_held(num_tokens, max_chunk_tokens) for m in self.managers)
+        """See blocks_for_request."""
+        return blocks_for_request(self.config, num_tokens, max_chunk_tokens)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (null block = 0)."""

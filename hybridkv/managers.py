@@ -39,10 +39,6 @@ class SingleTypeManager(ABC):
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """Index of the first block a query at position num_computed_tokens can attend to."""
 
-    def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        """The most real blocks a request of num_tokens tokens holds at once in this group."""
-        return -(-num_tokens // self.block_size)
-
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_to_blocks.get(request_id, [])
 
@@ -175,10 +171,6 @@ class SlidingWindowManager(SingleTypeManager):
 
     def first_needed_block(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
-
-    def max_blocks_held(self, num_tokens: int, max_chunk_tokens: int) -> int:
-        all_blocks = -(-num_tokens // self.block_size)
-        return min(all_blocks, self.num_window_blocks + 1 + -(-max_chunk_tokens // self.block_size))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)

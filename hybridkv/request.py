@@ -75,6 +75,8 @@ class KVRequest:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
+    WAITING_FOR_LEADER = "waiting_for_leader"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -82,13 +84,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self.value in ("stop", "length", "abort", "error")
 
 
 class Request(KVRequest):
     """A request as the scheduler and engine see it: KV state plus how to generate and when to stop."""
 
-    __slots__ = ("error", "num_preemptions", "params", "status")
+    __slots__ = ("error", "group", "num_preemptions", "params", "status", "stop_reason")
 
     def __init__(
         self,
@@ -101,7 +103,10 @@ class Request(KVRequest):
         self.params = params
         self.status = RequestStatus.WAITING
         self.error: str | None = None
+        self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        # The n samples of one prompt (n > 1): scheduled and preempted together; None when n == 1.
+        self.group: list[Request] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,158 @@
+"""The model runner: KV tensors, per-step metadata, one forward of the flattened batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.coordinator import KVCacheCoordinator
+from hybridkv.grouping import KVCacheConfig
+from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_cache
+from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
+from hybridkv.request import Request
+
+
+def attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's attention modules by layer index (the modules transformers calls the attention
+    function with)."""
+    layers: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is not None and type(module).__name__.endswith("Attention"):
+            layers[layer_idx] = module
+    return layers
+
+
+def execution_device(model: torch.nn.Module, module: torch.nn.Module) -> torch.device:
+    """Where a module computes: accelerate's hook on it or its nearest ancestor (offloaded weights
+    sit on the meta device until forward), else where its weights are."""
+    names = {id(m): name for name, m in model.named_modules()}
+    modules = dict(model.named_modules())
+    parts = names[id(module)].split(".") if names[id(module)] else []
+    for depth in range(len(parts), -1, -1):
+        hook = getattr(modules[".".join(parts[:depth])], "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(module.parameters()).device
+
+
+class ModelRunner:
+    """Runs one scheduled step as a single forward over all of its tokens.
+
+    One K and one V tensor per (group slot, device): slot s is shared by layer s of every group, and
+    a model spread over devices by accelerate gets that slot's tensors on each device that holds one
+    of its layers.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_config: KVCacheConfig,
+        num_blocks: int,
+        kv_dtype: torch.dtype,
+        backend: str | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_config = kv_config
+        self.block_size = kv_config.block_size
+        self.backend = backend
+        spec = kv_config.layer_spec
+        modules = attention_layers(model)
+        self.input_device = execution_device(model, model.get_input_embeddings())
+        caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        placements: list[tuple[int, int, int, torch.device]] = []
+        for group in kv_config.groups:
+            for slot, layer_idx in enumerate(group.layer_indices):
+                device = execution_device(model, modules[layer_idx])
+                if device not in caches:
+                    caches[device] = allocate_kv_cache(
+                        kv_config.num_kv_tensors,
+                        num_blocks,
+                        self.block_size,
+                        spec.num_kv_heads,
+                        spec.head_dim,
+                        kv_dtype,
+                        device,
+                    )
+                placements.append((layer_idx, group.group_id, slot, device))
+        # Metadata is built once per (device, group) each step; a layer reads the copy on its device.
+        self.devices = list(caches)
+        num_groups = len(kv_config.groups)
+        self.layers: dict[int, LayerKV] = {}
+        for layer_idx, group_id, slot, device in placements:
+            key_cache, value_cache = caches[device][slot]
+            index = self.devices.index(device) * num_groups + group_id
+            self.layers[layer_idx] = LayerKV(index, key_cache, value_cache)
+        self._caches = caches
+        self._swap_caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for tensors in caches.values() for k, _ in tensors)
+
+    def allocate_swap_space(self, num_cpu_blocks: int) -> None:
+        """CPU copies of every KV tensor, num_cpu_blocks blocks each (pinned when the cache is on CUDA)."""
+        if num_cpu_blocks == 0:
+            return
+        for device, tensors in self._caches.items():
+            pin = device.type == "cuda"
+            self._swap_caches[device] = [
+                (
+                    torch.empty((num_cpu_blocks, *k.shape[1:]), dtype=k.dtype, pin_memory=pin),
+                    torch.empty((num_cpu_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=pin),
+                )
+                for k, v in tensors
+            ]
+
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks device -> CPU (device id, CPU id), then CPU -> device (CPU id, device id), in
+        every KV tensor: a block id is one page in each of them."""
+        for pairs, outbound in ((swap_out, True), (swap_in, False)):
+            if not pairs:
+                continue
+            for device, tensors in self._caches.items():
+                device_ids = torch.tensor([p[0] if outbound else p[1] for p in pairs], device=device)
+                cpu_ids = torch.tensor([p[1] if outbound else p[0] for p in pairs])
+                for (key, value), (cpu_key, cpu_value) in zip(tensors, self._swap_caches[device], strict=True):
+                    if outbound:
+                        cpu_key[cpu_ids] = key[device_ids].to("cpu")
+                        cpu_value[cpu_ids] = value[device_ids].to("cpu")
+                    else:
+                        key[device_ids] = cpu_key[cpu_ids].to(device)
+                        value[device_ids] = cpu_value[cpu_ids].to(device)
+
+    def execute(
+        self,
+        scheduled: Sequence[tuple[Request, int]],
+        coordinator: KVCacheCoordinator,
+        logits_rows: Sequence[int],
+    ) -> torch.Tensor:
+        """Compute the scheduled tokens and return float32 logits for the given flattened rows."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            input_ids.extend(request.token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            query_lens.append(num_new)
+            seq_lens.append(start + num_new)
+        tables = [coordinator.block_ids(request.request_id) for request, _ in scheduled]
+        metadata = [
+            PagedAttentionMetadata.build(
+                query_lens, seq_lens, [table[group.group_id] for table in tables], self.block_size, device
+            )
+            for device in self.devices
+            for group in self.kv_config.groups
+        ]
+        device = self.input_device
+        step = StepContext(self.layers, metadata, self.backend)
+        with torch.inference_mode(), step_running():
+            output = self.model(
+                input_ids=torch.tensor([input_ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                logits_to_keep=torch.tensor(logits_rows, dtype=torch.long, device=device),
+                use_cache=False,
+                **{STEP_KWARG: step},
+            )
+        return output.logits[0].float()

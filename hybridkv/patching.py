@@ -1,0 +1,43 @@
+"""`hybridkv.patch(model)` and `hybridkv.unpatch(model)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.patches import attention
+
+# The engine lives in the model's __dict__ while patched: a plain reference cycle, collected with the
+# model, and removed by unpatch (a global registry would keep every patched model alive).
+_ENGINE_ATTR = "_hybridkv_engine"
+
+
+def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEngine:
+    """Serve `model` through hybridkv: returns an engine bound to it.
+
+    The model stays an ordinary transformers model: called directly it behaves exactly as before.
+    Patching an already patched model returns its engine when the settings are the same, and
+    rebuilds it (freeing the old KV cache) when they differ. Settings: see `EngineConfig`.
+    """
+    engine_config = EngineConfig(**config)
+    engine = model.__dict__.get(_ENGINE_ATTR)
+    if engine is not None:
+        if engine.config == engine_config and engine.tokenizer is tokenizer:
+            return engine
+        unpatch(model)
+    engine = LLMEngine(model, tokenizer, engine_config)
+    attention.install(model)
+    model.__dict__[_ENGINE_ATTR] = engine
+    return engine
+
+
+def unpatch(model: torch.nn.Module) -> None:
+    """Restore the model's own attention implementation and drop the engine and its KV cache."""
+    if model.__dict__.pop(_ENGINE_ATTR, None) is not None:
+        attention.uninstall(model)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return _ENGINE_ATTR in model.__dict__

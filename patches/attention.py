@@ -1,0 +1,162 @@
+"""hybridkv's attention, plugged in through transformers' own extension points.
+
+`AttentionInterface.register("hybridkv", ...)` and `AttentionMaskInterface.register("hybridkv", ...)`,
+then `model.set_attn_implementation("hybridkv")`. Inside an engine step the model's forward receives a
+`hybridkv_step` keyword argument (a `StepContext`); transformers passes it, untouched, to every
+attention call, which writes the layer's new K/V into its group's paged tensors and attends over them.
+The batch is one flattened sequence with explicit position ids, so no dense mask is built: the mask
+function returns None while a step runs.
+
+Called outside an engine step (a plain `model(...)` or `model.generate(...)` on a patched model), both
+functions hand over to the implementation the model had before it was patched, so the model behaves
+exactly as the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
+
+ATTN_IMPLEMENTATION = "hybridkv"
+STEP_KWARG = "hybridkv_step"
+
+_step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
+# id(config) -> the attention implementation the model had before it was patched.
+_original_implementation: dict[int, str] = {}
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """Where one attention layer's K/V live: the tensors of its slot, and which entry of the step's
+    metadata list describes its group on its device."""
+
+    metadata_index: int
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every attention layer needs for one step: its tensors and its group's metadata
+    (one entry per (device, group))."""
+
+    layers: dict[int, LayerKV]
+    metadata: list[PagedAttentionMetadata]
+    backend: str | None = None
+
+
+@contextlib.contextmanager
+def step_running() -> Iterator[None]:
+    """Marks an engine forward, during which the mask function builds no mask."""
+    token = _step_running.set(True)
+    try:
+        yield
+    finally:
+        _step_running.reset(token)
+
+
+def hybridkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: paged inside a step, the original implementation outside.
+
+    query `[1, q_heads, tokens, head_dim]`, key/value `[1, kv_heads, tokens, head_dim]` (after RoPE);
+    returns `[1, tokens, q_heads, head_dim]` as every transformers attention function does.
+    """
+    step: StepContext | None = kwargs.get(STEP_KWARG)
+    if step is None:
+        return _original_attention(module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    layer = step.layers[module.layer_idx]
+    metadata = step.metadata[layer.metadata_index]
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]
+    query_rows = query[0].transpose(0, 1)
+    write_kv(
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        layer.key_cache,
+        layer.value_cache,
+        metadata.slot_mapping,
+        backend=step.backend,
+    )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = paged_attention(
+        query_rows,
+        layer.key_cache,
+        layer.value_cache,
+        metadata,
+        scale=scaling,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+        backend=step.backend,
+    )
+    return out.unsqueeze(0), None
+
+
+def hybridkv_mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
+    """The registered mask function: no mask inside a step, the original mask outside."""
+    if _step_running.get():
+        return None
+    original = _original_implementation.get(id(config), "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
+
+
+def _original_attention(module: torch.nn.Module):
+    original = _original_implementation.get(id(module.config), "sdpa")
+    if original == "eager":
+        # Each modeling file has its own eager function (softcap, sinks, ...): use the module's.
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[original]
+
+
+def install(model: torch.nn.Module) -> None:
+    """Register hybridkv's functions (once per process) and switch the model to them."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hybridkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hybridkv_mask)
+    for config in _configs(model):
+        _original_implementation[id(config)] = config._attn_implementation or "eager"
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Switch the model back to the implementation it had before install()."""
+    configs = _configs(model)
+    original = _original_implementation.get(id(configs[0]), "sdpa")
+    model.set_attn_implementation(original)
+    for config in configs:
+        _original_implementation.pop(id(config), None)
+
+
+def is_installed(model: torch.nn.Module) -> bool:
+    return model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every distinct config object the model's modules read _attn_implementation from."""
+    seen: dict[int, Any] = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())

@@ -1,0 +1,104 @@
+"""Stateful property test: random add / step / abort against a tiny hybrid model, in both
+preemption modes and tiny pools, checking the memory manager's integrity after every rule."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from transformers import MinistralConfig, MinistralForCausalLM
+
+import hybridkv
+from hybridkv import SamplingParams
+
+torch.manual_seed(0)
+MODEL = MinistralForCausalLM(
+    MinistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=6,
+        max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.3,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+).eval()
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = None
+        self.ids: list[str] = []
+
+    @precondition(lambda self: self.engine is None)
+    @rule(mode=st.sampled_from(["recompute", "swap"]), extra_blocks=st.integers(0, 12), caching=st.booleans())
+    def build(self, mode, extra_blocks, caching):
+        settings_ = dict(block_size=4, max_model_len=48, max_num_batched_tokens=16, enable_prefix_caching=caching)
+        minimum = hybridkv.min_num_blocks(MODEL, **settings_)
+        self.engine = hybridkv.patch(
+            MODEL, **settings_, num_blocks=minimum + extra_blocks, preemption_mode=mode, swap_space=1 << 20
+        )
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(
+        length=st.integers(1, 40),
+        shared=st.booleans(),
+        max_tokens=st.integers(1, 8),
+        n=st.integers(1, 2),
+        temperature=st.sampled_from([0.0, 1.0]),
+    )
+    def add(self, length, shared, max_tokens, n, temperature):
+        prompt = ([7] * 12 + list(range(length)))[:40] if shared else [(3 * i + length) % 64 for i in range(length)]
+        params = SamplingParams(n=n, temperature=temperature, seed=length, max_tokens=max_tokens)
+        self.ids.append(self.engine.add_request(prompt, params))
+
+    @precondition(lambda self: self.engine is not None)
+    @rule()
+    def step(self):
+        self.engine.step()
+
+    @precondition(lambda self: self.engine is not None and self.ids)
+    @rule(index=st.integers(0, 50))
+    def abort(self, index):
+        self.engine.abort(self.ids[index % len(self.ids)])
+
+    @invariant()
+    def memory_manager_is_consistent(self):
+        if self.engine is None:
+            return
+        scheduler = self.engine.scheduler
+        holding = {r.request_id: r for r in scheduler.running}
+        self.engine.coordinator.check_integrity(holding)
+        for request in [*scheduler.waiting, *scheduler.swapped]:
+            assert self.engine.coordinator.block_ids(request.request_id) == [[], []]
+        in_swap = sum(len(record.cpu_block_ids) for record in scheduler.swap_records.values())
+        assert scheduler.swap_space.num_free_blocks + in_swap == scheduler.swap_space.num_blocks
+
+    def teardown(self):
+        if self.engine is None:
+            return
+        for _ in range(500):
+            if not self.engine.has_unfinished_requests():
+                break
+            self.engine.step()
+        assert not self.engine.has_unfinished_requests()
+        assert self.engine.stats()["blocks_in_use"] == 0
+        swap = self.engine.scheduler.swap_space
+        assert swap.num_free_blocks == swap.num_blocks
+        hybridkv.unpatch(MODEL)
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestEngineMachine = pytest.mark.slow(EngineMachine.TestCase)

@@ -1,0 +1,131 @@
+"""hybridkv's greedy output equals transformers' own generate, token for token, for every family.
+
+Each tiny model has a sliding window (16) smaller than the prompts (up to 150 tokens), so windows
+really slide, blocks really leave the window and the null block really appears in block tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridkv
+from hybridkv.request import Request
+from hybridkv.sampling_params import SamplingParams
+
+from tiny_models import FAMILIES, hf_greedy, prompts
+
+MAX_NEW = 16
+LENGTHS = (7, 33, 70, 150)
+TIE = 1e-5
+
+_cache: dict[str, tuple] = {}
+
+
+def family(name):
+    """The model and HF's reference for the standard prompts, built once per family."""
+    if name not in _cache:
+        model = FAMILIES[name]()
+        batch = prompts(LENGTHS)
+        _cache[name] = (model, batch, [hf_greedy(model, p, MAX_NEW) for p in batch])
+    return _cache[name]
+
+
+def assert_same_greedy(outputs, references):
+    """Token-for-token equality; a difference is accepted only where HF's top-2 logits tie."""
+    for output, (expected, logits) in zip(outputs, references, strict=True):
+        got = output.outputs[0].token_ids
+        for i, token in enumerate(expected):
+            if got[i] != token:
+                top2 = logits[i].topk(2).values
+                assert (top2[0] - top2[1]).abs().item() < TIE, (
+                    f"token {i} differs ({got[i]} vs HF {token}) without a tie: got {got}, HF {expected}"
+                )
+                break
+        else:
+            assert got == expected
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def name(request):
+    return request.param
+
+
+def test_default_settings_match_generate(name):
+    model, batch, references = family(name)
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    try:
+        assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+    finally:
+        hybridkv.unpatch(model)
+
+
+def test_chunked_prefill_matches_generate(name):
+    model, batch, references = family(name)
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    try:
+        assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+        assert llm.stats()["num_steps"] >= 150 // 24 + MAX_NEW
+    finally:
+        hybridkv.unpatch(model)
+
+
+def test_prefix_cache_hits_change_nothing(name):
+    model, _, _ = family(name)
+    shared = prompts((9, 30, 45), seed=2, shared_prefix=100)
+    references = [hf_greedy(model, p, MAX_NEW) for p in shared]
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_batched_tokens=64)
+    try:
+        assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+        first_hits = llm.stats()["prefix_cache_hits"]
+        assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+        assert llm.stats()["prefix_cache_hits"] - first_hits >= 3 * 96
+    finally:
+        hybridkv.unpatch(model)
+
+
+def test_tiny_pools_wait_and_preempt_without_changing_output(name):
+    model, batch, references = family(name)
+    settings = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
+    min_blocks = hybridkv.min_num_blocks(model, **settings)
+    waited = preempted = 0
+    try:
+        # From room for the longest request alone upwards: the others must wait, and decodes that
+        # cross a block boundary must preempt.
+        for extra in (0, 1, 2, 4):
+            llm = hybridkv.patch(model, **settings, num_blocks=min_blocks + extra)
+            ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for p in batch]
+            done = {}
+            while llm.has_unfinished_requests():
+                for output in llm.step():
+                    done[output.request_id] = output
+                waited += bool(llm.scheduler.waiting and llm.scheduler.running)
+            assert_same_greedy([done[i] for i in ids], references)
+            preempted += llm.stats()["num_preemptions"]
+            assert llm.stats()["blocks_in_use"] == 0
+    finally:
+        hybridkv.unpatch(model)
+    assert waited and preempted
+
+
+def test_prefill_logits_match_forward(name):
+    model, batch, _ = family(name)
+    prompt = batch[-1]
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0].float()
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    try:
+        request = Request("logits", prompt, SamplingParams(), block_size=8)
+        first = 100  # two chunks: the second attends to the first through the paged cache
+        assert llm.coordinator.allocate_slots(request, first)
+        head = llm.runner.execute([(request, first)], llm.coordinator, list(range(first)))
+        request.num_computed_tokens = first
+        llm.coordinator.update_computed(request)
+        rest = len(prompt) - first
+        assert llm.coordinator.allocate_slots(request, rest)
+        tail = llm.runner.execute([(request, rest)], llm.coordinator, list(range(rest)))
+        llm.coordinator.free("logits")
+    finally:
+        hybridkv.unpatch(model)
+    got = torch.cat([head, tail])
+    assert (got - expected).abs().max().item() < 1e-4
