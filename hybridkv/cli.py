@@ -1,64 +1,147 @@
-"""The `hybridkv` command line."""
+"""The `hybridkv` command line: `hybridkv demo` and `hybridkv generate --model PATH --prompt ...`."""
 
 from __future__ import annotations
 
 import argparse
-import random
+import sys
+import time
 
-from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.grouping import group_layers
-from hybridkv.kv_spec import LayerSpec
-from hybridkv.request import KVRequest
+import torch
+
+import hybridkv
+from hybridkv.sampling_params import SamplingParams
+
+SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
+DEMO_PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox",
+    "Sliding windows forget, full attention remembers",
+    "A tiny model that dreamed of long contexts",
+]
 
 
-def demo(num_requests: int, seed: int) -> None:
-    """Serve a simulated workload on a Gemma-3-1B-shaped layout (26 layers, 5 sliding : 1 full,
-    window 512) and show what the hybrid memory manager holds compared with a full-attention cache."""
-    block_size, window = 16, 512
-    windows = [None if (i + 1) % 6 == 0 else window for i in range(26)]
-    specs = [LayerSpec(i, w, num_kv_heads=1, head_dim=256, dtype_bytes=2) for i, w in enumerate(windows)]
-    config = group_layers(specs, block_size)
-    coordinator = KVCacheCoordinator(config, num_blocks=4096)
-    print(f"layers: {len(specs)} ({windows.count(None)} full, {len(specs) - windows.count(None)} sliding, W={window})")
-    print(
-        f"groups: {len(config.groups)} of {config.group_size} layers, {config.padding_layers} padding slots "
-        f"({config.padding_fraction:.1%} of KV memory); block = {config.block_bytes / 1024:.0f} KiB"
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in a second on a few sentences (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
-    rng = random.Random(seed)
-    system_prompt = [rng.randrange(32_000) for _ in range(1024)]
-    requests = []
-    for i in range(num_requests):
-        prompt = system_prompt + [rng.randrange(32_000) for _ in range(rng.randrange(200, 2000))]
-        request = KVRequest(f"req-{i}", prompt, block_size)
-        hit = coordinator.find_longest_cache_hit(request)
-        if not coordinator.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
-            print(f"req-{i}: pool full, would wait")
-            continue
-        request.num_computed_tokens = request.num_tokens
-        coordinator.update_computed(request)
-        requests.append(request)
-        print(f"req-{i}: {request.num_tokens:>5} prompt tokens, {hit.num_tokens:>5} from the prefix cache")
-    stats = coordinator.stats()
-    held_bytes = stats.blocks_in_use * config.block_bytes
-    full_bytes = sum(r.num_tokens for r in requests) * specs[0].kv_bytes_per_token * len(specs)
-    print(f"blocks in use per group: {stats.blocks_in_use_per_group}")
-    print(
-        f"KV held: {held_bytes / 2**20:.1f} MiB vs {full_bytes / 2**20:.1f} MiB for a full-attention cache "
-        f"of the same tokens ({full_bytes / held_bytes:.1f}x less)"
+    tokenizer.train_from_iterator([SYSTEM_PROMPT, *DEMO_PROMPTS] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def tiny_gemma3(vocab_size: int):
+    """A random 6-layer Gemma-3-style model: 5 sliding-window layers (window 32) to 1 full layer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=32,
+        max_position_embeddings=1024,
+        initializer_range=0.03,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
-    print(f"prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} prompt tokens hit")
-    for request in requests:
-        coordinator.free(request.request_id)
-    coordinator.check_integrity()
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config).eval()
+
+
+def printable(text: str) -> str:
+    """Random weights produce control characters and broken bytes: show them as dots."""
+    return "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text)
+
+
+def demo(max_tokens: int) -> None:
+    """Generate on a tiny random hybrid model: stream one prompt, batch the rest, show the stats."""
+    torch.set_num_threads(1)
+    tokenizer = tiny_tokenizer()
+    model = tiny_gemma3(len(tokenizer))
+    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=512, block_size=8)
+    groups = ", ".join(
+        f"group {g.group_id}: {'full' if g.sliding_window is None else f'window {g.sliding_window}'} "
+        f"(layers {list(g.layer_indices)})"
+        for g in llm.kv_config.groups
+    )
+    print(f"tiny random Gemma-3-style model (its text is gibberish); KV cache groups: {groups}\n")
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=max_tokens)
+    print(f"streaming {DEMO_PROMPTS[0]!r} ->", end=" ", flush=True)
+    for delta in llm.stream(SYSTEM_PROMPT + DEMO_PROMPTS[0], params):
+        print(printable(delta.text), end="", flush=True)
+    print("\n")
+    start = time.perf_counter()
+    prompts = [SYSTEM_PROMPT + p for p in DEMO_PROMPTS * 4]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    for output in outputs[:4]:
+        print(f"[system prompt] {output.prompt[len(SYSTEM_PROMPT) :]!r} -> {printable(output.outputs[0].text)!r}")
+    stats = llm.stats()
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(
+        f"\n{len(outputs)} requests, {generated} tokens in {seconds:.2f} s ({generated / seconds:.0f} tokens/s); "
+        f"prefix cache hits: {stats['prefix_cache_hits']} of {stats['prefix_cache_queries']} prompt tokens; "
+        f"KV pool: {stats['num_blocks']} blocks of {stats['block_size']} tokens, "
+        f"{stats['kv_cache_bytes'] / 2**20:.1f} MiB"
+    )
+    hybridkv.unpatch(model)
+
+
+def generate(args: argparse.Namespace) -> None:
+    """Load a local checkpoint, patch it, stream the completion of each prompt, print the stats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
+    for prompt in args.prompt:
+        print(f"{prompt}", end="", flush=True)
+        for delta in llm.stream(prompt, params):
+            print(delta.text, end="", flush=True)
+        print()
+    stats = llm.stats()
+    print(
+        f"[{stats['num_generated_tokens']} tokens, {stats['tokens_per_second']:.1f} tokens/s, "
+        f"KV {stats['kv_cache_bytes'] / 2**20:.0f} MiB]",
+        file=sys.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybridkv", description="hybridkv command line")
+    parser = argparse.ArgumentParser(prog="hybridkv", description="Serve Hugging Face models through hybridkv")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="a short demonstration on a simulated workload")
-    demo_parser.add_argument("--requests", type=int, default=8)
-    demo_parser.add_argument("--seed", type=int, default=0)
+    demo_parser = commands.add_parser("demo", help="generate on a tiny random hybrid model, with stats")
+    demo_parser.add_argument("--max-tokens", type=int, default=24)
+    gen = commands.add_parser("generate", help="generate with a local checkpoint")
+    gen.add_argument("--model", required=True, help="a local folder with a transformers model and tokenizer")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        demo(args.requests, args.seed)
+        demo(args.max_tokens)
+    else:
+        generate(args)
     return 0

@@ -1,11 +1,44 @@
+import re
 import subprocess
 import sys
 
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-def test_demo_runs_and_reports_memory_and_prefix_hits():
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridkv", "demo", "--requests", "3"], capture_output=True, text=True, check=True
-    )
-    assert "groups: 7 of 4 layers, 2 padding slots" in result.stdout
-    assert "req-1:" in result.stdout and "1024 from the prefix cache" in result.stdout
-    assert "prefix cache: 2048 of" in result.stdout
+import hybridkv
+from hybridkv import SamplingParams
+
+from tiny_tokenizer import tiny_tokenizer
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "hybridkv", *args], capture_output=True, text=True, check=True)
+
+
+@pytest.mark.slow
+def test_demo_generates_on_a_tiny_hybrid_model_and_reports_stats():
+    out = run_cli("demo", "--max-tokens", "8").stdout
+    assert "KV cache groups: group 0: window 32" in out and "full (layers [5])" in out
+    assert "16 requests, 128 tokens" in out
+    hits, queries = map(int, re.search(r"prefix cache hits: (\d+) of (\d+)", out).groups())
+    assert 0 < hits < queries
+
+
+@pytest.mark.slow
+def test_generate_serves_a_local_checkpoint(tmp_path):
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = hybridkv.patch(model, tokenizer=tokenizer)
+    expected = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    result = run_cli("generate", "--model", str(tmp_path), "--prompt", "The quick", "--max-tokens", "6")
+    assert result.stdout == "The quick" + expected.outputs[0].text + "\n"
+    assert "6 tokens" in result.stderr
