@@ -120,6 +120,10 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         request_id = request.request_id
+        # Every group's list covers the same positions, so one length says whether any group needs a
+        # block (most decode steps need none).
+        if hit is None and num_total <= len(self.managers[0].blocks_of(request_id)) * self.block_size:
+            return True
         no_hit: list[KVBlock] = []
         num_needed = 0
         for manager in self.managers:

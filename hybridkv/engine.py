@@ -109,6 +109,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_seconds = 0.0
+        self.schedule_seconds = 0.0
+        self.update_seconds = 0.0
 
     # ---- sizing -------------------------------------------------------------------------------
 
@@ -208,6 +210,7 @@ class LLMEngine:
         touched: dict[str, _Tracked] = {t.request_id: t for t in self._rejected}
         self._rejected = []
         out = self.scheduler.schedule()
+        self.schedule_seconds += time.perf_counter() - start
         try:
             sampled = self._execute(out)
         except Exception as exc:  # the model or a kernel failed: fail this step's requests, keep serving
@@ -220,6 +223,7 @@ class LLMEngine:
                         self.scheduler.finish(member, RequestStatus.FINISHED_ERROR, error)
             sampled = {}
             out.scheduled = []
+        update_start = time.perf_counter()
         for request in self.scheduler.update(out, sampled, self.eos_token_ids):
             owner = self._owner(request)
             touched.setdefault(owner.request_id, owner)
@@ -243,7 +247,9 @@ class LLMEngine:
         for tracked in touched.values():
             if tracked.finished:
                 tracked.metrics.finished_time = now
-        self.step_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.update_seconds += end - update_start
+        self.step_seconds += end - start
         unclaimed, self._unclaimed = self._unclaimed, []
         return unclaimed + [self._output(t) for t in touched.values()]
 
@@ -395,6 +401,13 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "tokens_per_second": self.num_generated_tokens / self.step_seconds if self.step_seconds else 0.0,
+            "step_seconds": self.step_seconds,
+            "forward_seconds": self.runner.forward_seconds,
+            # Host work around the forward: scheduling, inputs and metadata, sampling, update.
+            "overhead_seconds": self.step_seconds - self.runner.forward_seconds,
+            "schedule_seconds": self.schedule_seconds,
+            "prepare_seconds": self.runner.prepare_seconds,
+            "update_seconds": self.update_seconds,
         }
 
 

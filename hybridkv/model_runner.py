@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -86,6 +87,8 @@ class ModelRunner:
             index = self.devices.index(device) * num_groups + group_id
             self.layers[layer_idx] = LayerKV(index, key_cache, value_cache)
         self._caches = caches
+        self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
+        self.forward_seconds = 0.0
         self._swap_caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for tensors in caches.values() for k, _ in tensors)
 
@@ -127,6 +130,7 @@ class ModelRunner:
         logits_rows: Sequence[int],
     ) -> torch.Tensor:
         """Compute the scheduled tokens and return float32 logits for the given flattened rows."""
+        start_time = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -138,15 +142,20 @@ class ModelRunner:
             query_lens.append(num_new)
             seq_lens.append(start + num_new)
         tables = [coordinator.block_ids(request.request_id) for request, _ in scheduled]
-        metadata = [
-            PagedAttentionMetadata.build(
-                query_lens, seq_lens, [table[group.group_id] for table in tables], self.block_size, device
-            )
-            for device in self.devices
-            for group in self.kv_config.groups
-        ]
+        metadata: list[PagedAttentionMetadata] = []
+        for device in self.devices:
+            first = None
+            for group in self.kv_config.groups:
+                rows = [table[group.group_id] for table in tables]
+                group_metadata = PagedAttentionMetadata.build(
+                    query_lens, seq_lens, rows, self.block_size, device, share_with=first
+                )
+                first = first or group_metadata
+                metadata.append(group_metadata)
         device = self.input_device
         step = StepContext(self.layers, metadata, self.backend)
+        forward_time = time.perf_counter()
+        self.prepare_seconds += forward_time - start_time
         with torch.inference_mode(), step_running():
             output = self.model(
                 input_ids=torch.tensor([input_ids], device=device),
@@ -155,4 +164,6 @@ class ModelRunner:
                 use_cache=False,
                 **{STEP_KWARG: step},
             )
-        return output.logits[0].float()
+        logits = output.logits[0].float()
+        self.forward_seconds += time.perf_counter() - forward_time
+        return logits

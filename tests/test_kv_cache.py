@@ -11,8 +11,11 @@ from hybridkv.kernels import (
     kv_bytes_per_block,
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
+    paged_attention,
     write_kv,
 )
+
+from kernel_reference import make_paged_batch
 
 BACKENDS = ["torch", "triton"]
 
@@ -136,3 +139,28 @@ def test_write_kv_of_only_padding_changes_nothing(backend):
     )
     assert torch.equal(key_cache, torch.full((2, 4, 1, 64), 3.0))
     assert torch.equal(value_cache, torch.full((2, 4, 1, 64), 3.0))
+
+
+def test_metadata_sharing_a_steps_layout_gives_identical_attention():
+    first = make_paged_batch([1, 5, 1], [40, 64, 90], num_q_heads=4, num_kv_heads=2, sliding_window=24, seed=5)
+    other = make_paged_batch([1, 5, 1], [40, 64, 90], num_q_heads=4, num_kv_heads=2, sliding_window=24, seed=6)
+    shared = PagedAttentionMetadata.build(
+        other.metadata.query_lens_list,
+        other.metadata.seq_lens_list,
+        other.metadata.block_table_rows,
+        other.metadata.block_size,
+        share_with=first.metadata,
+    )
+    kwargs = dict(scale=0.125, sliding_window=24, backend="torch")
+    first_out = paged_attention(first.query, first.key_cache, first.value_cache, first.metadata, **kwargs)
+    expected = paged_attention(other.query, other.key_cache, other.value_cache, other.metadata, **kwargs)
+    got = paged_attention(other.query, other.key_cache, other.value_cache, shared, **kwargs)
+    assert torch.equal(got, expected)
+    assert shared._layouts is first.metadata._layouts and first_out.shape == got.shape
+
+
+def test_sharing_metadata_of_another_step_is_refused():
+    a = make_paged_batch([1, 1], [40, 64], seed=1)
+    b = make_paged_batch([1, 1], [41, 64], seed=1)
+    with pytest.raises(ValueError, match="same step"):
+        PagedAttentionMetadata.build([1, 1], [41, 64], b.metadata.block_table_rows, 16, share_with=a.metadata)

@@ -114,3 +114,9 @@ def test_invalid_params_name_the_rule(params, message):
 def test_stop_accepts_one_string_or_many():
     assert SamplingParams(stop="x").stop == ("x",)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+
+
+def test_greedy_ties_go_to_the_first_index_as_in_transformers():
+    logits = torch.zeros(2, 1000)
+    logits[:, 7] = logits[:, 500] = 1.0
+    assert sample(logits, [row(temperature=0), row(temperature=0)])[0] == [7, 7]
