@@ -20,8 +20,9 @@ DEMO_PROMPTS = [
 ]
 
 
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer trained in a second on a few sentences (no download)."""
+def tiny_tokenizer(corpus: list[str] | None = None, vocab_size: int = 320):
+    """A byte-level BPE tokenizer with an `<eos>` token, trained in a second on a few sentences (the
+    demo's by default): no download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -29,12 +30,12 @@ def tiny_tokenizer():
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320,
+        vocab_size=vocab_size,
         special_tokens=["<eos>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator([SYSTEM_PROMPT, *DEMO_PROMPTS] * 10, trainer)
+    tokenizer.train_from_iterator(corpus or [SYSTEM_PROMPT, *DEMO_PROMPTS] * 10, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
 
 

@@ -1,11 +1,10 @@
-"""A small byte-level BPE tokenizer trained in-process (no downloads), with an EOS token."""
+"""The test suite's tokenizer: hybridkv's in-process BPE trainer on text with multi-byte characters."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from hybridkv.cli import tiny_tokenizer as train_tiny_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",
@@ -16,15 +15,5 @@ CORPUS = [
 
 
 @lru_cache(maxsize=1)
-def tiny_tokenizer(vocab_size: int = 256) -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+def tiny_tokenizer():
+    return train_tiny_tokenizer(CORPUS, vocab_size=256)
