@@ -121,6 +121,11 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
 
+    def close(self) -> None:
+        """Drop every link, the sentinels' included (they point at each other when empty)."""
+        self._head.next_free = self._tail.prev_free = None
+        self.num_free_blocks = 0
+
     def __iter__(self) -> Iterator[KVBlock]:
         block = self._head.next_free
         while block is not self._tail:
@@ -214,6 +219,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 released.append(block)
         self.free_queue.release(released)
+
+    def close(self) -> None:
+        """Unlink every block so the pool is freed by reference counting when dropped; unusable after."""
+        for block in self.blocks:
+            block.prev_free = block.next_free = None
+        self.free_queue.close()
+        self.blocks = []
+        self.cached = []
 
     def check_integrity(self) -> None:
         """Assert the pool's own accounting: every block is exactly one of null / free / used."""

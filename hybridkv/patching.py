@@ -35,8 +35,10 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEn
 
 def unpatch(model: torch.nn.Module) -> None:
     """Restore the model's own attention implementation and drop the engine and its KV cache."""
-    if model.__dict__.pop(_ENGINE_ATTR, None) is not None:
+    engine = model.__dict__.pop(_ENGINE_ATTR, None)
+    if engine is not None:
         attention.uninstall(model)
+        engine.close()
 
 
 def is_patched(model: torch.nn.Module) -> bool:

@@ -90,7 +90,7 @@ class RequestStatus(enum.Enum):
 class Request(KVRequest):
     """A request as the scheduler and engine see it: KV state plus how to generate and when to stop."""
 
-    __slots__ = ("error", "group", "num_preemptions", "params", "status", "stop_reason")
+    __slots__ = ("error", "group", "num_cached_tokens", "num_preemptions", "params", "status", "stop_reason")
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class Request(KVRequest):
         self.error: str | None = None
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
         # The n samples of one prompt (n > 1): scheduled and preempted together; None when n == 1.
         self.group: list[Request] | None = None
 

@@ -82,6 +82,7 @@ class Scheduler:
         self.swap_records: dict[str, SwapRecord] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.max_num_running = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -162,10 +163,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = hit.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
+        self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int, cap: int) -> int:

@@ -31,6 +31,13 @@ from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
 ATTN_IMPLEMENTATION = "hybridkv"
 STEP_KWARG = "hybridkv_step"
 
+# Keyword arguments transformers' attention modules pass that the paged path reads, and the ones it
+# may ignore (bookkeeping). Any other argument with a value could change the result: it is an error.
+_READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
+_IGNORED_KWARGS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
+)
+
 _step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
 # id(config) -> the attention implementation the model had before it was patched.
 _original_implementation: dict[int, str] = {}
@@ -86,6 +93,9 @@ def hybridkv_attention(
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    unknown = kwargs.keys() - _READ_KWARGS - _IGNORED_KWARGS
+    if unknown:
+        _check_unknown_inputs(module, {name: kwargs[name] for name in unknown})
     layer = step.layers[module.layer_idx]
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
@@ -112,6 +122,15 @@ def hybridkv_attention(
         backend=step.backend,
     )
     return out.unsqueeze(0), None
+
+
+def _check_unknown_inputs(module: torch.nn.Module, unknown: dict[str, Any]) -> None:
+    given = sorted(name for name, value in unknown.items() if value is not None)
+    if given:
+        raise ValueError(
+            f"{type(module).__name__} passes {given} to its attention function, which hybridkv's paged "
+            "attention does not implement; supporting it needs the kernels to read it (docs/adding_a_model.md)"
+        )
 
 
 def hybridkv_mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:

@@ -262,3 +262,56 @@ def test_generate_accepts_text_and_single_prompts(text_model):
         assert single.metrics.time_to_first_token is not None and single.metrics.finished_time is not None
     finally:
         hybridkv.unpatch(model)
+
+
+def test_metrics_count_the_prompt_tokens_taken_from_the_prefix_cache(gemma3):
+    model, batch, _ = gemma3
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    try:
+        first = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
+        again = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
+        assert first.metrics.num_cached_tokens == 0
+        assert again.metrics.num_cached_tokens == 144  # 18 full blocks; the last prompt token is computed
+    finally:
+        hybridkv.unpatch(model)
+
+
+def test_unpatch_closes_the_engine_and_frees_its_blocks_without_the_cycle_collector(gemma3):
+    import gc
+
+    from hybridkv.block_pool import KVBlock
+
+    def live_blocks():
+        return sum(type(o) is KVBlock for o in gc.get_objects())
+
+    model, batch, _ = gemma3
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_blocks()
+        llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+        llm.generate([batch[0]], GREEDY, use_tqdm=False)
+        num_blocks = llm.stats()["num_blocks"]
+        assert live_blocks() >= before + num_blocks
+        hybridkv.unpatch(model)
+        del llm
+        assert live_blocks() == before  # freed by reference counting alone, with the collector off
+    finally:
+        gc.enable()
+
+
+def test_an_engine_closed_by_unpatch_says_how_to_get_a_new_one(gemma3):
+    model, batch, _ = gemma3
+    llm = hybridkv.patch(model, max_model_len=256)
+    hybridkv.unpatch(model)
+    with pytest.raises(RuntimeError, match=r"call hybridkv\.patch\(model\) again"):
+        llm.generate([batch[0]], GREEDY, use_tqdm=False)
+
+
+def test_an_attention_input_the_kernels_do_not_implement_is_an_error():
+    from hybridkv.patches.attention import STEP_KWARG, hybridkv_attention
+
+    module = torch.nn.Module()
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"Module passes \['rope_bias'\].*does not implement"):
+        hybridkv_attention(module, q, q, q, None, **{STEP_KWARG: object(), "rope_bias": 1.0, "use_cache": True})
