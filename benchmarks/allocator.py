@@ -115,8 +115,7 @@ def main() -> None:
                 print(
                     f"{kind:<7}{hit_rate:>6.0%}{num_chunks:>7}{r['us_per_request']:>9.0f}{r['us_per_block']:>10.2f}"
                     f"{r['hit_rate']:>10.1%}{r['evictions']:>11}{r['peak_blocks_per_request']:>14.0f}"
-                    f"{vllm if hit_rate == 0.0 else float('nan'):>13.0f}"
-                    f"{(vllm / r['us_per_request']) if hit_rate == 0.0 else float('nan'):>8.1f}x"
+                    + (f"{vllm:>13.0f}{vllm / r['us_per_request']:>8.1f}x" if hit_rate == 0.0 else f"{'-':>13}{'-':>9}")
                 )
     print("vLLM us/req = the issue's reference per-request cost + 3.5 us x 128 blocks of hashing (0% hits only).")
 
