@@ -282,12 +282,7 @@ class LLMEngine:
             owner = self._owner(request)
             index = owner.members.index(request)
             sampling_rows.append(
-                SamplingRow(
-                    request.params,
-                    owner.generators[index],
-                    request.token_ids[: request.num_prompt_tokens],
-                    request.output_token_ids,
-                )
+                SamplingRow(request.params, owner.generators[index], request.token_ids, request.num_prompt_tokens)
             )
         tokens, logprobs = sample(logits, sampling_rows)
         for request, token_logprobs in zip(sampling, logprobs, strict=True):

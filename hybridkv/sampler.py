@@ -19,12 +19,17 @@ from hybridkv.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of logits to sample: its params, its own generator if seeded, and its tokens so far."""
+    """One row of logits to sample: its params, its own generator if seeded, and its tokens so far
+    (prompt then outputs; read only by the penalties, so nothing is copied per step otherwise)."""
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass(slots=True)
@@ -78,12 +83,13 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         params = rows[i].params
         row = logits[i]
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted({*rows[i].prompt_token_ids, *rows[i].output_token_ids}), dtype=torch.long)
+            seen = torch.tensor(sorted(set(rows[i].token_ids)), dtype=torch.long)
             seen = seen.to(row.device)
             values = row[seen]
             row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-        if (params.presence_penalty or params.frequency_penalty) and rows[i].output_token_ids:
-            output = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=row.device)
+        output_token_ids = rows[i].output_token_ids
+        if (params.presence_penalty or params.frequency_penalty) and output_token_ids:
+            output = torch.tensor(output_token_ids, dtype=torch.long, device=row.device)
             counts = torch.bincount(output, minlength=vocab).to(row.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
     return logits

@@ -3,12 +3,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hybridkv
 from hybridkv import SamplingParams
 
+from tiny_models import text_llama
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -28,13 +27,7 @@ def test_demo_generates_on_a_tiny_hybrid_model_and_reports_stats():
 @pytest.mark.slow
 def test_generate_serves_a_local_checkpoint(tmp_path):
     tokenizer = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = text_llama(len(tokenizer))
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     llm = hybridkv.patch(model, tokenizer=tokenizer)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hybridkv
 from hybridkv import SamplingParams
 
-from tiny_models import FAMILIES, hf_greedy, prompts
+from tiny_models import FAMILIES, hf_greedy, prompts, text_llama
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -26,20 +25,7 @@ def gemma3():
 @pytest.fixture(scope="module")
 def text_model():
     tokenizer = tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval(), tokenizer
+    return text_llama(len(tokenizer)), tokenizer
 
 
 def tokens(outputs):

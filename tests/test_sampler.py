@@ -8,7 +8,7 @@ from hybridkv.sampling_params import SamplingParams
 
 
 def row(generator=None, prompt=(), output=(), **params):
-    return SamplingRow(SamplingParams(**params), generator, list(prompt), list(output))
+    return SamplingRow(SamplingParams(**params), generator, [*prompt, *output], len(prompt))
 
 
 def seeded(seed):

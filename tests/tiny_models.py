@@ -142,3 +142,10 @@ def hf_greedy(model, prompt, max_new_tokens):
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), [logits[0].float() for logits in out.logits]
+
+
+def text_llama(vocab_size: int):
+    """A tiny Llama whose vocabulary matches a tokenizer's, for tests that go through text."""
+    config = LlamaConfig(**{**COMMON, "vocab_size": vocab_size, "num_hidden_layers": 2, "initializer_range": 0.3})
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
