@@ -134,14 +134,33 @@ class LLMEngine:
             return num_blocks_for_budget(config.kv_cache_memory, self.bytes_per_block, min_blocks)
         device = next(self.model.parameters()).device
         if device.type == "cuda":
+            activation_peak = self._profile_forward(device)
             free_bytes, total_bytes = torch.cuda.mem_get_info(device)
             return num_blocks_for_memory_utilization(
-                config.gpu_memory_utilization, free_bytes, total_bytes, self.bytes_per_block, min_blocks
+                config.gpu_memory_utilization,
+                free_bytes - activation_peak,
+                total_bytes,
+                self.bytes_per_block,
+                min_blocks,
             )
         # On the CPU: 1 GiB, but no more than max_num_seqs requests at max_model_len can use.
         most = _blocks_for_requests(self.kv_config, config, self.max_model_len, config.max_num_seqs)
         budget = min(DEFAULT_CPU_KV_CACHE_BYTES, most * self.bytes_per_block)
         return num_blocks_for_budget(budget, self.bytes_per_block, min_blocks)
+
+    def _profile_forward(self, device: torch.device) -> int:
+        """Bytes a forward of the largest step needs beyond what stays allocated (its activations),
+        measured with the model's own attention before the KV cache exists, as vLLM profiles."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros((1, num_tokens), dtype=torch.long, device=device), use_cache=False)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+        torch.cuda.empty_cache()
+        return peak
 
     # ---- requests -----------------------------------------------------------------------------
 
