@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.managers import FullAttentionManager, SingleTypeManager, SlidingWindowManager
+from hybridkv.managers import FullAttentionManager, SingleTypeManager, SlidingWindowManager, num_window_blocks
 from hybridkv.request import KVRequest
 
 
@@ -52,7 +52,7 @@ def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens:
         if group.sliding_window is None:
             total += all_blocks
         else:
-            window_blocks = -(-(group.sliding_window - 1) // block_size)
+            window_blocks = num_window_blocks(group.sliding_window, block_size)
             total += min(all_blocks, window_blocks + 1 + -(-max_chunk_tokens // block_size))
     return total
 

@@ -78,11 +78,8 @@ class LLMEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
-        self.kv_config: KVCacheConfig = group_layers(layer_specs_for_model(model, kv_dtype), config.block_size)
-        text_config = model.config.get_text_config()
-        self.vocab_size = text_config.vocab_size
-        self.max_model_len = config.max_model_len or text_config.max_position_embeddings
+        kv_dtype, self.kv_config, self.max_model_len = _kv_layout(model, config)
+        self.vocab_size = model.config.get_text_config().vocab_size
         spec = self.kv_config.layer_spec
         self.bytes_per_block = kv_bytes_per_block(
             self.kv_config.num_kv_tensors, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
@@ -442,12 +439,18 @@ def _blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_mod
     return 1 + count * blocks_for_request(kv_config, max_model_len, chunk)
 
 
+def _kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, KVCacheConfig, int]:
+    """The KV dtype, the KV cache groups and max_model_len that `config` gives for `model`."""
+    kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
+    kv_config = group_layers(layer_specs_for_model(model, kv_dtype), config.block_size)
+    max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
+    return kv_dtype, kv_config, max_model_len
+
+
 def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
     engine_config = EngineConfig(**config)
-    kv_dtype = engine_config.kv_cache_dtype or next(model.parameters()).dtype
-    kv_config = group_layers(layer_specs_for_model(model, kv_dtype), engine_config.block_size)
-    max_model_len = engine_config.max_model_len or model.config.get_text_config().max_position_embeddings
+    _, kv_config, max_model_len = _kv_layout(model, engine_config)
     return _blocks_for_requests(kv_config, engine_config, max_model_len, 1)
 
 

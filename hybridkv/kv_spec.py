@@ -26,10 +26,6 @@ class LayerSpec:
             raise ValueError(f"layer {self.layer_idx}: kv heads, head dim and dtype bytes must be positive")
 
     @property
-    def kind(self) -> str:
-        return "full" if self.sliding_window is None else f"sliding_window={self.sliding_window}"
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V for one token of this layer."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes

@@ -15,6 +15,11 @@ from collections.abc import Sequence
 from hybridkv.block_pool import BlockPool, KVBlock
 
 
+def num_window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks that hold the W - 1 keys before a block-aligned position: ceil((W - 1) / block_size)."""
+    return -(-(sliding_window - 1) // block_size)
+
+
 class SingleTypeManager(ABC):
     """Block lists of every request in one KV cache group."""
 
@@ -147,7 +152,7 @@ class SlidingWindowManager(SingleTypeManager):
     def __init__(self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int) -> None:
         super().__init__(group_id, pool, block_size)
         self.sliding_window = sliding_window
-        self.num_window_blocks = -(-(sliding_window - 1) // block_size)
+        self.num_window_blocks = num_window_blocks(sliding_window, block_size)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         cached = self.pool.cached[self.group_id]

@@ -11,32 +11,21 @@ from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import KVCacheConfig
 from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_cache
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
+from hybridkv.patches.families import attention_modules
 from hybridkv.request import Request
 
 
-def attention_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The model's attention modules by layer index (the modules transformers calls the attention
-    function with)."""
-    layers: dict[int, torch.nn.Module] = {}
-    for module in model.modules():
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is not None and type(module).__name__.endswith("Attention"):
-            layers[layer_idx] = module
-    return layers
-
-
-def execution_device(model: torch.nn.Module, module: torch.nn.Module) -> torch.device:
-    """Where a module computes: accelerate's hook on it or its nearest ancestor (offloaded weights
-    sit on the meta device until forward), else where its weights are."""
-    names = {id(m): name for name, m in model.named_modules()}
-    modules = dict(model.named_modules())
-    parts = names[id(module)].split(".") if names[id(module)] else []
+def execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device:
+    """Where the module `name` (in `dict(model.named_modules())`) computes: accelerate's hook on it or
+    its nearest ancestor (offloaded weights sit on the meta device until forward), else where its
+    weights are."""
+    parts = name.split(".") if name else []
     for depth in range(len(parts), -1, -1):
         hook = getattr(modules[".".join(parts[:depth])], "_hf_hook", None)
         device = getattr(hook, "execution_device", None)
         if device is not None:
             return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return next(module.parameters()).device
+    return next(modules[name].parameters()).device
 
 
 class ModelRunner:
@@ -60,13 +49,15 @@ class ModelRunner:
         self.block_size = kv_config.block_size
         self.backend = backend
         spec = kv_config.layer_spec
-        modules = attention_layers(model)
-        self.input_device = execution_device(model, model.get_input_embeddings())
+        named = dict(model.named_modules())
+        layer_names = {module.layer_idx: name for name, module in attention_modules(model).items()}
+        embeddings = model.get_input_embeddings()
+        self.input_device = execution_device(named, next(n for n, m in named.items() if m is embeddings))
         caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         placements: list[tuple[int, int, int, torch.device]] = []
         for group in kv_config.groups:
             for slot, layer_idx in enumerate(group.layer_indices):
-                device = execution_device(model, modules[layer_idx])
+                device = execution_device(named, layer_names[layer_idx])
                 if device not in caches:
                     caches[device] = allocate_kv_cache(
                         kv_config.num_kv_tensors,

@@ -167,10 +167,6 @@ def uninstall(model: torch.nn.Module) -> None:
         _original_implementation.pop(id(config), None)
 
 
-def is_installed(model: torch.nn.Module) -> bool:
-    return model.config._attn_implementation == ATTN_IMPLEMENTATION
-
-
 def _configs(model: torch.nn.Module) -> list[Any]:
     """Every distinct config object the model's modules read _attn_implementation from."""
     seen: dict[int, Any] = {id(model.config): model.config}

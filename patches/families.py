@@ -56,13 +56,21 @@ def check_supported(model: torch.nn.Module) -> Family:
     return family
 
 
+def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules transformers calls the attention function with, by qualified name: they carry a
+    `layer_idx` and their class name ends in "Attention"."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if getattr(module, "layer_idx", None) is not None and type(module).__name__.endswith("Attention")
+    }
+
+
 def layer_specs_for_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> list[LayerSpec]:
     """LayerSpecs from the model's config, checked against the window each attention module uses."""
     specs = layer_specs_from_config(model.config, kv_dtype)
-    for module in model.modules():
-        layer_idx = getattr(module, "layer_idx", None)
-        if layer_idx is None or not type(module).__name__.endswith("Attention"):
-            continue
+    for module in attention_modules(model).values():
+        layer_idx = module.layer_idx
         if not hasattr(module, "sliding_window"):
             continue
         window = module.sliding_window or None
