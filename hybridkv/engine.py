@@ -16,7 +16,7 @@ from hybridkv.grouping import KVCacheConfig, group_layers
 from hybridkv.kernels import kv_bytes_per_block, num_blocks_for_budget, num_blocks_for_memory_utilization
 from hybridkv.model_runner import ModelRunner
 from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
-from hybridkv.patches.families import check_supported, layer_specs_for_model
+from hybridkv.patches.inspection import ModelLayout, inspect_model
 from hybridkv.request import Request, RequestStatus
 from hybridkv.sampler import SamplingRow, TokenLogprobs, sample
 from hybridkv.sampling_params import SamplingParams
@@ -74,11 +74,10 @@ class LLMEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
-        check_supported(model)
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        kv_dtype, self.kv_config, self.max_model_len = _kv_layout(model, config)
+        kv_dtype, layout, self.kv_config, self.max_model_len = _kv_layout(model, config)
         self.vocab_size = model.config.get_text_config().vocab_size
         spec = self.kv_config.layer_spec
         self.bytes_per_block = kv_bytes_per_block(
@@ -96,7 +95,9 @@ class LLMEngine:
         )
         self.coordinator = KVCacheCoordinator(self.kv_config, num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
-        self.runner = ModelRunner(model, self.kv_config, num_blocks, kv_dtype, config.attention_backend)
+        self.runner = ModelRunner(
+            model, self.kv_config, layout.module_names, num_blocks, kv_dtype, config.attention_backend
+        )
         self.runner.allocate_swap_space(num_swap_blocks)
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self._tracked: dict[str, _Tracked] = {}
@@ -439,18 +440,20 @@ def _blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_mod
     return 1 + count * blocks_for_request(kv_config, max_model_len, chunk)
 
 
-def _kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, KVCacheConfig, int]:
-    """The KV dtype, the KV cache groups and max_model_len that `config` gives for `model`."""
+def _kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, ModelLayout, KVCacheConfig, int]:
+    """The KV dtype, the model's attention layout (measured by a probe forward), its KV cache groups and
+    max_model_len that `config` gives for `model`."""
     kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
-    kv_config = group_layers(layer_specs_for_model(model, kv_dtype), config.block_size)
+    layout = inspect_model(model, kv_dtype)
+    kv_config = group_layers(layout.specs, config.block_size)
     max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
-    return kv_dtype, kv_config, max_model_len
+    return kv_dtype, layout, kv_config, max_model_len
 
 
 def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
     engine_config = EngineConfig(**config)
-    _, kv_config, max_model_len = _kv_layout(model, engine_config)
+    _, _, kv_config, max_model_len = _kv_layout(model, engine_config)
     return _blocks_for_requests(kv_config, engine_config, max_model_len, 1)
 
 

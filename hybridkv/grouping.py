@@ -88,11 +88,17 @@ def group_layers(specs: list[LayerSpec], block_size: int) -> KVCacheConfig:
         raise ValueError("the model has no attention layers to cache")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    shapes = {(s.num_kv_heads, s.head_dim, s.dtype_bytes) for s in specs}
-    if len(shapes) > 1:
+    layers_by_shape: dict[tuple[int, int, int], list[int]] = {}
+    for spec in specs:
+        layers_by_shape.setdefault((spec.num_kv_heads, spec.head_dim, spec.dtype_bytes), []).append(spec.layer_idx)
+    if len(layers_by_shape) > 1:
+        found = "; ".join(
+            f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: {heads} kv heads of dim {dim}"
+            for (heads, dim, _), layers in layers_by_shape.items()
+        )
         raise ValueError(
-            "layers with different KV shapes (kv heads, head dim, dtype) cannot share one page size: "
-            f"found {sorted(shapes)}; hybridkv needs every attention layer to store the same KV shape"
+            f"hybridkv needs every attention layer to store one K/V shape (KV cache groups share one page "
+            f"size), but {found}; per-layer KV shapes (e.g. Gemma 4's global_head_dim) are not supported yet"
         )
     layers_by_window: dict[int | None, list[int]] = {}
     for spec in specs:

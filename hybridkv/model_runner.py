@@ -11,21 +11,8 @@ from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import KVCacheConfig
 from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_cache
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
-from hybridkv.patches.families import attention_modules
+from hybridkv.patches.inspection import execution_device, input_device
 from hybridkv.request import Request
-
-
-def execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device:
-    """Where the module `name` (in `dict(model.named_modules())`) computes: accelerate's hook on it or
-    its nearest ancestor (offloaded weights sit on the meta device until forward), else where its
-    weights are."""
-    parts = name.split(".") if name else []
-    for depth in range(len(parts), -1, -1):
-        hook = getattr(modules[".".join(parts[:depth])], "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return next(modules[name].parameters()).device
 
 
 class ModelRunner:
@@ -40,6 +27,7 @@ class ModelRunner:
         self,
         model: torch.nn.Module,
         kv_config: KVCacheConfig,
+        module_names: dict[int, str],
         num_blocks: int,
         kv_dtype: torch.dtype,
         backend: str | None = None,
@@ -50,14 +38,12 @@ class ModelRunner:
         self.backend = backend
         spec = kv_config.layer_spec
         named = dict(model.named_modules())
-        layer_names = {module.layer_idx: name for name, module in attention_modules(model).items()}
-        embeddings = model.get_input_embeddings()
-        self.input_device = execution_device(named, next(n for n, m in named.items() if m is embeddings))
+        self.input_device = input_device(model)
         caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         placements: list[tuple[int, int, int, torch.device]] = []
         for group in kv_config.groups:
             for slot, layer_idx in enumerate(group.layer_indices):
-                device = execution_device(named, layer_names[layer_idx])
+                device = execution_device(named, module_names[layer_idx])
                 if device not in caches:
                     caches[device] = allocate_kv_cache(
                         kv_config.num_kv_tensors,
@@ -76,7 +62,8 @@ class ModelRunner:
         for layer_idx, group_id, slot, device in placements:
             key_cache, value_cache = caches[device][slot]
             index = self.devices.index(device) * num_groups + group_id
-            self.layers[layer_idx] = LayerKV(index, key_cache, value_cache)
+            window = kv_config.groups[group_id].sliding_window
+            self.layers[layer_idx] = LayerKV(index, key_cache, value_cache, window)
         self._caches = caches
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0

@@ -32,25 +32,30 @@ ATTN_IMPLEMENTATION = "hybridkv"
 STEP_KWARG = "hybridkv_step"
 
 # Keyword arguments transformers' attention modules pass that the paged path reads, and the ones it
-# may ignore (bookkeeping). Any other argument with a value could change the result: it is an error.
-_READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
-_IGNORED_KWARGS = frozenset(
+# may ignore (bookkeeping). Any other argument with a value could change the result: the probe at patch
+# time (patches/inspection.py) refuses a model whose layers pass one.
+READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
+IGNORED_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
 )
 
 _step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
+# The recorder of patches/inspection.py while its probe forward runs.
+_probe: ContextVar[Any] = ContextVar("hybridkv_probe", default=None)
 # id(config) -> the attention implementation the model had before it was patched.
 _original_implementation: dict[int, str] = {}
 
 
 @dataclass(slots=True)
 class LayerKV:
-    """Where one attention layer's K/V live: the tensors of its slot, and which entry of the step's
-    metadata list describes its group on its device."""
+    """Where one attention layer's K/V live (the tensors of its slot), which entry of the step's
+    metadata list describes its group on its device, and the window the layer attends with: the
+    layout's, the same one its group's manager frees blocks by."""
 
     metadata_index: int
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    sliding_window: int | None
 
 
 @dataclass(slots=True)
@@ -61,6 +66,16 @@ class StepContext:
     layers: dict[int, LayerKV]
     metadata: list[PagedAttentionMetadata]
     backend: str | None = None
+
+
+@contextlib.contextmanager
+def probing(probe: Any) -> Iterator[None]:
+    """Marks the probe forward of patches/inspection.py: both functions report to `probe`."""
+    token = _probe.set(probe)
+    try:
+        yield
+    finally:
+        _probe.reset(token)
 
 
 @contextlib.contextmanager
@@ -88,15 +103,22 @@ def hybridkv_attention(
     query `[1, q_heads, tokens, head_dim]`, key/value `[1, kv_heads, tokens, head_dim]` (after RoPE);
     returns `[1, tokens, q_heads, head_dim]` as every transformers attention function does.
     """
-    step: StepContext | None = kwargs.get(STEP_KWARG)
-    if step is None:
+    step = kwargs.get(STEP_KWARG)
+    if type(step) is not StepContext:
+        probe = _probe.get()
+        if probe is not None:
+            return probe.record(module, query, key, value, attention_mask, kwargs)
+        kwargs.pop(STEP_KWARG, None)
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    unknown = kwargs.keys() - _READ_KWARGS - _IGNORED_KWARGS
-    if unknown:
-        _check_unknown_inputs(module, {name: kwargs[name] for name in unknown})
     layer = step.layers[module.layer_idx]
+    passed_window = kwargs.get("sliding_window")
+    if passed_window and passed_window != layer.sliding_window:
+        raise ValueError(
+            f"layer {module.layer_idx} passes sliding_window={passed_window} to attention, but hybridkv's "
+            f"layout gives it {layer.sliding_window}; the model changed since it was patched: patch it again"
+        )
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     query_rows = query[0].transpose(0, 1)
@@ -116,7 +138,7 @@ def hybridkv_attention(
         layer.value_cache,
         metadata,
         scale=scaling,
-        sliding_window=kwargs.get("sliding_window"),
+        sliding_window=layer.sliding_window,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         backend=step.backend,
@@ -124,19 +146,13 @@ def hybridkv_attention(
     return out.unsqueeze(0), None
 
 
-def _check_unknown_inputs(module: torch.nn.Module, unknown: dict[str, Any]) -> None:
-    given = sorted(name for name, value in unknown.items() if value is not None)
-    if given:
-        raise ValueError(
-            f"{type(module).__name__} passes {given} to its attention function, which hybridkv's paged "
-            "attention does not implement; supporting it needs the kernels to read it (docs/adding_a_model.md)"
-        )
-
-
 def hybridkv_mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """The registered mask function: no mask inside a step, the original mask outside."""
     if _step_running.get():
         return None
+    probe = _probe.get()
+    if probe is not None:
+        return probe.mask(*args, config=config, **kwargs)
     original = _original_implementation.get(id(config), "sdpa")
     return ALL_MASK_ATTENTION_FUNCTIONS[original](*args, config=config, **kwargs)
 

@@ -1,13 +1,17 @@
 """Layer kinds from a Hugging Face config: which layers attend fully and which through a window.
 
-transformers' own configs describe hybrid layouts with `layer_types` (Gemma 2 alternating, Gemma 3
-5 local : 1 global, GPT-OSS alternating, Cohere2 3 : 1, Ministral, Qwen2/3 from `use_sliding_window`
-and `max_window_layers`). Configs without it (Llama, Mistral, Phi-3) use one rule for every layer:
-a window when `sliding_window` is set, full attention otherwise.
+transformers' configs describe hybrid layouts with `layer_types` (Gemma 2 alternating, Gemma 3
+5 local : 1 global, GPT-OSS alternating, Cohere2 3 : 1, OLMo 3, Ministral; Qwen2/3 build it from
+`use_sliding_window` and `max_window_layers`). Configs without it (Llama, Mistral, Phi-3) use one rule
+for every layer: a window when `sliding_window` is set, full attention otherwise.
+
+The config is only the first witness: `patches/inspection.py` checks each layer's kind against what
+its attention module really does before anything is served.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,51 +20,78 @@ from hybridkv.kv_spec import LayerSpec
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
-def layer_windows(config: Any) -> list[int | None]:
-    """Per layer: None for full attention, W for a sliding window of W tokens."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+@dataclass(frozen=True, slots=True)
+class ConfigLayer:
+    """What the config declares for one decoder layer: its `layer_types` entry, and the window of a
+    sliding layer (None otherwise)."""
+
+    layer_type: str
+    sliding_window: int | None = None
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config: the text part of a multimodal config, the config itself otherwise."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def config_layers(config: Any) -> list[ConfigLayer]:
+    """Per decoder layer, as the config declares it. Layer types hybridkv does not implement are
+    returned as they are (the caller decides how to refuse them)."""
+    config = text_config(config)
     num_layers = config.num_hidden_layers
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError("this config uses bidirectional attention (an encoder); hybridkv serves causal decoders only")
-    window = getattr(config, "sliding_window", None)
+    window = getattr(config, "sliding_window", None) or None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        if getattr(config, "use_sliding_window", True) is False:
-            window = None
-        return [window] * num_layers
+        if getattr(config, "use_sliding_window", True) is False or window is None:
+            return [ConfigLayer(FULL_ATTENTION)] * num_layers
+        return [ConfigLayer(SLIDING_ATTENTION, window)] * num_layers
     if len(layer_types) != num_layers:
         raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers; fix the config")
-    windows: list[int | None] = []
+    layers = []
     for layer_idx, layer_type in enumerate(layer_types):
-        if layer_type == FULL_ATTENTION:
-            windows.append(None)
-        elif layer_type == SLIDING_ATTENTION:
+        if layer_type == SLIDING_ATTENTION:
             if window is None:
                 raise ValueError(
                     f"layer {layer_idx} is a sliding_attention layer but config.sliding_window is None; "
                     "set config.sliding_window"
                 )
-            windows.append(window)
+            layers.append(ConfigLayer(SLIDING_ATTENTION, window))
         else:
+            layers.append(ConfigLayer(layer_type))
+    return layers
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer: None for full attention, W for a sliding window of W tokens; a ValueError for a
+    layer type hybridkv does not implement, or for a bidirectional (encoder) config."""
+    if getattr(text_config(config), "use_bidirectional_attention", False) is True:
+        raise ValueError("this config uses bidirectional attention (an encoder); hybridkv serves causal decoders only")
+    windows = []
+    for layer_idx, layer in enumerate(config_layers(config)):
+        if layer.layer_type not in SUPPORTED_LAYER_TYPES:
             raise ValueError(
-                f"layer {layer_idx} has layer type {layer_type!r}; hybridkv supports "
+                f"layer {layer_idx} has layer type {layer.layer_type!r}; hybridkv supports "
                 f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r} layers"
             )
+        windows.append(layer.sliding_window)
     return windows
 
 
 def layer_specs_from_config(config: Any, dtype: torch.dtype | str | None = None) -> list[LayerSpec]:
-    """One LayerSpec per decoder layer. dtype defaults to the config's dtype (float32 if unset)."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    num_heads = text_config.num_attention_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-    dtype = dtype if dtype is not None else getattr(text_config, "dtype", None) or torch.float32
+    """One LayerSpec per decoder layer from the config alone (for planning memory from a published
+    config; a loaded model's layout comes from `patches.inspection.inspect_model`). dtype defaults to
+    the config's dtype (float32 if unset)."""
+    config = text_config(config)
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    dtype = dtype if dtype is not None else getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     return [
         LayerSpec(layer_idx, window, num_kv_heads, head_dim, dtype.itemsize)
-        for layer_idx, window in enumerate(layer_windows(text_config))
+        for layer_idx, window in enumerate(layer_windows(config))
     ]

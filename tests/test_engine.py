@@ -292,12 +292,3 @@ def test_an_engine_closed_by_unpatch_says_how_to_get_a_new_one(gemma3):
     hybridkv.unpatch(model)
     with pytest.raises(RuntimeError, match=r"call hybridkv\.patch\(model\) again"):
         llm.generate([batch[0]], GREEDY, use_tqdm=False)
-
-
-def test_an_attention_input_the_kernels_do_not_implement_is_an_error():
-    from hybridkv.patches.attention import STEP_KWARG, hybridkv_attention
-
-    module = torch.nn.Module()
-    q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(ValueError, match=r"Module passes \['rope_bias'\].*does not implement"):
-        hybridkv_attention(module, q, q, q, None, **{STEP_KWARG: object(), "rope_bias": 1.0, "use_cache": True})

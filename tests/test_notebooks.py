@@ -18,7 +18,7 @@ def test_the_four_notebooks_are_there():
         "01_quickstart.ipynb",
         "02_memory_anatomy.ipynb",
         "03_prefix_caching.ipynb",
-        "04_add_a_model.ipynb",
+        "04_when_a_model_is_refused.ipynb",
     ]
 
 

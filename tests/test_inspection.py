@@ -1,0 +1,187 @@
+"""The patch-time probe: a model is served by what its attention layers do, not by its name."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import masking_utils as mu
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.patches.inspection import _visibility_of_function, _visibility_of_tensor, inspect_model
+
+from tiny_models import COMMON, FAMILIES, WINDOW, hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def greedy(model, batch, **settings):
+    llm = hybridkv.patch(model, max_model_len=256, block_size=8, **settings)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    finally:
+        hybridkv.unpatch(model)
+
+
+# ---- reading masks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("function", "kind", "window"),
+    [
+        (mu.causal_mask_function, "causal", None),
+        (mu.sliding_window_causal_mask_function(4096), "window", 4096),
+        (mu.sliding_window_causal_mask_function(1), "window", 1),
+        (mu.chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long)), "other", None),
+        (mu.bidirectional_mask_function, "bidirectional", None),
+    ],
+    ids=["causal", "window-4096", "window-1", "chunked", "bidirectional"],
+)
+def test_mask_functions_are_read_far_beyond_the_probe(function, kind, window):
+    visibility = _visibility_of_function(function, horizon=1 << 16)
+    assert (visibility.kind, visibility.window, visibility.exact) == (kind, window, True)
+
+
+def test_a_mask_function_that_reads_a_probe_sized_tensor_is_left_to_the_materialized_mask():
+    padding = mu.padding_mask_function(torch.ones(1, 40, dtype=torch.bool))
+    assert _visibility_of_function(mu.and_masks(mu.causal_mask_function, padding), horizon=1 << 16) is None
+
+
+def test_materialized_masks_show_windows_shorter_than_the_probe():
+    sliding = mu.sdpa_mask(
+        1, 12, 12, mask_function=mu.sliding_window_causal_mask_function(5), allow_is_causal_skip=False
+    )
+    causal = mu.eager_mask(1, 12, 12, mask_function=mu.causal_mask_function)  # float: 0 visible, min hidden
+    assert _visibility_of_tensor(sliding) == _visibility_of_function(mu.sliding_window_causal_mask_function(5), 64)
+    assert (_visibility_of_tensor(causal).kind, _visibility_of_tensor(causal).exact) == ("causal", False)
+
+
+# ---- one source of truth for windows -----------------------------------------------------------
+
+
+def qwen2_moe_sliding():
+    config = Qwen2MoeConfig(
+        **{**COMMON, "num_hidden_layers": 4},
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(config).eval()
+
+
+def test_a_window_given_only_through_the_mask_is_the_layout_window():
+    model = qwen2_moe_sliding()
+    layout = inspect_model(model, torch.float32)
+    assert [spec.sliding_window for spec in layout.specs] == [WINDOW, None, WINDOW, None]
+    batch = prompts((40, 150))
+    assert greedy(model, batch) == [hf_greedy(model, p, 12)[0] for p in batch]
+
+
+def test_a_mask_without_the_declared_window_is_refused(monkeypatch):
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    model = qwen2_moe_sliding()
+    monkeypatch.setattr(modeling_qwen2_moe, "create_sliding_window_causal_mask", mu.create_causal_mask)
+    with pytest.raises(
+        ValueError,
+        match=r"layers 0, 2: the mask keeps every earlier key, but the config declares a sliding window of 16",
+    ):
+        hybridkv.patch(model)
+    assert not hybridkv.is_patched(model)
+
+
+def test_a_passed_window_that_disagrees_with_the_config_is_refused():
+    model = FAMILIES["gemma3_text"]()
+    model.config.sliding_window = 8  # the masks follow the config, the modules still pass 16
+    with pytest.raises(
+        ValueError,
+        match=r"layers 0, 1, 2, 3, 4: the layer passes sliding_window=16 to attention, but its config declares "
+        r"a sliding window of 8",
+    ):
+        hybridkv.patch(model)
+
+
+def test_the_window_a_model_really_uses_is_served_exactly():
+    model = FAMILIES["gemma3_text"]()
+    model.config.sliding_window = 8
+    for module in model.modules():
+        if getattr(module, "sliding_window", None):
+            module.sliding_window = 8
+    assert [spec.sliding_window for spec in inspect_model(model, torch.float32).specs] == [8] * 5 + [None]
+    batch = prompts((30, 100))
+    assert greedy(model, batch) == [hf_greedy(model, p, 12)[0] for p in batch]
+
+
+def test_a_window_changed_after_patching_fails_the_step_loudly():
+    model = FAMILIES["gemma3_text"]()
+    llm = hybridkv.patch(model, max_model_len=256)
+    try:
+        for module in model.modules():
+            if getattr(module, "sliding_window", None):
+                module.sliding_window = 8
+        (output,) = llm.generate([prompts((30,))[0]], GREEDY, use_tqdm=False)
+        assert output.outputs[0].finish_reason == "error"
+        assert "passes sliding_window=8 to attention, but hybridkv's layout gives it 16" in output.error
+        assert llm.stats()["blocks_in_use"] == 0
+    finally:
+        hybridkv.unpatch(model)
+
+
+# ---- layers that do not go through the attention interface -------------------------------------
+
+
+def test_a_layer_that_bypasses_the_attention_interface_is_refused():
+    model = FAMILIES["llama"]()
+    attn = model.model.layers[1].self_attn
+
+    def own_attention(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+    attn.forward = types.MethodType(own_attention, attn)
+    with pytest.raises(ValueError, match=r"layer 1: LlamaAttention never calls transformers' attention interface"):
+        hybridkv.patch(model)
+
+
+def test_a_layer_that_drops_the_forward_keyword_arguments_is_refused():
+    model = FAMILIES["llama"]()
+    attn = model.model.layers[0].self_attn
+    original = attn.forward
+    attn.forward = lambda hidden_states, position_embeddings, attention_mask, **kwargs: original(
+        hidden_states, position_embeddings, attention_mask
+    )
+    with pytest.raises(ValueError, match=r"layer 0: LlamaAttention does not pass the forward's keyword arguments"):
+        hybridkv.patch(model)
+
+
+def test_an_attention_input_the_kernels_do_not_implement_is_refused_at_patch_time():
+    model = FAMILIES["llama"]()
+    attn = model.model.layers[0].self_attn
+    original = attn.forward
+    attn.forward = lambda *args, **kwargs: original(*args, **kwargs, rope_bias=1.0)
+    with pytest.raises(ValueError, match=r"layer 0: LlamaAttention passes \['rope_bias'\].*does not implement"):
+        hybridkv.patch(model)
+
+
+def test_a_model_that_cannot_run_the_probe_says_what_a_model_needs():
+    model = FAMILIES["llama"]()
+    model.model.embed_tokens.forward = lambda ids: (_ for _ in ()).throw(RuntimeError("broken embedding"))
+    with pytest.raises(ValueError, match=r"40-token forward.*broken embedding.*plain causal forward"):
+        hybridkv.patch(model)
+
+
+def test_the_probe_leaves_an_unpatched_model_as_it_was():
+    model = FAMILIES["gemma2"]()
+    before = model.config._attn_implementation
+    inspect_model(model, torch.float32)
+    assert model.config._attn_implementation == before
+    batch = prompts((20,))
+    assert greedy(model, batch) == [hf_greedy(model, batch[0], 12)[0]]
