@@ -79,6 +79,7 @@ class LLMEngine:
         self.config = config
         kv_dtype, layout, self.kv_config, self.max_model_len = _kv_layout(model, config)
         self.vocab_size = model.config.get_text_config().vocab_size
+        self.media_token_ids = _media_token_ids(model.config)
         spec = self.kv_config.layer_spec
         self.bytes_per_block = kv_bytes_per_block(
             self.kv_config.num_kv_tensors, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
@@ -198,15 +199,22 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to hybridkv.patch or give token ids")
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            return prompt, list(ids)
-        ids = [int(t) for t in prompt]
+            text, ids = prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        else:
+            text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
-        return None, ids
+        media = self.media_token_ids.keys() & set(ids)
+        if media:
+            token = min(media)
+            raise ValueError(
+                f"the prompt holds token {token}, the model's {self.media_token_ids[token]}; hybridkv serves "
+                "text prompts only (image, video and audio inputs are not supported yet): remove it"
+            )
+        return text, ids
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; every block it held, on the device or in swap space, is returned."""
@@ -471,6 +479,18 @@ def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm  # only when asked: in Jupyter without ipywidgets tqdm.auto warns on import
 
     return tqdm(total=total, desc="hybridkv", unit="req")
+
+
+def _media_token_ids(config: Any) -> dict[int, str]:
+    """The placeholder ids a multimodal config reserves for image, video and audio inputs, each with
+    the config field that names it."""
+    found = {}
+    for kind in ("image", "video", "audio"):
+        for field in (f"{kind}_token_id", f"{kind}_token_index"):
+            token = getattr(config, field, None)
+            if isinstance(token, int):
+                found[token] = f"{kind} placeholder (config.{field})"
+    return found
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

@@ -185,3 +185,36 @@ def test_the_probe_leaves_an_unpatched_model_as_it_was():
     assert model.config._attn_implementation == before
     batch = prompts((20,))
     assert greedy(model, batch) == [hf_greedy(model, batch[0], 12)[0]]
+
+
+# ---- multimodal wrappers -----------------------------------------------------------------------
+
+
+def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was():
+    from model_zoo import ZOO
+
+    model = ZOO["gemma3"]()
+    vision = model.config.vision_config
+    pixels = torch.randn(
+        1, vision.num_channels, vision.image_size, vision.image_size, generator=torch.Generator().manual_seed(0)
+    )
+    with torch.inference_mode():
+        before = model.model.get_image_features(pixel_values=pixels).pooler_output
+    model.config.image_token_index = 200  # the tiny vocabulary (256) does not hold Gemma 3's own id
+    llm = hybridkv.patch(model, max_model_len=256)
+    try:
+        with torch.inference_mode():
+            after = model.model.get_image_features(pixel_values=pixels).pooler_output
+        assert torch.equal(before, after)
+        placeholder = (
+            r"holds token 200, the model's image placeholder \(config.image_token_index\); .*text prompts only"
+        )
+        with pytest.raises(ValueError, match=placeholder):
+            llm.add_request([5, 200, 7])
+        batch = [[token for token in prompt if token != 200] for prompt in prompts((30, 120))]
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
+            hf_greedy(model, p, 12)[0] for p in batch
+        ]
+        assert llm.stats()["blocks_in_use"] == 0
+    finally:
+        hybridkv.unpatch(model)

@@ -1,3 +1,5 @@
+import types
+
 import pytest
 import torch
 from transformers import (
@@ -13,7 +15,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from hybridkv.patches.layer_kinds import layer_specs_from_config, layer_windows
+from hybridkv.patches.layer_kinds import ConfigLayer, config_layers, layer_specs_from_config, layer_windows
 
 S = 16  # a window smaller than test prompts
 
@@ -77,4 +79,34 @@ def test_sliding_layer_without_window_is_a_clear_error():
     config = LlamaConfig(num_hidden_layers=1)
     config.layer_types = ["sliding_attention"]
     with pytest.raises(ValueError, match=r"set config\.sliding_window"):
+        layer_windows(config)
+
+
+def test_config_layers_pass_unimplemented_layer_types_through_for_the_probe_to_refuse():
+    config = LlamaConfig(num_hidden_layers=3)
+    config.layer_types = ["linear_attention", "sliding_attention", "full_attention"]
+    config.sliding_window = S
+    assert config_layers(config) == [
+        ConfigLayer("linear_attention"),
+        ConfigLayer("sliding_attention", S),
+        ConfigLayer("full_attention"),
+    ]
+
+
+def test_a_zero_window_means_no_window():
+    config = MistralConfig(num_hidden_layers=2, sliding_window=0)
+    assert layer_windows(config) == [None, None]
+
+
+def test_bidirectional_attention_over_images_only_is_causal_for_text():
+    # Gemma 4's text config: bidirectional over image tokens only, so text-only use is causal.
+    config = types.SimpleNamespace(
+        num_hidden_layers=2,
+        sliding_window=S,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention="vision",
+    )
+    assert layer_windows(config) == [S, None]
+    config.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="bidirectional attention"):
         layer_windows(config)

@@ -1,10 +1,13 @@
-"""hybridkv's greedy output equals transformers' own generate, token for token, for every family.
+"""hybridkv's greedy output equals transformers' own generate, token for token, for every family in
+the zoo (tests/model_zoo.py: every model type the README lists, multimodal wrappers fed text).
 
-Each tiny model has a sliding window (16) smaller than the prompts (up to 150 tokens), so windows
+Each tiny model's sliding window (16) is smaller than the prompts (up to 150 tokens), so windows
 really slide, blocks really leave the window and the null block really appears in block tables.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,7 +16,8 @@ import hybridkv
 from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
 
-from tiny_models import FAMILIES, hf_greedy, prompts
+from model_zoo import ZOO
+from tiny_models import hf_greedy, prompts
 
 MAX_NEW = 16
 LENGTHS = (7, 33, 70, 150)
@@ -25,7 +29,7 @@ _cache: dict[str, tuple] = {}
 def family(name):
     """The model and HF's reference for the standard prompts, built once per family."""
     if name not in _cache:
-        model = FAMILIES[name]()
+        model = ZOO[name]()
         batch = prompts(LENGTHS)
         _cache[name] = (model, batch, [hf_greedy(model, p, MAX_NEW) for p in batch])
     return _cache[name]
@@ -46,7 +50,7 @@ def assert_same_greedy(outputs, references):
             assert got == expected
 
 
-@pytest.fixture(params=sorted(FAMILIES))
+@pytest.fixture(params=sorted(ZOO))
 def name(request):
     return request.param
 
@@ -128,4 +132,9 @@ def test_prefill_logits_match_forward(name):
     finally:
         hybridkv.unpatch(model)
     got = torch.cat([head, tail])
-    assert (got - expected).abs().max().item() < 1e-4
+    if (got - expected).abs().max().item() >= 1e-4:
+        # An ill-conditioned tiny model (granite_swa: logits up to 11, fp32 error 1.3e-3) cannot be judged
+        # by 1e-4: then hybridkv must be no further from an fp64 forward than transformers' fp32 one.
+        with torch.inference_mode():
+            exact = copy.deepcopy(model).double()(torch.tensor([prompt])).logits[0]
+        assert (got.double() - exact).abs().max() <= (expected.double() - exact).abs().max()

@@ -1,0 +1,671 @@
+"""A zoo of tiny random transformers models, one builder per `model_type`, built from configs (no downloads).
+
+`ZOO` holds decoders whose attention a paged KV cache can serve: full, sliding-window and hybrid layouts,
+MoE, attention sinks, softcapping, layers without RoPE, KV shared across layers, and multimodal wrappers fed
+text only. It re-exports every family of tests/tiny_models.py (`FAMILIES`) and adds the other transformers
+5.23 model types that gave `generate`'s exact greedy tokens through hybridkv. `REFUSED` holds families
+hybridkv must refuse, because their layers do not keep one K/V of one shape per token: linear attention,
+mamba, conv or recurrent state, multi-head latent attention, chunked attention, per-layer head dims, K head
+dim != V head dim, sparse or compressed attention.
+
+Every builder seeds torch with 0 and returns an fp32 model in eval() mode with a 256-token vocabulary,
+hidden size 64, 2-6 layers, and windows (`WINDOW`, 16) shorter than the test prompts so that they really
+slide. Initializer ranges are tuned per model so that greedy output is not one repeated token and changes
+when the first token of a 40-token prompt changes; for hybrid models also of a 150-token prompt, where
+the first token lies outside every window and reaches the output only through the full layers. (Some
+FAMILIES builders fail this: see `tiny_models`.) Multimodal wrappers keep their image/video token ids
+outside the vocabulary, so random prompts never hold one. `LAYER_KINDS` describes each tiny model's
+layer layout as built, for `ZOO` and `REFUSED`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+from transformers import models as hf
+
+from tiny_models import COMMON, FAMILIES, VOCAB, WINDOW
+
+S, F = "sliding_attention", "full_attention"
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+SIGLIP_TINY = dict(  # one 2 x 2-patch image -> 4 soft tokens
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+
+
+def _tiny(model_cls, config) -> PreTrainedModel:
+    # No special ids: some configs insist on ints (or swap None for ids outside the vocabulary), and
+    # `generate` masks out every prompt token equal to the pad id. Strict fields typed `int` refuse None
+    # through setattr, hence object.__setattr__.
+    for c in (config, config.get_text_config()):
+        for field in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if getattr(c, field, None) is not None:
+                object.__setattr__(c, field, None)
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def _build(model_cls, config_cls, **kwargs) -> PreTrainedModel:
+    return _tiny(model_cls, config_cls(**{**COMMON, **kwargs}))
+
+
+def _gemma3():
+    m = hf.gemma3
+    text = dict(
+        COMMON,
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=WINDOW,
+        initializer_range=0.3,  # with 6 untied layers this does not collapse (0.03 is weakly dependent)
+        tie_word_embeddings=False,
+    )
+    config = m.Gemma3Config(
+        text_config=text,
+        vision_config=SIGLIP_TINY,
+        mm_tokens_per_image=4,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    return _tiny(m.Gemma3ForConditionalGeneration, config)
+
+
+def _gemma3n_text():
+    m = hf.gemma3n
+    return _build(
+        m.Gemma3nForCausalLM,
+        m.Gemma3nTextConfig,
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=[S, S, F, S, S, F],
+        num_kv_shared_layers=3,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        altup_num_inputs=2,
+        laurel_rank=8,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+    )
+
+
+def _step3p7():
+    m = hf.step3p7
+    text = dict(
+        COMMON,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[S, S, S, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        sliding_window=WINDOW,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        share_expert_dim=32,
+        pad_token_id=0,  # must be an int here; _tiny clears it
+        initializer_range=0.2,
+    )
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = m.Step3p7Config(text_config=text, vision_config=vision)
+    return _tiny(m.Step3p7ForConditionalGeneration, config)
+
+
+def _cohere_compass():
+    m = hf.cohere_compass
+    text = dict(
+        COMMON,
+        num_hidden_layers=4,
+        layer_types=[S, S, S, F],
+        sliding_window=WINDOW,
+        # keyed by layer type; full layers run without RoPE; M-RoPE sections sum to head_dim / 2
+        rope_parameters={S: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}, F: None},
+        initializer_range=0.1,
+    )
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, deepstack_visual_indexes=[0]
+    )
+    config = m.CohereCompassConfig(text_config=text, vision_config=vision)
+    return _tiny(m.CohereCompassForConditionalGeneration, config)
+
+
+def _cwm():
+    m = hf.cwm
+    config = m.CwmConfig(
+        **{**COMMON, "bos_token_id": 0},  # must be an int here; _tiny clears it
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=WINDOW,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        initializer_range=0.1,
+    )
+    return _tiny(m.CwmForCausalLM, config)  # eos None made __post_init__ pick Llama 3's: _tiny clears them
+
+
+NEW = {
+    "gemma3": _gemma3,
+    "gemma3n_text": _gemma3n_text,
+    "olmo2": lambda: _build(
+        hf.olmo2.Olmo2ForCausalLM, hf.olmo2.Olmo2Config, num_hidden_layers=2, initializer_range=0.2
+    ),
+    "olmo3": lambda: _build(
+        hf.olmo3.Olmo3ForCausalLM,
+        hf.olmo3.Olmo3Config,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        layer_types=[S, S, S, F],
+        initializer_range=0.3,
+    ),
+    "smollm3": lambda: _build(
+        hf.smollm3.SmolLM3ForCausalLM, hf.smollm3.SmolLM3Config, num_hidden_layers=4, initializer_range=0.3
+    ),
+    "exaone4": lambda: _build(
+        hf.exaone4.Exaone4ForCausalLM,
+        hf.exaone4.Exaone4Config,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        initializer_range=0.2,
+    ),
+    "exaone_moe": lambda: _build(
+        hf.exaone_moe.ExaoneMoeForCausalLM,
+        hf.exaone_moe.ExaoneMoeConfig,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        num_experts=4,
+        num_shared_experts=1,
+        **MOE,
+        initializer_range=0.02,
+    ),
+    "kolibri1": lambda: _build(
+        hf.kolibri1.Kolibri1ForCausalLM,
+        hf.kolibri1.Kolibri1Config,
+        num_hidden_layers=5,
+        head_dim=16,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+        initializer_range=0.15,
+    ),
+    "qwen2_moe": lambda: _build(
+        hf.qwen2_moe.Qwen2MoeForCausalLM,
+        hf.qwen2_moe.Qwen2MoeConfig,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=4,  # even layers below max_window_layers slide
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+        initializer_range=0.3,
+    ),
+    "qwen3_moe": lambda: _build(
+        hf.qwen3_moe.Qwen3MoeForCausalLM,
+        hf.qwen3_moe.Qwen3MoeConfig,
+        num_hidden_layers=2,
+        head_dim=16,
+        num_experts=4,
+        **MOE,
+        initializer_range=0.3,
+    ),
+    "mixtral": lambda: _build(
+        hf.mixtral.MixtralForCausalLM,
+        hf.mixtral.MixtralConfig,
+        num_hidden_layers=3,  # sliding on every layer: 3 layers of 16-token windows reach back over 40 tokens
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+    ),
+    "gemma": lambda: _build(
+        hf.gemma.GemmaForCausalLM,
+        hf.gemma.GemmaConfig,
+        num_hidden_layers=2,
+        head_dim=16,
+        initializer_range=0.07,
+        tie_word_embeddings=False,
+    ),
+    "starcoder2": lambda: _build(
+        hf.starcoder2.Starcoder2ForCausalLM,
+        hf.starcoder2.Starcoder2Config,
+        num_hidden_layers=4,  # 3 layers of 16-token windows reach back over a 40-token prompt, 4 depend on it
+        sliding_window=WINDOW,
+        initializer_range=0.3,
+    ),
+    "glm4": lambda: _build(
+        hf.glm4.Glm4ForCausalLM, hf.glm4.Glm4Config, num_hidden_layers=2, head_dim=16, initializer_range=0.3
+    ),
+    "granite": lambda: _build(
+        hf.granite.GraniteForCausalLM, hf.granite.GraniteConfig, num_hidden_layers=2, initializer_range=0.2
+    ),
+    "granite_swa": lambda: _build(
+        hf.granite_swa.GraniteSWAForCausalLM,
+        hf.granite_swa.GraniteSWAConfig,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        initializer_range=0.15,
+    ),
+    "granitemoe_swa": lambda: _build(
+        hf.granitemoe_swa.GraniteMoeSWAForCausalLM,
+        hf.granitemoe_swa.GraniteMoeSWAConfig,
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.1,
+    ),
+    "cohere2_moe": lambda: _build(
+        hf.cohere2_moe.Cohere2MoeForCausalLM,
+        hf.cohere2_moe.Cohere2MoeConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.25,
+    ),
+    "afmoe": lambda: _build(
+        hf.afmoe.AfmoeForCausalLM,
+        hf.afmoe.AfmoeConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        num_dense_layers=1,
+        global_attn_every_n_layers=4,
+        sliding_window=WINDOW,
+        num_experts=4,
+        num_shared_experts=1,
+        **MOE,
+        initializer_range=0.3,
+    ),
+    "laguna": lambda: _build(
+        hf.laguna.LagunaForCausalLM,
+        hf.laguna.LagunaConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[S, S, S, F],
+        sliding_window=WINDOW,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "step3p7": _step3p7,
+    "mellum": lambda: _build(
+        hf.mellum.MellumForCausalLM,
+        hf.mellum.MellumConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[S, S, S, F],
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "flint": lambda: _build(
+        hf.flint.FlintForCausalLM,
+        hf.flint.FlintConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[F, S, S, F],
+        mlp_only_layers=[0],
+        sliding_window=WINDOW,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+        initializer_range=0.15,
+    ),
+    "dots1": lambda: _build(
+        hf.dots1.Dots1ForCausalLM,
+        hf.dots1.Dots1Config,
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        **MOE,
+        initializer_range=0.15,
+    ),
+    "beam": lambda: _build(
+        hf.beam.BeamForCausalLM,
+        hf.beam.BeamConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[S, S, S, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        sliding_window=WINDOW,
+        num_experts=4,
+        n_group=1,
+        topk_group=1,
+        **MOE,
+        initializer_range=0.03,
+    ),
+    "cwm": _cwm,
+    "vaultgemma": lambda: _build(
+        hf.vaultgemma.VaultGemmaForCausalLM,
+        hf.vaultgemma.VaultGemmaConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    ),
+    "cohere_compass": _cohere_compass,
+}
+
+
+def _cohere2_vision():
+    m = hf.cohere2_vision
+    text = dict(COMMON, model_type="cohere2", num_hidden_layers=4, sliding_window=WINDOW, initializer_range=0.08)
+    config = m.Cohere2VisionConfig(
+        text_config=text, vision_config=SIGLIP_TINY, alignment_intermediate_size=64, tie_word_embeddings=False
+    )
+    return _tiny(m.Cohere2VisionForConditionalGeneration, config)
+
+
+def _exaone4_5():
+    m = hf.exaone4_5
+    text = dict(
+        COMMON,
+        model_type="exaone4",
+        num_hidden_layers=4,
+        sliding_window=WINDOW,
+        sliding_window_pattern=4,
+        initializer_range=0.2,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        num_key_value_heads=2,
+        out_hidden_size=64,
+        fullatt_block_indexes=[0],
+    )
+    # its image / video token ids default to 67 / 68, inside the tiny vocabulary: move them out of it
+    config = m.Exaone4_5_Config(text_config=text, vision_config=vision, image_token_id=VOCAB, video_token_id=VOCAB + 1)
+    return _tiny(m.Exaone4_5_ForConditionalGeneration, config)
+
+
+def _muse_glimmer():
+    m = hf.muse_glimmer
+    text = dict(COMMON, num_hidden_layers=4, head_dim=16, sliding_window=WINDOW, initializer_range=0.2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = m.MuseGlimmerConfig(text_config=text, vision_config=vision, out_hidden_size=64, projector_hidden_size=64)
+    return _tiny(m.MuseGlimmerForConditionalGeneration, config)
+
+
+EXTRA = {
+    "cohere2_vision": _cohere2_vision,
+    "exaone4_5": _exaone4_5,
+    "muse_glimmer": _muse_glimmer,
+    "modernbert-decoder": lambda: _build(
+        hf.modernbert_decoder.ModernBertDecoderForCausalLM,
+        hf.modernbert_decoder.ModernBertDecoderConfig,
+        num_hidden_layers=4,
+        global_attn_every_n_layers=3,
+        local_attention=2 * WINDOW,  # the decoder's window is half of local_attention
+        pad_token_id=0,  # pad and bos must be ints here; _tiny clears them
+        bos_token_id=0,
+        initializer_range=0.3,
+    ),
+    "phimoe": lambda: _build(
+        hf.phimoe.PhimoeForCausalLM,
+        hf.phimoe.PhimoeConfig,
+        num_hidden_layers=3,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+    ),
+    # Absolute position embeddings: positions reach the model through position_ids, not RoPE.
+    "gpt2": lambda: _tiny(
+        hf.gpt2.GPT2LMHeadModel,
+        hf.gpt2.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.3),
+    ),
+}
+
+ZOO: dict[str, Callable[[], PreTrainedModel]] = {**FAMILIES, **NEW, **EXTRA}
+
+
+LIN = "linear_attention"
+MLA = dict(  # multi-head latent attention: K/V are projected from a shared latent, K 24 / V 16 per head
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+
+REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
+    "qwen3_next": lambda: _build(
+        hf.qwen3_next.Qwen3NextForCausalLM,
+        hf.qwen3_next.Qwen3NextConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[LIN, LIN, LIN, F],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "jamba": lambda: _build(
+        hf.jamba.JambaForCausalLM,
+        hf.jamba.JambaConfig,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        initializer_range=0.2,
+    ),
+    "deepseek_v3": lambda: _build(
+        hf.deepseek_v3.DeepseekV3ForCausalLM,
+        hf.deepseek_v3.DeepseekV3Config,
+        num_hidden_layers=2,
+        **MLA,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "llama4_text": lambda: _build(
+        hf.llama4.Llama4ForCausalLM,
+        hf.llama4.Llama4TextConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        attention_chunk_size=WINDOW,
+        intermediate_size_mlp=128,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        initializer_range=0.2,
+    ),
+    "gemma4_text": lambda: _build(
+        hf.gemma4.Gemma4ForCausalLM,
+        hf.gemma4.Gemma4TextConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        global_head_dim=32,  # full layers use a wider head than sliding ones
+        layer_types=[S, S, S, F],
+        sliding_window=WINDOW,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        initializer_range=0.03,
+        tie_word_embeddings=False,
+    ),
+    "mimo_v2_flash": lambda: _build(
+        hf.mimo_v2_flash.MiMoV2FlashForCausalLM,
+        hf.mimo_v2_flash.MiMoV2FlashConfig,
+        num_hidden_layers=4,
+        head_dim=24,
+        v_head_dim=16,  # K head dim != V head dim
+        layer_types=[S, S, S, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        sliding_window=WINDOW,
+        n_routed_experts=4,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "minimax": lambda: _build(
+        hf.minimax.MiniMaxForCausalLM,
+        hf.minimax.MiniMaxConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[LIN, LIN, LIN, F],
+        block_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+    ),
+    "lfm2": lambda: _build(
+        hf.lfm2.Lfm2ForCausalLM,
+        hf.lfm2.Lfm2Config,
+        num_hidden_layers=4,
+        layer_types=["conv", F, "conv", F],
+        block_auto_adjust_ff_dim=False,
+        initializer_range=0.1,
+    ),
+    "lfm3": lambda: _build(
+        hf.lfm3.Lfm3ForCausalLM,
+        hf.lfm3.Lfm3Config,
+        num_hidden_layers=5,  # conv, conv, full, conv, sliding
+        head_dim=16,
+        sliding_window=WINDOW,
+        initializer_range=0.2,
+    ),
+    "recurrent_gemma": lambda: _tiny(
+        hf.recurrent_gemma.RecurrentGemmaForCausalLM,
+        hf.recurrent_gemma.RecurrentGemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,  # recurrent, recurrent, local attention
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            lru_width=64,
+            attention_window_size=WINDOW,
+            w_init_variance_scale=0.5,  # its own init knobs, not initializer_range
+            final_w_init_variance_scale=1.0,
+            pad_token_id=0,  # _tiny clears it
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
+    "deepseek_v32": lambda: _build(
+        hf.deepseek_v32.DeepseekV32ForCausalLM,
+        hf.deepseek_v32.DeepseekV32Config,
+        num_hidden_layers=2,
+        **MLA,
+        index_topk=8,  # each query attends to the 8 keys its indexer picks
+        index_head_dim=16,
+        index_n_heads=2,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "deepseek_v4": lambda: _tiny(
+        hf.deepseek_v4.DeepseekV4ForCausalLM,
+        hf.deepseek_v4.DeepseekV4Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=32,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=8,
+            sliding_window=WINDOW,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            num_nextn_predict_layers=0,
+            max_position_embeddings=512,
+            bos_token_id=0,  # must be an int here; _tiny clears it
+            eos_token_id=None,
+            initializer_range=0.2,
+        ),
+    ),
+}
+
+LAYER_KINDS: dict[str, str] = {
+    # tiny_models.FAMILIES
+    "llama": "full",
+    "mistral": "sliding on every layer",
+    "ministral": "sliding, full, sliding (layer_types)",
+    "qwen2": "full, then sliding from max_window_layers on (1 full : 2 sliding)",
+    "qwen3": "full, then sliding from max_window_layers on (1 full : 2 sliding)",
+    "gemma2": "alternating sliding / full, logit softcapping",
+    "gemma3_text": "5 sliding : 1 full",
+    "gpt_oss": "sliding, full, attention sinks",
+    "cohere2": "3 sliding : 1 full",
+    "phi3": "sliding on every layer",
+    # other plain decoders
+    "gemma3": "5 sliding : 1 full (multimodal wrapper, text only)",
+    "gemma3n_text": "2 sliding : 1 full, twice; the last 3 layers reuse the K/V of earlier ones",
+    "olmo2": "full",
+    "olmo3": "3 sliding : 1 full",
+    "smollm3": "full; every 4th layer without RoPE",
+    "exaone4": "3 sliding : 1 full",
+    "exaone_moe": "3 sliding : 1 full",
+    "kolibri1": "4 sliding : 1 full",
+    "qwen2_moe": "alternating sliding / full (window passed through the mask only)",
+    "qwen3_moe": "full",
+    "mixtral": "sliding on every layer",
+    "gemma": "full",
+    "starcoder2": "sliding on every layer",
+    "glm4": "full",
+    "granite": "full",
+    "granite_swa": "1 full : 3 sliding, attention sinks",
+    "granitemoe_swa": "1 full : 3 sliding, attention sinks",
+    "cohere2_moe": "3 sliding : 1 full",
+    "afmoe": "3 sliding : 1 full",
+    "laguna": "3 sliding : 1 full",
+    "step3p7": "3 sliding : 1 full (multimodal wrapper, text only)",
+    "mellum": "3 sliding : 1 full",
+    "flint": "full, 2 sliding, full, attention sinks",
+    "dots1": "full, then sliding from max_window_layers on (1 full : 2 sliding)",
+    "beam": "3 sliding : 1 full; full layers without RoPE",
+    "cwm": "1 full : 3 sliding",
+    "vaultgemma": "alternating sliding / full",
+    "cohere_compass": "3 sliding : 1 full; full layers without RoPE (multimodal wrapper, text only)",
+    "cohere2_vision": "3 sliding : 1 full (multimodal wrapper, text only)",
+    "exaone4_5": "3 sliding : 1 full (multimodal wrapper, text only)",
+    "muse_glimmer": "3 sliding : 1 full; full layers without RoPE (multimodal wrapper, text only)",
+    "modernbert-decoder": "full, 2 sliding, full",
+    "phimoe": "sliding on every layer (window passed through the mask only)",
+    "gpt2": "full; absolute position embeddings",
+    # REFUSED
+    "qwen3_next": "3 linear attention (recurrent state) : 1 full",
+    "jamba": "alternating mamba / full",
+    "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
+    "llama4_text": "3 chunked : 1 full (no RoPE)",
+    "gemma4_text": "3 sliding (head dim 16) : 1 full (head dim 32)",
+    "mimo_v2_flash": "3 sliding : 1 full, K head dim 24 / V head dim 16",
+    "minimax": "3 linear attention (recurrent state) : 1 full",
+    "lfm2": "alternating conv (recurrent state) / full",
+    "lfm3": "conv, conv, full, conv, sliding",
+    "recurrent_gemma": "recurrent, recurrent, local attention",
+    "deepseek_v32": "indexed sparse attention (top 8 keys) over latent attention",
+    "deepseek_v4": "heavily compressed, compressed sparse",
+}
