@@ -11,7 +11,7 @@ value, the `sliding_window` the call passes, any other input the kernels would h
 which keys each query may see. The last comes from the mask: transformers builds every mask through
 the mask interface from a `mask_function(batch, head, q_idx, kv_idx)`, which the probe evaluates at
 positions far beyond the probe's tokens (so a window of 4,096 is seen in a 40-token forward), and
-falls back to the materialized mask when a model builds its own.
+falls back to the materialized mask when a model builds its own (`patches/visibility.py`).
 
 The layout that comes out (one `LayerSpec` per layer, the window taken from the config and confirmed
 by the mask) is the one source of truth for windows: the managers free blocks by it and the kernels
@@ -31,6 +31,7 @@ import torch
 from hybridkv.kv_spec import LayerSpec
 from hybridkv.patches import attention
 from hybridkv.patches.layer_kinds import SUPPORTED_LAYER_TYPES, config_layers, text_config
+from hybridkv.patches.visibility import Visibility, visibility_of_function, visibility_of_tensor
 
 PROBE_TOKENS = 40
 # Positions past the probe at which mask functions are evaluated (capped: a mask is only arithmetic).
@@ -40,17 +41,6 @@ _RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybri
 _SPARSE_LAYER_TYPES = frozenset(
     {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse"}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Visibility:
-    """Which earlier keys a query sees: "causal" (all of them), "window" (the last `window` positions),
-    "bidirectional" (later keys too) or "other". `exact` is False when only the probe's own tokens
-    were seen, so a window longer than the probe would still read as "causal"."""
-
-    kind: str
-    window: int | None = None
-    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,9 +76,10 @@ class Probe:
     def mask(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         from transformers.masking_utils import sdpa_mask
 
-        mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+        # Always a materialized mask: transformers may skip a plain causal or bidirectional one (None).
+        mask = sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False, "allow_is_bidirectional_skip": False})
         function = kwargs.get("mask_function")
-        self.masks[id(mask)] = (mask, _visibility_of_function(function, self.horizon) if function else None)
+        self.masks[id(mask)] = (mask, visibility_of_function(function, self.horizon) if function else None)
         return mask
 
     def record(
@@ -103,7 +94,7 @@ class Probe:
         visibility = None
         if isinstance(attention_mask, torch.Tensor):
             _, visibility = self.masks.get(id(attention_mask), (None, None))
-            visibility = visibility or _visibility_of_tensor(attention_mask)
+            visibility = visibility or visibility_of_tensor(attention_mask)
         elif getattr(module, "is_causal", True) is False:
             visibility = Visibility("bidirectional")
         unknown = kwargs.keys() - attention.READ_KWARGS - attention.IGNORED_KWARGS
@@ -281,69 +272,29 @@ def _window_problem(call: _AttentionCall, window: int | None) -> str | None:
     if passed is not None and passed != window:
         return f"the layer passes sliding_window={passed} to attention, but its config declares {declared}"
     if visibility is None:
-        return None  # no mask reached the layer: causal, as the config declares
+        # No mask reached the layer: the model's own attention is then plain causal.
+        return (
+            f"no mask reaches the layer, so the window of {window} its config declares cannot be confirmed"
+            if window
+            else None
+        )
     if visibility.kind == "bidirectional":
         return "a query sees later tokens (bidirectional attention); hybridkv serves causal decoders"
     if visibility.kind == "other":
         return "the mask is neither causal nor a sliding window"
     if visibility.kind == "window" and visibility.window != window:
         return f"the mask keeps the last {visibility.window} keys, but the config declares {declared}"
-    if visibility.kind == "causal" and window and visibility.exact:
-        return f"the mask keeps every earlier key, but the config declares {declared}"
+    if visibility.kind == "causal" and window:
+        if visibility.exact:
+            return f"the mask keeps every earlier key, but the config declares {declared}"
+        if passed != window:
+            # A mask the model built itself, causal over the probe: a longer window is only confirmed
+            # by the window the layer passes.
+            return (
+                f"the mask is causal over the probe's tokens and the layer passes no window, so {declared} "
+                "cannot be confirmed"
+            )
     return None
-
-
-def _visibility_of_function(mask_function: Any, horizon: int) -> Visibility | None:
-    """Evaluate a transformers mask function for four queries near `horizon` over every key from 0 to
-    one past the query; None when the function cannot be evaluated there (it reads a tensor sized to
-    the probe, e.g. a padding mask)."""
-    queries = torch.arange(horizon - 4, horizon)
-    lengths = queries + 2
-    q_idx = torch.repeat_interleave(queries, lengths)
-    kv_idx = torch.cat([torch.arange(n) for n in lengths.tolist()])
-    zeros = torch.zeros_like(q_idx)
-    try:
-        with torch.no_grad():
-            visible = torch.as_tensor(mask_function(zeros, zeros, q_idx, kv_idx)).to("cpu").bool()
-        visible = visible.expand(q_idx.shape)
-    except (IndexError, RuntimeError, TypeError):
-        return None
-    rows = list(visible.split(lengths.tolist()))
-    return _visibility_of_rows(rows, queries.tolist(), exact=True)
-
-
-def _visibility_of_tensor(mask: torch.Tensor) -> Visibility:
-    """Read a materialized [batch, 1 or heads, q, kv] mask (bool, or float with 0 where visible)."""
-    plane = mask[0, 0]
-    visible = plane if plane.dtype == torch.bool else plane == 0
-    num_queries, num_keys = visible.shape
-    offset = num_keys - num_queries  # queries are the last positions
-    rows = [visible[q] for q in range(num_queries)]
-    return _visibility_of_rows(rows, [offset + q for q in range(num_queries)], exact=False)
-
-
-def _visibility_of_rows(rows: list[torch.Tensor], positions: list[int], exact: bool) -> Visibility:
-    spans = set()
-    for row, position in zip(rows, positions, strict=True):
-        if row[position + 1 :].any():
-            return Visibility("bidirectional")
-        seen = row[: position + 1].nonzero()
-        if len(seen) == 0:
-            return Visibility("other")
-        first = int(seen[0])
-        if not row[first : position + 1].all():
-            return Visibility("other")
-        spans.add(None if first == 0 else position - first + 1)
-    windows = spans - {None}
-    if not windows:
-        return Visibility("causal", exact=exact)
-    if len(windows) > 1:
-        return Visibility("other")
-    window = windows.pop()
-    # A row that still sees position 0 must be one the window has not passed yet.
-    if None in spans and any(row[0] and position >= window for row, position in zip(rows, positions, strict=True)):
-        return Visibility("other")
-    return Visibility("window", window)
 
 
 def _mask_horizon(config: Any) -> int:

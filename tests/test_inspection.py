@@ -11,7 +11,8 @@ from transformers import masking_utils as mu
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.patches.inspection import _visibility_of_function, _visibility_of_tensor, inspect_model
+from hybridkv.patches.inspection import inspect_model
+from hybridkv.patches.visibility import visibility_of_function, visibility_of_tensor
 
 from tiny_models import COMMON, FAMILIES, WINDOW, hf_greedy, prompts
 
@@ -41,13 +42,13 @@ def greedy(model, batch, **settings):
     ids=["causal", "window-4096", "window-1", "chunked", "bidirectional"],
 )
 def test_mask_functions_are_read_far_beyond_the_probe(function, kind, window):
-    visibility = _visibility_of_function(function, horizon=1 << 16)
+    visibility = visibility_of_function(function, horizon=1 << 16)
     assert (visibility.kind, visibility.window, visibility.exact) == (kind, window, True)
 
 
 def test_a_mask_function_that_reads_a_probe_sized_tensor_is_left_to_the_materialized_mask():
     padding = mu.padding_mask_function(torch.ones(1, 40, dtype=torch.bool))
-    assert _visibility_of_function(mu.and_masks(mu.causal_mask_function, padding), horizon=1 << 16) is None
+    assert visibility_of_function(mu.and_masks(mu.causal_mask_function, padding), horizon=1 << 16) is None
 
 
 def test_materialized_masks_show_windows_shorter_than_the_probe():
@@ -55,8 +56,8 @@ def test_materialized_masks_show_windows_shorter_than_the_probe():
         1, 12, 12, mask_function=mu.sliding_window_causal_mask_function(5), allow_is_causal_skip=False
     )
     causal = mu.eager_mask(1, 12, 12, mask_function=mu.causal_mask_function)  # float: 0 visible, min hidden
-    assert _visibility_of_tensor(sliding) == _visibility_of_function(mu.sliding_window_causal_mask_function(5), 64)
-    assert (_visibility_of_tensor(causal).kind, _visibility_of_tensor(causal).exact) == ("causal", False)
+    assert visibility_of_tensor(sliding) == visibility_of_function(mu.sliding_window_causal_mask_function(5), 64)
+    assert (visibility_of_tensor(causal).kind, visibility_of_tensor(causal).exact) == ("causal", False)
 
 
 # ---- one source of truth for windows -----------------------------------------------------------
@@ -218,3 +219,15 @@ def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was(
         assert llm.stats()["blocks_in_use"] == 0
     finally:
         hybridkv.unpatch(model)
+
+
+def test_a_sliding_layer_that_no_mask_reaches_is_refused(monkeypatch):
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
+
+    model = qwen2_moe_sliding()
+    monkeypatch.setattr(modeling_qwen2_moe, "create_sliding_window_causal_mask", lambda **kwargs: None)
+    with pytest.raises(
+        ValueError,
+        match=r"layers 0, 2: no mask reaches the layer, so the window of 16 its config declares cannot be confirmed",
+    ):
+        hybridkv.patch(model)
