@@ -13,7 +13,7 @@ import torch
 from hybridkv.coordinator import KVCacheCoordinator, blocks_for_request
 from hybridkv.detokenizer import IncrementalDetokenizer
 from hybridkv.grouping import KVCacheConfig, group_layers
-from hybridkv.kernels import kv_bytes_per_block, num_blocks_for_budget, num_blocks_for_memory_utilization
+from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utilization
 from hybridkv.model_runner import ModelRunner
 from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
 from hybridkv.patches.inspection import ModelLayout, inspect_model
@@ -80,10 +80,7 @@ class LLMEngine:
         kv_dtype, layout, self.kv_config, self.max_model_len = _kv_layout(model, config)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.media_token_ids = _media_token_ids(model.config)
-        spec = self.kv_config.layer_spec
-        self.bytes_per_block = kv_bytes_per_block(
-            self.kv_config.num_kv_tensors, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype
-        )
+        self.bytes_per_block = self.kv_config.block_bytes
         num_blocks = self._num_blocks()
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
         self.scheduler_config = SchedulerConfig(
@@ -419,6 +416,9 @@ class LLMEngine:
             "num_groups": len(self.kv_config.groups),
             "group_size": kv.group_size,
             "padding_layers": kv.padding_layers,
+            # K and V bytes a token costs across the layers that hold pages; KV-sharing layers hold none.
+            "kv_bytes_per_token": self.kv_config.kv_bytes_per_token,
+            "shared_kv_layers": self.kv_config.shared_layers,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,

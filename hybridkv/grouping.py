@@ -1,9 +1,19 @@
-"""Layers -> KV cache groups of uniform page size.
+"""Layers -> KV cache groups of uniform page bytes.
 
-Each group holds layers of one kind, and every group has `group_size` layer slots, so one block id
-names the same bytes in every group. KV tensor s is shared by slot s of every group: groups never
-collide because they hold different block ids. A kind whose layer count is not a multiple of
-`group_size` leaves padding slots in its last group, whose pages are allocated but never written.
+One block id names one page of `block_bytes` bytes, the same in every group, so every group draws on
+one pool. A group holds `num_slots` layers of one kind (one window); its page is cut into per-layer
+slots, each layer's K then V:
+
+    one block id = one page of block_bytes
+    | layer a: K [block_size, heads, dk] | V [block_size, heads, dv] | layer b: K | V | ... | padding |
+
+Every layer that holds pages must need the same bytes per token (V rows may be narrower than K rows);
+layers whose per-token bytes differ (Gemma 4's 512-dim full layers) are refused for now. A kind whose
+layer count does not fill its last group leaves padding slots there: bytes allocated but never
+written, reported. Padding costs in proportion to the blocks its group holds, and a full-attention
+group holds a block per block_size tokens of context while a sliding group holds a window's worth, so
+the group size keeps full-attention groups free of padding first (`choose_group_size`).
+KV-sharing layers hold no pages and belong to no group.
 """
 
 from __future__ import annotations
@@ -15,11 +25,18 @@ from hybridkv.kv_spec import LayerSpec
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    """One group: its kind and its real layers, in slot order (slot s uses KV tensor s)."""
+    """One group: its kind, its real layers in slot order, the slots its page has room for, and the
+    bytes of one layer's page (slot s starts at byte s * slot_bytes of the group's page)."""
 
     group_id: int
     sliding_window: int | None
     layer_indices: tuple[int, ...]
+    num_slots: int
+    slot_bytes: int
+
+    @property
+    def padding_slots(self) -> int:
+        return self.num_slots - len(self.layer_indices)
 
 
 @dataclass(frozen=True)
@@ -27,87 +44,121 @@ class KVCacheConfig:
     """The grouping of a model's attention layers, and the bytes one block id stands for."""
 
     block_size: int
-    group_size: int
     groups: tuple[KVCacheGroupSpec, ...]
-    layer_spec: LayerSpec
-    padding_layers: int
+    layer_specs: tuple[LayerSpec, ...]
+    block_bytes: int
 
     @property
     def num_layers(self) -> int:
         return sum(len(g.layer_indices) for g in self.groups)
 
     @property
-    def num_kv_tensors(self) -> int:
-        """K/V tensor pairs to allocate: one per slot."""
-        return self.group_size
+    def group_size(self) -> int:
+        """Layer slots per group (the largest, when kinds of different per-token bytes differ)."""
+        return max(g.num_slots for g in self.groups)
 
     @property
-    def block_bytes(self) -> int:
-        """Bytes behind one block id: one page in each of the group_size K/V tensor pairs."""
-        return self.group_size * self.layer_spec.page_bytes(self.block_size)
+    def padding_layers(self) -> int:
+        return sum(g.padding_slots for g in self.groups)
 
     @property
     def padding_fraction(self) -> float:
-        """Share of KV memory reserved for padding slots that no layer uses."""
-        return self.padding_layers / (self.group_size * len(self.groups))
+        """Share of the groups' page bytes reserved for padding slots that no layer uses."""
+        return sum(g.padding_slots * g.slot_bytes for g in self.groups) / (len(self.groups) * self.block_bytes)
+
+    @property
+    def shared_layers(self) -> dict[int, int]:
+        """KV-sharing layer -> the layer whose pages it reads."""
+        return {spec.layer_idx: spec.kv_source for spec in self.layer_specs if spec.kv_source is not None}
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes one token costs across the layers that hold pages: what the model needs."""
+        return sum(spec.kv_bytes_per_token for spec in self.layer_specs if spec.holds_pages)
 
     def layer_slot(self, layer_idx: int) -> tuple[int, int]:
-        """(group id, slot) of a layer."""
+        """(group id, slot) of a layer that holds pages."""
         for group in self.groups:
             if layer_idx in group.layer_indices:
                 return group.group_id, group.layer_indices.index(layer_idx)
-        raise KeyError(f"layer {layer_idx} is not an attention layer of this model")
+        raise KeyError(f"layer {layer_idx} holds no pages of its own in this model")
 
 
-def choose_group_size(layer_counts: list[int]) -> int:
-    """The group size that wastes the fewest padding slots without more groups than needed.
+def choose_group_size(full_counts: list[int], sliding_counts: list[int]) -> int:
+    """Layers per group for kinds of these layer counts (full-attention kinds, windowed kinds).
 
-    Candidates are limited to those giving at most as many groups as a group size equal to the
-    smallest kind's layer count (vLLM's choice); among them the least padding wins, then the larger
-    size (fewer groups, fewer block tables per step). Gemma-3-27B (52 sliding, 10 full): 13 -> 5
-    groups, 3 padding slots, where the smallest-kind rule gives 7 groups and 8 padding slots.
+    At most as many groups as a group size equal to the smallest kind's layer count (vLLM's rule).
+    Among those: no padding slot in a full-attention group if possible (each wastes a page-slot for
+    every block_size tokens of context), then the fewest groups (fewer block tables per step), then
+    the least padding in windowed groups (each wastes a window's worth at most). Gemma-3-27B (52
+    sliding, 10 full) -> 10: one full group, six sliding ones with 8 padding slots, 2% above the
+    ideal KV bytes at 32k tokens, where 13 a group (3 padding slots in the full group) is 26% above.
     """
+    counts = full_counts + sliding_counts
 
     def num_groups(size: int) -> int:
-        return sum(-(-n // size) for n in layer_counts)
+        return sum(-(-n // size) for n in counts)
 
-    max_groups = num_groups(min(layer_counts))
-    best_size, best_padding = 0, None
-    for size in range(1, max(layer_counts) + 1):
-        if num_groups(size) > max_groups:
-            continue
-        padding = num_groups(size) * size - sum(layer_counts)
-        if best_padding is None or padding <= best_padding:
-            best_size, best_padding = size, padding
-    return best_size
+    def padding(size: int, kinds: list[int]) -> int:
+        return sum(-(-n // size) * size - n for n in kinds)
+
+    max_groups = num_groups(min(counts))
+    candidates = [size for size in range(1, max(counts) + 1) if num_groups(size) <= max_groups]
+    return min(
+        candidates, key=lambda size: (padding(size, full_counts), num_groups(size), padding(size, sliding_counts))
+    )
 
 
-def group_layers(specs: list[LayerSpec], block_size: int) -> KVCacheConfig:
-    """Split a model's attention layers into KV cache groups (see the module docstring)."""
+def group_layers(specs: list[LayerSpec], block_size: int, group_size: int | None = None) -> KVCacheConfig:
+    """Split a model's attention layers into KV cache groups (see the module docstring). `group_size`
+    overrides `choose_group_size` (benchmarks/kv_layouts.py compares choices)."""
     if not specs:
         raise ValueError("the model has no attention layers to cache")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    layers_by_shape: dict[tuple[int, int, int], list[int]] = {}
-    for spec in specs:
-        layers_by_shape.setdefault((spec.num_kv_heads, spec.head_dim, spec.dtype_bytes), []).append(spec.layer_idx)
-    if len(layers_by_shape) > 1:
+    _check_kv_sources(specs)
+    paged = [spec for spec in specs if spec.holds_pages]
+    layers_by_bytes: dict[int, list[int]] = {}
+    for spec in paged:
+        layers_by_bytes.setdefault(spec.kv_bytes_per_token, []).append(spec.layer_idx)
+    if len(layers_by_bytes) > 1:
         found = "; ".join(
-            f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: {heads} kv heads of dim {dim}"
-            for (heads, dim, _), layers in layers_by_shape.items()
+            f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: {per_token} bytes per token"
+            for per_token, layers in layers_by_bytes.items()
         )
         raise ValueError(
-            f"hybridkv needs every attention layer to store one K/V shape (KV cache groups share one page "
-            f"size), but {found}; per-layer KV shapes (e.g. Gemma 4's global_head_dim) are not supported yet"
+            f"hybridkv needs every attention layer to store one K/V size per token (KV cache groups share one "
+            f"page size), but {found}; per-layer KV sizes (e.g. Gemma 4's global_head_dim) are not supported yet"
         )
+    slot_bytes = paged[0].page_bytes(block_size)
     layers_by_window: dict[int | None, list[int]] = {}
-    for spec in specs:
+    for spec in paged:
         layers_by_window.setdefault(spec.sliding_window, []).append(spec.layer_idx)
-    group_size = choose_group_size([len(layers) for layers in layers_by_window.values()])
+    if group_size is None:
+        group_size = choose_group_size(
+            [len(layers) for window, layers in layers_by_window.items() if window is None],
+            [len(layers) for window, layers in layers_by_window.items() if window is not None],
+        )
     groups = []
     for window, layers in layers_by_window.items():
         for start in range(0, len(layers), group_size):
             chunk = tuple(layers[start : start + group_size])
-            groups.append(KVCacheGroupSpec(len(groups), window, chunk))
-    padding = len(groups) * group_size - len(specs)
-    return KVCacheConfig(block_size, group_size, tuple(groups), specs[0], padding)
+            groups.append(KVCacheGroupSpec(len(groups), window, chunk, group_size, slot_bytes))
+    return KVCacheConfig(block_size, tuple(groups), tuple(specs), group_size * slot_bytes)
+
+
+def _check_kv_sources(specs: list[LayerSpec]) -> None:
+    by_layer = {spec.layer_idx: spec for spec in specs}
+    for spec in specs:
+        source = by_layer.get(spec.kv_source) if spec.kv_source is not None else None
+        if spec.kv_source is None:
+            continue
+        if source is None or not source.holds_pages:
+            raise ValueError(f"layer {spec.layer_idx} reads the K/V of layer {spec.kv_source}, which holds no pages")
+        if source.sliding_window is not None and (
+            spec.sliding_window is None or spec.sliding_window > source.sliding_window
+        ):
+            raise ValueError(
+                f"layer {spec.layer_idx} attends further back ({spec.sliding_window or 'full attention'}) than "
+                f"layer {spec.kv_source}, whose K/V it reads, keeps (window {source.sliding_window})"
+            )

@@ -10,7 +10,9 @@ class LayerSpec:
     """One attention layer's KV cache needs.
 
     sliding_window is None for full attention; W for a sliding window where, as in transformers,
-    a query at position i sees the keys at positions (i - W, i].
+    a query at position i sees the keys at positions (i - W, i]. K rows have `head_dim` elements and
+    V rows `v_head_dim` (None: the same). A layer with `kv_source` set reads the K/V that layer wrote
+    (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own.
     """
 
     layer_idx: int
@@ -18,17 +20,27 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    v_head_dim: int | None = None
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, not {self.sliding_window}")
-        if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1:
-            raise ValueError(f"layer {self.layer_idx}: kv heads, head dim and dtype bytes must be positive")
+        if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1 or self.value_head_dim < 1:
+            raise ValueError(f"layer {self.layer_idx}: kv heads, head dims and dtype bytes must be positive")
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def holds_pages(self) -> bool:
+        return self.kv_source is None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K plus V for one token of this layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of K plus V for one token of this layer (what it needs if it holds pages)."""
+        return self.num_kv_heads * (self.head_dim + self.value_head_dim) * self.dtype_bytes
 
     def page_bytes(self, block_size: int) -> int:
         """Bytes of one block of this layer (K and V)."""

@@ -9,7 +9,7 @@ import torch
 
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_cache
+from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_pages, kv_page_views
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
 from hybridkv.patches.inspection import execution_device, input_device
 from hybridkv.request import Request
@@ -18,9 +18,9 @@ from hybridkv.request import Request
 class ModelRunner:
     """Runs one scheduled step as a single forward over all of its tokens.
 
-    One K and one V tensor per (group slot, device): slot s is shared by layer s of every group, and
-    a model spread over devices by accelerate gets that slot's tensors on each device that holds one
-    of its layers.
+    One page tensor per device that holds a layer (`[num_blocks, page elements]`, see
+    hybridkv/grouping.py); each layer that holds pages gets K and V views of its slot, and a
+    KV-sharing layer reads its source layer's views.
     """
 
     def __init__(
@@ -36,70 +36,69 @@ class ModelRunner:
         self.kv_config = kv_config
         self.block_size = kv_config.block_size
         self.backend = backend
-        spec = kv_config.layer_spec
         named = dict(model.named_modules())
         self.input_device = input_device(model)
-        caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        placements: list[tuple[int, int, int, torch.device]] = []
+        devices = {idx: execution_device(named, name) for idx, name in module_names.items()}
+        self._pages: dict[torch.device, torch.Tensor] = {}
+        for device in devices.values():
+            if device not in self._pages:
+                self._pages[device] = allocate_kv_pages(num_blocks, kv_config.block_bytes, kv_dtype, device)
+        # Metadata is built once per (device, group) each step; a layer reads the copy on its device.
+        self.devices = list(self._pages)
+        num_groups = len(kv_config.groups)
+        specs = {spec.layer_idx: spec for spec in kv_config.layer_specs}
+        self.layers: dict[int, LayerKV] = {}
         for group in kv_config.groups:
             for slot, layer_idx in enumerate(group.layer_indices):
-                device = execution_device(named, module_names[layer_idx])
-                if device not in caches:
-                    caches[device] = allocate_kv_cache(
-                        kv_config.num_kv_tensors,
-                        num_blocks,
-                        self.block_size,
-                        spec.num_kv_heads,
-                        spec.head_dim,
-                        kv_dtype,
-                        device,
-                    )
-                placements.append((layer_idx, group.group_id, slot, device))
-        # Metadata is built once per (device, group) each step; a layer reads the copy on its device.
-        self.devices = list(caches)
-        num_groups = len(kv_config.groups)
-        self.layers: dict[int, LayerKV] = {}
-        for layer_idx, group_id, slot, device in placements:
-            key_cache, value_cache = caches[device][slot]
-            index = self.devices.index(device) * num_groups + group_id
-            window = kv_config.groups[group_id].sliding_window
-            self.layers[layer_idx] = LayerKV(index, key_cache, value_cache, window)
-        self._caches = caches
+                spec, device = specs[layer_idx], devices[layer_idx]
+                keys, values = kv_page_views(
+                    self._pages[device],
+                    slot * group.slot_bytes,
+                    self.block_size,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                    spec.value_head_dim,
+                )
+                index = self.devices.index(device) * num_groups + group.group_id
+                self.layers[layer_idx] = LayerKV(index, keys, values, group.sliding_window)
+        for layer_idx, source in kv_config.shared_layers.items():
+            if devices[layer_idx] != devices[source]:
+                raise ValueError(
+                    f"layer {layer_idx} reads the K/V of layer {source}, which computes on another device "
+                    f"({devices[source]} vs {devices[layer_idx]}); place them on one device"
+                )
+            reads = self.layers[source]
+            self.layers[layer_idx] = LayerKV(
+                reads.metadata_index, reads.key_cache, reads.value_cache, specs[layer_idx].sliding_window, False
+            )
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
-        self._swap_caches: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.kv_cache_bytes = sum(k.numel() * k.element_size() * 2 for tensors in caches.values() for k, _ in tensors)
+        self._swap_pages: dict[torch.device, torch.Tensor] = {}
+        self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
-        """CPU copies of every KV tensor, num_cpu_blocks blocks each (pinned when the cache is on CUDA)."""
+        """CPU pages for num_cpu_blocks blocks per device (pinned when the cache is on CUDA)."""
         if num_cpu_blocks == 0:
             return
-        for device, tensors in self._caches.items():
-            pin = device.type == "cuda"
-            self._swap_caches[device] = [
-                (
-                    torch.empty((num_cpu_blocks, *k.shape[1:]), dtype=k.dtype, pin_memory=pin),
-                    torch.empty((num_cpu_blocks, *v.shape[1:]), dtype=v.dtype, pin_memory=pin),
-                )
-                for k, v in tensors
-            ]
+        for device, pages in self._pages.items():
+            self._swap_pages[device] = torch.empty(
+                (num_cpu_blocks, pages.shape[1]), dtype=pages.dtype, pin_memory=device.type == "cuda"
+            )
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
-        """Copy blocks device -> CPU (device id, CPU id), then CPU -> device (CPU id, device id), in
-        every KV tensor: a block id is one page in each of them."""
+        """Copy blocks device -> CPU (device id, CPU id), then CPU -> device (CPU id, device id): a block
+        id is one page, every layer's K and V of its group."""
         for pairs, outbound in ((swap_out, True), (swap_in, False)):
             if not pairs:
                 continue
-            for device, tensors in self._caches.items():
+            for device, pages in self._pages.items():
                 device_ids = torch.tensor([p[0] if outbound else p[1] for p in pairs], device=device)
                 cpu_ids = torch.tensor([p[1] if outbound else p[0] for p in pairs])
-                for (key, value), (cpu_key, cpu_value) in zip(tensors, self._swap_caches[device], strict=True):
-                    if outbound:
-                        cpu_key[cpu_ids] = key[device_ids].to("cpu")
-                        cpu_value[cpu_ids] = value[device_ids].to("cpu")
-                    else:
-                        key[device_ids] = cpu_key[cpu_ids].to(device)
-                        value[device_ids] = cpu_value[cpu_ids].to(device)
+                cpu_pages = self._swap_pages[device]
+                if outbound:
+                    cpu_pages[cpu_ids] = pages[device_ids].to("cpu")
+                else:
+                    pages[device_ids] = cpu_pages[cpu_ids].to(device)
 
     def execute(
         self,

@@ -10,7 +10,8 @@ from __future__ import annotations
 from .cache import (
     NULL_BLOCK_ID,
     allocate_kv_cache,
-    kv_bytes_per_block,
+    allocate_kv_pages,
+    kv_page_views,
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
 )
@@ -21,7 +22,8 @@ __all__ = [
     "NULL_BLOCK_ID",
     "PagedAttentionMetadata",
     "allocate_kv_cache",
-    "kv_bytes_per_block",
+    "allocate_kv_pages",
+    "kv_page_views",
     "num_blocks_for_budget",
     "num_blocks_for_memory_utilization",
     "paged_attention",

@@ -1,5 +1,9 @@
 """KV tensors: sizing from a byte budget or a device-memory fraction, and allocation.
 
+The engine allocates one page tensor per device, ``[num_blocks, page elements]``, and gives each layer
+a K and a V view into its slot of every page (``kv_page_views``): the views have the layout below with
+blocks a page apart. ``allocate_kv_cache`` makes standalone contiguous pairs (kernel tests, benchmarks).
+
 Layout of every K and V tensor: ``[num_blocks, block_size, num_kv_heads, head_dim]``, so slot s is
 row s of ``cache.view(-1, num_kv_heads, head_dim)``. The slot of token t of a sequence is
 ``block_table[t // block_size] * block_size + t % block_size``. docs/kernels.md has the measurement
@@ -11,12 +15,6 @@ from __future__ import annotations
 import torch
 
 NULL_BLOCK_ID = 0
-
-
-def kv_bytes_per_block(num_tensors: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes that one block id costs across all ``num_tensors`` (K, V) pairs."""
-    element_bytes = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_tensors * block_size * num_kv_heads * head_dim * element_bytes
 
 
 def num_blocks_for_budget(kv_cache_bytes: int, bytes_per_block: int, min_num_blocks: int = 2) -> int:
@@ -80,3 +78,34 @@ def allocate_kv_cache(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_tensors)
     ]
+
+
+def allocate_kv_pages(
+    num_blocks: int, block_bytes: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """One zeroed ``[num_blocks, block_bytes / element size]`` tensor: page b is block id b's memory."""
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    if num_blocks < 2:
+        raise ValueError(f"num_blocks must be at least 2 (the null block and one real block), got {num_blocks}")
+    if block_bytes % element_bytes:
+        raise ValueError(f"a page of {block_bytes} bytes does not hold whole {dtype} elements")
+    return torch.zeros((num_blocks, block_bytes // element_bytes), dtype=dtype, device=device)
+
+
+def kv_page_views(
+    pages: torch.Tensor,
+    offset_bytes: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    value_head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K ``[num_blocks, block_size, heads, head_dim]`` and V ``[..., value_head_dim]`` views of
+    its slot, which starts ``offset_bytes`` into every page: K rows, then V rows."""
+    start = offset_bytes // pages.element_size()
+    key_elements = block_size * num_kv_heads * head_dim
+    value_elements = block_size * num_kv_heads * value_head_dim
+    num_blocks = pages.shape[0]
+    keys = pages[:, start : start + key_elements].view(num_blocks, block_size, num_kv_heads, head_dim)
+    values = pages[:, start + key_elements : start + key_elements + value_elements]
+    return keys, values.view(num_blocks, block_size, num_kv_heads, value_head_dim)

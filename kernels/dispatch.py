@@ -45,16 +45,17 @@ def write_kv(
 ) -> None:
     """Store this step's K/V rows in the cache, in place.
 
-    key/value: ``[num_tokens, num_kv_heads, head_dim]``; caches: ``[num_blocks, block_size,
-    num_kv_heads, head_dim]``; slot_mapping: int ``[num_tokens]``, row t goes to slot
+    key: ``[num_tokens, num_kv_heads, head_dim]``, value ``[num_tokens, num_kv_heads, v_head_dim]``;
+    caches: ``[num_blocks, block_size, num_kv_heads, head_dim or v_head_dim]`` (any block stride: a
+    layer's views into a page); slot_mapping: int ``[num_tokens]``, row t goes to slot
     ``slot_mapping[t]``, and -1 (padding) leaves the cache untouched.
     """
-    if key.shape != value.shape or key.dim() != 3:
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
         raise ValueError(
-            f"key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"key and value must be [num_tokens, num_kv_heads, head_dim], got "
             f"{tuple(key.shape)} and {tuple(value.shape)}"
         )
-    _check_cache(key_cache, value_cache, key.shape[1], key.shape[2])
+    _check_cache(key_cache, value_cache, key.shape[1], key.shape[2], value.shape[2])
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     if resolve_backend(backend, key.device) == "triton":
@@ -85,13 +86,13 @@ def paged_attention(
     ``scale * q.k``, then ``softcap * tanh(logits / softcap)`` if softcap is set; ``sinks``
     (``[num_q_heads]``) adds one logit per q head to the softmax denominator with no value (GPT-OSS).
     q head h reads kv head ``h // (num_q_heads // num_kv_heads)``. Accumulates in fp32; returns
-    ``[num_tokens, num_q_heads, head_dim]`` in query's dtype.
+    ``[num_tokens, num_q_heads, v_head_dim]`` in query's dtype (V rows may be narrower than K rows).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2] if key_cache.dim() == 4 else 0
-    _check_cache(key_cache, value_cache, num_kv_heads, head_dim)
+    _check_cache(key_cache, value_cache, num_kv_heads, head_dim, value_cache.shape[-1])
     if query.dtype not in _SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
         raise ValueError(f"query and cache must share one of fp32/fp16/bf16, got {query.dtype} and {key_cache.dtype}")
     if num_q_heads % num_kv_heads != 0:
@@ -119,16 +120,18 @@ def paged_attention(
     return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
 
 
-def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+def _check_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int, value_head_dim: int
+) -> None:
+    if key_cache.dim() != 4 or value_cache.dim() != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
         raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
         )
-    if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim:
+    if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim or value_cache.shape[3] != value_head_dim:
         raise ValueError(
-            f"the cache holds {key_cache.shape[2]} kv heads of dim {key_cache.shape[3]}, "
-            f"the inputs {num_kv_heads} of dim {head_dim}"
+            f"the cache holds {key_cache.shape[2]} kv heads of dims {key_cache.shape[3]} (K) and "
+            f"{value_cache.shape[3]} (V), the inputs {num_kv_heads} of dims {head_dim} and {value_head_dim}"
         )
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache need a contiguous last dimension (allocate_kv_cache gives one)")

@@ -57,9 +57,16 @@ def torch_write_kv(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    _, _, num_kv_heads, head_dim = key_cache.shape
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    block_size = key_cache.shape[1]
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        return
+    # A layer's view into a page: blocks are page_bytes apart, so (block, offset) pairs address a slot.
+    block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - block_ids * block_size
+    key_cache[block_ids, offsets] = key.to(key_cache.dtype)
+    value_cache[block_ids, offsets] = value.to(value_cache.dtype)
 
 
 def torch_paged_attention(
@@ -75,6 +82,7 @@ def torch_paged_attention(
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     plan = metadata.torch_plan(sliding_window)
     num_tokens, num_q_heads, head_dim = query.shape
+    value_head_dim = value_cache.shape[-1]
     num_query_tokens = metadata.num_query_tokens
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -87,7 +95,7 @@ def torch_paged_attention(
     rows.copy_(query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
     rows.mul_(scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     out[num_query_tokens:] = 0
     for seq in plan.sequences:
         # fp32 math: 16-bit bmm on CPU measured slower than upcast + fp32 bmm, and fp32 keeps the logits
@@ -122,9 +130,11 @@ def _attend(
     sink_logits: torch.Tensor | None,
     hidden: torch.Tensor | None,
 ) -> None:
-    """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]``, into ``out``."""
+    """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]`` and values
+    ``[kv_heads, keys, v_dim]``, into ``out`` ``[queries, q_heads, v_dim]``."""
     num_kv_heads, num_queries, group, head_dim = rows.shape
     num_keys = keys.shape[1]
+    value_head_dim = values.shape[-1]
     if num_queries > 1 and softcap is None and sink_logits is None:
         # Prefill rows: torch's fused SDPA never materialises the [queries, keys] probabilities
         # (measured 2.4x faster than bmm + softmax on 2,048-token chunks over 4k contexts).
@@ -150,7 +160,7 @@ def _attend(
     if num_queries == 1 and out.dtype == torch.float32:
         # A decode row's [kv_heads, group, dim] is its [q_heads, dim]: bmm writes it in place (a strided
         # out= would make bmm loop over the batch, measured 3x slower).
-        torch.bmm(probs, values, out=out.view(num_kv_heads, group, head_dim))
+        torch.bmm(probs, values, out=out.view(num_kv_heads, group, value_head_dim))
         return
-    result = torch.bmm(probs, values).view(num_kv_heads, num_queries, group, head_dim)
-    out.view(num_queries, num_kv_heads, group, head_dim).copy_(result.transpose(0, 1))
+    result = torch.bmm(probs, values).view(num_kv_heads, num_queries, group, value_head_dim)
+    out.view(num_queries, num_kv_heads, group, value_head_dim).copy_(result.transpose(0, 1))

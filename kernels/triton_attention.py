@@ -57,6 +57,8 @@ def paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -82,6 +84,8 @@ def paged_attention_kernel(
     row_position = context_len + row_token
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
+    value_dims = tl.arange(0, HEAD_DIM_V_PADDED)
+    value_dim_valid = value_dims < HEAD_DIM_V
 
     query_offsets = (
         (query_begin + row_token).to(tl.int64)[:, None] * stride_query_token
@@ -101,7 +105,7 @@ def paged_attention_kernel(
     else:
         running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], dtype=tl.float32)
 
     key_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)
     key_start = 0
@@ -138,8 +142,10 @@ def paged_attention_kernel(
         correction = tl.exp2(running_max - new_max)
         running_sum = running_sum * correction + tl.sum(probs, axis=1)
 
-        value_offsets = block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + dims[None, :]
-        v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        value_offsets = (
+            block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + value_dims[None, :]
+        )
+        v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & value_dim_valid[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
@@ -150,9 +156,10 @@ def paged_attention_kernel(
     out_offsets = (
         (query_begin + row_token).to(tl.int64)[:, None] * stride_out_token
         + row_head[:, None] * stride_out_head
-        + dims[None, :]
+        + value_dims[None, :]
     )
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=query_mask)
+    out_mask = row_valid[:, None] & value_dim_valid[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def launch_config(queries_per_kv: int, interpreted: bool) -> tuple[int, int, int]:
@@ -179,13 +186,14 @@ def triton_paged_attention(
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
+    value_head_dim = value_cache.shape[-1]
     queries_per_kv = num_q_heads // num_kv_heads
     block_m, block_q, tile_n = launch_config(queries_per_kv, INTERPRETED)
     tiles = metadata.triton_tiles(block_q)
     query = _last_dim_contiguous(query)
     key_cache = _last_dim_contiguous(key_cache)
     value_cache = _last_dim_contiguous(value_cache)
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     out[metadata.num_query_tokens :] = 0
     if tiles.num_tiles == 0:
         return out
@@ -217,6 +225,8 @@ def triton_paged_attention(
         QUERIES_PER_KV=queries_per_kv,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEAD_DIM_V=value_head_dim,
+        HEAD_DIM_V_PADDED=triton.next_power_of_2(value_head_dim),
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,

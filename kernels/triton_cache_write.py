@@ -28,16 +28,21 @@ def write_kv_kernel(
     NUM_KV_HEADS_PADDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0)
     heads = tl.arange(0, NUM_KV_HEADS_PADDED)
     dims = tl.arange(0, HEAD_DIM_PADDED)
+    value_dims = tl.arange(0, HEAD_DIM_V_PADDED)
     # The token's slot, broadcast over heads; padding tokens (slot -1) store nothing: every lane is off.
     slot = tl.load(slot_mapping_ptr + token + heads * 0).to(tl.int64)
     block_id = (tl.maximum(slot, 0) // BLOCK_SIZE)[:, None]
     offset = (tl.maximum(slot, 0) % BLOCK_SIZE)[:, None]
-    mask = ((heads < NUM_KV_HEADS) & (slot >= 0))[:, None] & (dims < HEAD_DIM)[None, :]
+    row_mask = ((heads < NUM_KV_HEADS) & (slot >= 0))[:, None]
+    mask = row_mask & (dims < HEAD_DIM)[None, :]
+    value_mask = row_mask & (value_dims < HEAD_DIM_V)[None, :]
 
     token_offset = token.to(tl.int64)
     key = tl.load(
@@ -46,8 +51,8 @@ def write_kv_kernel(
         other=0.0,
     )
     value = tl.load(
-        value_ptr + token_offset * stride_value_token + heads[:, None] * stride_value_head + dims[None, :],
-        mask=mask,
+        value_ptr + token_offset * stride_value_token + heads[:, None] * stride_value_head + value_dims[None, :],
+        mask=value_mask,
         other=0.0,
     )
     key_cache_offsets = (
@@ -60,10 +65,10 @@ def write_kv_kernel(
         block_id * stride_value_cache_block
         + heads[:, None] * stride_value_cache_head
         + offset * stride_value_cache_slot
-        + dims[None, :]
+        + value_dims[None, :]
     )
     tl.store(key_cache_ptr + key_cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + value_cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + value_cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=value_mask)
 
 
 def triton_write_kv(
@@ -101,5 +106,7 @@ def triton_write_kv(
         NUM_KV_HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEAD_DIM_V=value.shape[-1],
+        HEAD_DIM_V_PADDED=triton.next_power_of_2(value.shape[-1]),
         BLOCK_SIZE=key_cache.shape[1],
     )

@@ -48,14 +48,16 @@ _original_implementation: dict[int, str] = {}
 
 @dataclass(slots=True)
 class LayerKV:
-    """Where one attention layer's K/V live (the tensors of its slot), which entry of the step's
-    metadata list describes its group on its device, and the window the layer attends with: the
-    layout's, the same one its group's manager frees blocks by."""
+    """Where one attention layer's K/V live (views of its slot in every page), which entry of the
+    step's metadata list describes its group on its device, and the window the layer attends with:
+    the layout's, the same one its group's manager frees blocks by. A KV-sharing layer reads its
+    source layer's views and metadata and writes nothing (`writes_kv` False)."""
 
     metadata_index: int
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     sliding_window: int | None
+    writes_kv: bool = True
 
 
 @dataclass(slots=True)
@@ -122,14 +124,15 @@ def hybridkv_attention(
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     query_rows = query[0].transpose(0, 1)
-    write_kv(
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        layer.key_cache,
-        layer.value_cache,
-        metadata.slot_mapping,
-        backend=step.backend,
-    )
+    if layer.writes_kv:
+        write_kv(
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            layer.key_cache,
+            layer.value_cache,
+            metadata.slot_mapping,
+            backend=step.backend,
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = paged_attention(

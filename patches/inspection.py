@@ -56,8 +56,8 @@ class ModelLayout:
 class _AttentionCall:
     module: torch.nn.Module
     query_shape: tuple[int, ...]
-    key_shape: tuple[int, ...]
-    value_shape: tuple[int, ...]
+    key: torch.Tensor
+    value: torch.Tensor
     passed_window: Any
     received_step: bool
     unknown_inputs: list[str]
@@ -102,8 +102,8 @@ class Probe:
             _AttentionCall(
                 module,
                 tuple(query.shape),
-                tuple(key.shape),
-                tuple(value.shape),
+                key,
+                value,
                 kwargs.get("sliding_window"),
                 kwargs.get(attention.STEP_KWARG) is self,
                 sorted(name for name in unknown if kwargs[name] is not None),
@@ -130,14 +130,32 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             _add(problems, f"{type(call.module).__name__} calls the attention function without a decoder layer_idx")
             continue
         calls.setdefault(layer_idx, []).append(call)
+    latent = getattr(config, "kv_lora_rank", None)
     specs = []
     for layer_idx, layer in enumerate(declared):
         problem = _layer_problem(model, layer_idx, layer.layer_type, layer.sliding_window, calls.get(layer_idx, []))
+        if not problem and latent:
+            problem = (
+                f"multi-head latent attention (kv_lora_rank={latent}): hybridkv would page the decompressed "
+                "per-head K/V, many times the latent's bytes; a latent cache is not implemented"
+            )
         if problem:
             _add(problems, problem, layer_idx)
             continue
-        key_shape = calls[layer_idx][0].key_shape
-        specs.append(LayerSpec(layer_idx, layer.sliding_window, key_shape[1], key_shape[3], kv_dtype.itemsize))
+        call = calls[layer_idx][0]
+        _, num_kv_heads, _, head_dim = call.key.shape
+        source = _kv_source(call, [calls[earlier][0] for earlier in range(layer_idx) if earlier in calls])
+        specs.append(
+            LayerSpec(
+                layer_idx,
+                layer.sliding_window,
+                num_kv_heads,
+                head_dim,
+                kv_dtype.itemsize,
+                v_head_dim=call.value.shape[-1],
+                kv_source=source,
+            )
+        )
     if problems:
         lines = [f"- {_layer_list(layers)}{reason}" for reason, layers in problems.items()]
         raise ValueError(
@@ -246,18 +264,15 @@ def _layer_problem(
 
 
 def _shape_problem(call: _AttentionCall) -> str | None:
-    (q_batch, q_heads, q_len, q_dim), (_, kv_heads, k_len, k_dim), (_, v_heads, v_len, v_dim) = (
+    (q_batch, q_heads, q_len, q_dim), (_, kv_heads, k_len, k_dim), (_, v_heads, v_len, _) = (
         call.query_shape,
-        call.key_shape,
-        call.value_shape,
+        tuple(call.key.shape),
+        tuple(call.value.shape),
     )
     if q_batch != 1 or k_len != q_len or v_len != q_len:
         return f"{k_len} keys for {q_len} queries: only self-attention over the sequence itself is paged"
-    if v_dim != k_dim or v_heads != kv_heads:
-        return (
-            f"K has {kv_heads} heads of dim {k_dim} and V {v_heads} heads of dim {v_dim}; hybridkv pages "
-            "K and V of one shape"
-        )
+    if v_heads != kv_heads:
+        return f"K has {kv_heads} heads and V {v_heads}; hybridkv pages K and V with one head count"
     if q_dim != k_dim:
         return f"query head dim {q_dim} differs from key head dim {k_dim}, which the kernels do not implement"
     if q_heads % kv_heads:
@@ -299,6 +314,18 @@ def _window_problem(call: _AttentionCall, window: int | None) -> str | None:
 
 def _mask_horizon(config: Any) -> int:
     return min(max(getattr(config, "max_position_embeddings", 0) or 0, 1 << 16), MAX_MASK_HORIZON)
+
+
+def _kv_source(call: _AttentionCall, earlier: list[_AttentionCall]) -> int | None:
+    """The earlier layer whose very K/V tensors this call received (a KV-sharing layer), or None."""
+    for other in earlier:
+        if _same_tensor(call.key, other.key) and _same_tensor(call.value, other.value):
+            return other.module.layer_idx
+    return None
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _layer_module_names(model: torch.nn.Module, layer_idx: int) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.kernels import PagedAttentionMetadata
+from hybridkv.kernels import PagedAttentionMetadata, kv_page_views
 
 
 @dataclass
@@ -38,8 +38,12 @@ def make_paged_batch(
     sliding_window: int | None = None,
     garbage: float = float("nan"),
     seed: int = 0,
+    value_head_dim: int | None = None,
+    in_pages: bool = False,
 ) -> PagedBatch:
-    """Random query rows and K/V for the given sequences, stored in a paged cache."""
+    """Random query rows and K/V for the given sequences, stored in a paged cache. With `in_pages`
+    the caches are a layer's views into shared pages (as the engine allocates them): K and V sit
+    between another layer's slot and padding, all filled with `garbage`."""
     generator = torch.Generator().manual_seed(seed)
     shuffler = random.Random(seed)
     blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len in seq_lens]
@@ -47,15 +51,20 @@ def make_paged_batch(
     free_ids = list(range(1, num_blocks))
     shuffler.shuffle(free_ids)
 
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(cache_shape, garbage, dtype=dtype)
-    value_cache = torch.full(cache_shape, garbage, dtype=dtype)
+    value_head_dim = value_head_dim or head_dim
+    if in_pages:
+        slot_bytes = block_size * num_kv_heads * (head_dim + value_head_dim) * dtype.itemsize
+        pages = torch.full((num_blocks, 3 * slot_bytes // dtype.itemsize), garbage, dtype=dtype)
+        key_cache, value_cache = kv_page_views(pages, slot_bytes, block_size, num_kv_heads, head_dim, value_head_dim)
+    else:
+        key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), garbage, dtype=dtype)
+        value_cache = torch.full((num_blocks, block_size, num_kv_heads, value_head_dim), garbage, dtype=dtype)
     block_table: list[list[int]] = []
     dense_keys: list[torch.Tensor] = []
     dense_values: list[torch.Tensor] = []
     for query_len, seq_len, num_seq_blocks in zip(query_lens, seq_lens, blocks_per_seq, strict=True):
         keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
-        values = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        values = torch.randn(seq_len, num_kv_heads, value_head_dim, generator=generator).to(dtype)
         first_needed = 0
         if sliding_window is not None:
             first_needed = max(0, seq_len - query_len - sliding_window + 1)

@@ -622,7 +622,7 @@ LAYER_KINDS: dict[str, str] = {
     "phi3": "sliding on every layer",
     # other plain decoders
     "gemma3": "5 sliding : 1 full (multimodal wrapper, text only)",
-    "gemma3n_text": "2 sliding : 1 full, twice; the last 3 layers reuse the K/V of earlier ones",
+    "gemma3n_text": "2 sliding : 1 full, twice; the last 3 layers reuse earlier K/V and hold no pages",
     "olmo2": "full",
     "olmo3": "3 sliding : 1 full",
     "smollm3": "full; every 4th layer without RoPE",

@@ -24,10 +24,24 @@ def test_gemma3_12b_makes_six_groups_of_eight():
     assert summary(pattern(48, 6)) == (8, 6, 0)
 
 
-def test_gemma3_27b_wastes_three_padding_slots():
+def test_gemma3_27b_keeps_padding_out_of_the_full_attention_group():
     windows = pattern(60, 6) + [512, 512]  # 62 layers: 52 sliding, 10 full
     assert windows.count(None) == 10
-    assert summary(windows) == (13, 5, 3)
+    assert summary(windows) == (10, 7, 8)
+    config = group_layers(specs(windows), block_size=16)
+    assert [g.padding_slots for g in config.groups if g.sliding_window is None] == [0]
+
+
+def test_full_attention_padding_costs_more_than_extra_groups():
+    # 10 full + 52 sliding at 32k tokens, window 1,024, 16-token blocks: the full group holds 2,048
+    # blocks a request, each sliding group 65. Size 13 (3 padding slots in the full group) would hold
+    # 26% more than the ideal; size 10 holds 2% more.
+    def layer_pages(group_size, groups_by_kind):
+        return sum(count * blocks * group_size for count, blocks in groups_by_kind)
+
+    ideal = 10 * 2048 + 52 * 65
+    assert layer_pages(13, [(1, 2048), (4, 65)]) / ideal == pytest.approx(1.2575, abs=1e-3)
+    assert layer_pages(10, [(1, 2048), (6, 65)]) / ideal == pytest.approx(1.0218, abs=1e-3)
 
 
 def test_all_full_is_one_group():
@@ -67,13 +81,56 @@ def test_block_bytes_cover_one_page_in_every_slot():
 
 def test_padding_fraction_is_reported():
     config = group_layers(specs(pattern(60, 6) + [512, 512]), block_size=16)
-    assert config.padding_fraction == pytest.approx(3 / 65)
+    assert config.padding_fraction == pytest.approx(8 / 70)
 
 
-def test_layers_of_different_kv_shapes_are_refused():
+def test_layers_of_different_kv_bytes_per_token_are_refused():
     mixed = [LayerSpec(0, None, 2, 8, 2), LayerSpec(1, 64, 2, 16, 2)]
-    with pytest.raises(ValueError, match=r"one K/V shape.*layer 0: 2 kv heads of dim 8; layer 1: 2 kv heads of dim 16"):
+    with pytest.raises(ValueError, match=r"one K/V size per token.*layer 0: 64 bytes per token; layer 1: 128 bytes"):
         group_layers(mixed, block_size=16)
+
+
+def test_key_and_value_head_dims_may_differ_when_the_bytes_per_token_match():
+    layers = [LayerSpec(0, None, 2, 24, 2, v_head_dim=8), LayerSpec(1, 64, 2, 16, 2)]
+    config = group_layers(layers, block_size=16)
+    assert config.block_bytes == 16 * 2 * 32 * 2
+    assert config.kv_bytes_per_token == 2 * 2 * 32 * 2
+
+
+def gemma3n_e4b() -> list[LayerSpec]:
+    """Gemma 3n E4B's published text layout (transformers' Gemma3nTextConfig defaults document it):
+    35 layers, 4 sliding (window 512) : 1 full, 2 kv heads of 256, bf16; layers 20-34 reuse the K/V of
+    layer 18 (the last sliding layer before them) or 19 (the last full one)."""
+    windows = [None if (i + 1) % 5 == 0 else 512 for i in range(35)]
+    return [
+        LayerSpec(i, window, 2, 256, 2, kv_source=None if i < 20 else (19 if window is None else 18))
+        for i, window in enumerate(windows)
+    ]
+
+
+def test_gemma3n_e4b_shared_layers_hold_no_pages():
+    config = group_layers(gemma3n_e4b(), block_size=16)
+    assert [(g.sliding_window, len(g.layer_indices)) for g in config.groups] == [(512, 4)] * 4 + [(None, 4)]
+    assert config.padding_layers == 0
+    assert len(config.shared_layers) == 15 and config.shared_layers[34] == 19 and config.shared_layers[33] == 18
+    assert all(layer < 20 for g in config.groups for layer in g.layer_indices)
+    # 20 of 35 layers hold K/V: 2 heads x (256 + 256) x 2 bytes each, 43% less than a page per layer.
+    assert config.kv_bytes_per_token == 20 * 2048
+    assert 1 - config.kv_bytes_per_token / (35 * 2048) == pytest.approx(0.4286, abs=1e-4)
+    assert config.block_bytes == 4 * 16 * 2048
+
+
+def test_a_shared_layer_cannot_see_further_back_than_its_source_keeps():
+    layers = [LayerSpec(0, 64, 2, 8, 2), LayerSpec(1, None, 2, 8, 2, kv_source=0)]
+    with pytest.raises(ValueError, match=r"layer 1 attends further back \(full attention\) than layer 0"):
+        group_layers(layers, block_size=16)
+    chained = [
+        LayerSpec(0, None, 2, 8, 2),
+        LayerSpec(1, None, 2, 8, 2, kv_source=0),
+        LayerSpec(2, None, 2, 8, 2, kv_source=1),
+    ]
+    with pytest.raises(ValueError, match="layer 2 reads the K/V of layer 1, which holds no pages"):
+        group_layers(chained, block_size=16)
 
 
 def test_no_layers_is_a_clear_error():

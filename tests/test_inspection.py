@@ -231,3 +231,29 @@ def test_a_sliding_layer_that_no_mask_reaches_is_refused(monkeypatch):
         match=r"layers 0, 2: no mask reaches the layer, so the window of 16 its config declares cannot be confirmed",
     ):
         hybridkv.patch(model)
+
+
+# ---- KV-sharing layers -------------------------------------------------------------------------
+
+
+def test_kv_sharing_layers_read_their_source_pages_and_hold_none():
+    from model_zoo import ZOO
+
+    model = ZOO["gemma3n_text"]()  # 6 layers; the last 3 reuse the K/V of the last layer of their kind
+    specs = inspect_model(model, torch.float32).specs
+    assert [spec.kv_source for spec in specs] == [None, None, None, 1, 1, 2]
+    llm = hybridkv.patch(model, max_model_len=256, block_size=8)
+    try:
+        stats = llm.stats()
+        assert stats["shared_kv_layers"] == {3: 1, 4: 1, 5: 2}
+        assert sorted(layer for g in llm.kv_config.groups for layer in g.layer_indices) == [0, 1, 2]
+        # 3 of 6 layers hold pages: 2 kv heads x (16 + 16) dims x 4 bytes each.
+        assert stats["kv_bytes_per_token"] == 3 * 2 * 32 * 4
+        shared, source = llm.runner.layers[4], llm.runner.layers[1]
+        assert shared.key_cache.data_ptr() == source.key_cache.data_ptr() and not shared.writes_kv
+        batch = prompts((40, 150))
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
+            hf_greedy(model, p, 12)[0] for p in batch
+        ]
+    finally:
+        hybridkv.unpatch(model)

@@ -31,7 +31,7 @@ def attention_error(batch, backend, *, scale=0.125, **options) -> float:
         backend=backend,
         **options,
     )
-    assert out.shape == batch.query.shape
+    assert out.shape == (*batch.query.shape[:2], batch.value_cache.shape[-1])
     assert out.dtype == batch.query.dtype
     return max_abs_error(out, reference_attention(batch, scale=scale, **options))
 
@@ -138,6 +138,24 @@ def test_window_softcap_and_sinks_together_match_reference(backend):
     sinks = torch.linspace(-2.0, 2.0, 8)
     error = attention_error(batch, backend, scale=0.5, sliding_window=20, softcap=10.0, sinks=sinks)
     assert error <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("head_dim", "value_head_dim"), [(64, 32), (48, 64)])
+def test_value_head_dim_other_than_the_key_head_dim_matches_reference(backend, head_dim, value_head_dim):
+    batch = make_paged_batch(
+        [1, 30, 1], [50, 30, 90], head_dim=head_dim, value_head_dim=value_head_dim, sliding_window=24
+    )
+    assert attention_error(batch, backend, scale=head_dim**-0.5, sliding_window=24) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_caches_that_are_views_into_shared_pages_match_reference(backend):
+    """The engine's layout: a layer's K and V are views of its slot in every page, blocks a page apart,
+    with other layers' slots (NaN here) around them."""
+    batch = make_paged_batch([1, 20, 1], [40, 20, 75], value_head_dim=32, in_pages=True, sliding_window=16)
+    assert batch.key_cache.stride(0) != batch.key_cache[0].numel()
+    assert attention_error(batch, backend, sliding_window=16) <= FP32_TOLERANCE
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

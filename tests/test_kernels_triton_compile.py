@@ -39,12 +39,16 @@ def _attention_variant(
     sinks: bool,
     queries_per_kv: int = 4,
     capability: int = 90,
+    value_head_dim: int | None = None,
 ) -> Variant:
     block_m, block_q, tile_n = launch_config(queries_per_kv, interpreted=False)
+    value_head_dim = value_head_dim or head_dim
     constexprs = {
         "QUERIES_PER_KV": queries_per_kv,
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PADDED": 1 << (head_dim - 1).bit_length(),
+        "HEAD_DIM_V": value_head_dim,
+        "HEAD_DIM_V_PADDED": 1 << (value_head_dim - 1).bit_length(),
         "BLOCK_SIZE": 16,
         "BLOCK_Q": block_q,
         "BLOCK_M": block_m,
@@ -57,12 +61,15 @@ def _attention_variant(
     return ("attention", dtype, constexprs, capability)
 
 
-def _write_variant(dtype: str, head_dim: int, num_kv_heads: int = 4) -> Variant:
+def _write_variant(dtype: str, head_dim: int, num_kv_heads: int = 4, value_head_dim: int | None = None) -> Variant:
+    value_head_dim = value_head_dim or head_dim
     constexprs = {
         "NUM_KV_HEADS": num_kv_heads,
         "NUM_KV_HEADS_PADDED": 1 << (num_kv_heads - 1).bit_length(),
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PADDED": 1 << (head_dim - 1).bit_length(),
+        "HEAD_DIM_V": value_head_dim,
+        "HEAD_DIM_V_PADDED": 1 << (value_head_dim - 1).bit_length(),
         "BLOCK_SIZE": 16,
     }
     return ("write", dtype, constexprs, 90)
@@ -81,9 +88,12 @@ def _variants() -> list[Variant]:
         _attention_variant("fp16", 128, False, False, False, queries_per_kv=1),
         _attention_variant("fp16", 128, True, False, False, queries_per_kv=32),
         _attention_variant("bf16", 128, True, True, True, capability=80),
+        _attention_variant("bf16", 192, True, False, False, value_head_dim=128),  # K and V head dims differ
+        _attention_variant("bf16", 512, False, False, False, queries_per_kv=8),  # Gemma 4's full layers
     ]
     variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
+    variants.append(_write_variant("bf16", 192, value_head_dim=128))
     return variants
 
 

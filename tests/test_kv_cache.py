@@ -8,7 +8,8 @@ import torch
 from hybridkv.kernels import (
     PagedAttentionMetadata,
     allocate_kv_cache,
-    kv_bytes_per_block,
+    allocate_kv_pages,
+    kv_page_views,
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
     paged_attention,
@@ -20,10 +21,25 @@ from kernel_reference import make_paged_batch
 BACKENDS = ["torch", "triton"]
 
 
-def test_kv_bytes_per_block_counts_keys_and_values_of_every_tensor():
-    # 2 (K and V) * 9 tensors * 16 slots * 4 heads * 64 dims * 2 bytes
-    assert kv_bytes_per_block(9, 16, 4, 64, torch.bfloat16) == 147_456
-    assert kv_bytes_per_block(1, 16, 1, 128, torch.float32) == 16_384
+def test_pages_hold_whole_elements_and_start_zeroed():
+    pages = allocate_kv_pages(5, 147_456, torch.bfloat16, "cpu")
+    assert pages.shape == (5, 73_728) and not pages.any()
+    with pytest.raises(ValueError, match=r"whole torch\.float32 elements"):
+        allocate_kv_pages(5, 6, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="at least 2"):
+        allocate_kv_pages(1, 64, torch.float32, "cpu")
+
+
+def test_a_layers_views_cover_its_slot_of_every_page_k_then_v():
+    pages = torch.zeros(4, 2 * (8 * 2 * (16 + 8)))  # two slots of 8 tokens, 2 heads, K dim 16, V dim 8
+    keys, values = kv_page_views(pages, offset_bytes=8 * 2 * 24 * 4, block_size=8, num_kv_heads=2, head_dim=16,
+                                 value_head_dim=8)  # fmt: skip
+    assert keys.shape == (4, 8, 2, 16) and values.shape == (4, 8, 2, 8)
+    keys.fill_(1.0)
+    values.fill_(2.0)
+    slot = 8 * 2 * 24
+    assert pages[:, :slot].eq(0).all()  # the first slot is untouched
+    assert pages[:, slot : slot + 256].eq(1).all() and pages[:, slot + 256 :].eq(2).all()
 
 
 def test_num_blocks_for_budget_rounds_down():
@@ -107,6 +123,21 @@ def test_write_kv_stores_each_row_at_its_slot(backend, dtype):
         assert torch.equal(key_cache[slot // 8, slot % 8], key[row])
         assert torch.equal(value_cache[slot // 8, slot % 8], value[row])
     assert int((key_cache.view(-1, 3 * 96) != 0).any(dim=1).sum()) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_write_kv_into_page_views_with_a_narrower_value_touches_only_its_slot(backend):
+    pages = torch.full((4, 3 * 8 * 2 * (16 + 8)), 5.0)
+    keys, values = kv_page_views(pages, 8 * 2 * 24 * 4, 8, 2, 16, 8)
+    before = pages.clone()
+    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 8)
+    slots = torch.tensor([9, 0, 31])
+    write_kv(key, value, keys, values, slots, backend=backend)
+    for row, slot in enumerate(slots.tolist()):
+        assert torch.equal(keys[slot // 8, slot % 8], key[row])
+        assert torch.equal(values[slot // 8, slot % 8], value[row])
+    changed = (pages != before).nonzero()[:, 1]
+    assert changed.min() >= 8 * 2 * 24 and changed.max() < 2 * 8 * 2 * 24
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -26,9 +26,10 @@ REFUSAL_REASONS = {
     "lfm3": RECURRENT,
     "recurrent_gemma": RECURRENT,
     "llama4_text": r"'chunked_attention' layers .* need a chunked-local layer kind",
-    "deepseek_v3": r"K has 4 heads of dim 24 and V 4 heads of dim 16",
-    "mimo_v2_flash": r"K has \d+ heads of dim 24 and V \d+ heads of dim 16",
-    "gemma4_text": r"one K/V shape .*layers 0, 1, 2: 2 kv heads of dim 16; layer 3: \d kv heads of dim 32",
+    "deepseek_v3": r"multi-head latent attention \(kv_lora_rank=16\): hybridkv would page the decompressed",
+    # K and V head dims differ (24 and 16), which is served; the sliding layers' extra kv heads are not.
+    "mimo_v2_flash": r"one K/V size per token .*layers 0, 1, 2: 640 bytes per token; layer 3: 320 bytes",
+    "gemma4_text": r"one K/V size per token .*layers 0, 1, 2: 256 bytes per token; layer 3: 512 bytes",
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",
 }
