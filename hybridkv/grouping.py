@@ -54,7 +54,7 @@ class KVCacheConfig:
 
     @property
     def group_size(self) -> int:
-        """Layer slots per group (the largest, when kinds of different per-token bytes differ)."""
+        """Layer slots per group (every group has the same number: one page size, one slot size)."""
         return max(g.num_slots for g in self.groups)
 
     @property
@@ -150,9 +150,9 @@ def group_layers(specs: list[LayerSpec], block_size: int, group_size: int | None
 def _check_kv_sources(specs: list[LayerSpec]) -> None:
     by_layer = {spec.layer_idx: spec for spec in specs}
     for spec in specs:
-        source = by_layer.get(spec.kv_source) if spec.kv_source is not None else None
         if spec.kv_source is None:
             continue
+        source = by_layer.get(spec.kv_source)
         if source is None or not source.holds_pages:
             raise ValueError(f"layer {spec.layer_idx} reads the K/V of layer {spec.kv_source}, which holds no pages")
         if source.sliding_window is not None and (
