@@ -1,7 +1,8 @@
 """The coordinator: all KV cache groups of one model, allocated and freed as one.
 
 It finds the longest prefix that hits in every group, allocates a step's blocks in every group or in
-none, caches blocks that became full and returns blocks that fell out of a sliding window.
+none, caches blocks that became full and returns blocks that fell out of a sliding window. Groups may
+hold different numbers of tokens per block (hybridkv/grouping.py); token counts are the common unit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class KVCacheStats:
     num_evictions: int
     group_size: int
     padding_layers: int
+    group_block_sizes: list[int]
+    padding_fraction: float
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -45,10 +48,10 @@ def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens:
     """The most blocks one request of num_tokens tokens, computed in chunks of at most
     max_chunk_tokens, holds at once: a full group holds a block per block_size tokens, a sliding
     group never more than ceil((W-1)/block_size) + 1 blocks plus the chunk being computed."""
-    block_size = config.block_size
-    all_blocks = -(-num_tokens // block_size)
     total = 0
     for group in config.groups:
+        block_size = group.block_size
+        all_blocks = -(-num_tokens // block_size)
         if group.sliding_window is None:
             total += all_blocks
         else:
@@ -67,19 +70,24 @@ class KVCacheCoordinator:
 
     def __init__(self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True) -> None:
         self.config = config
-        self.block_size = config.block_size
+        self.block_size = config.block_size  # of prefix-cache hashes; the smallest group block size
+        self.hit_alignment = config.hit_alignment
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, len(config.groups), enable_caching)
         self.managers: list[SingleTypeManager] = []
         for group in config.groups:
+            stride = group.block_size // config.block_size
             if group.sliding_window is None:
-                self.managers.append(FullAttentionManager(group.group_id, self.pool, self.block_size))
+                manager = FullAttentionManager(group.group_id, self.pool, group.block_size, stride)
             else:
-                self.managers.append(
-                    SlidingWindowManager(group.group_id, self.pool, self.block_size, group.sliding_window)
+                manager = SlidingWindowManager(
+                    group.group_id, self.pool, group.block_size, group.sliding_window, stride
                 )
+            self.managers.append(manager)
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
+        # The group with the smallest blocks: when its list covers a request's tokens, every group's does.
+        self._finest = min(self.managers, key=lambda m: m.block_size)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -88,27 +96,30 @@ class KVCacheCoordinator:
 
         Called before a request's first allocation (new, or back after preemption, when its known
         tokens include its outputs). Never covers the last token: it must be computed to produce
-        logits. Iterates to a fixed point, since a shorter hit in one group can move a sliding
-        group's hit.
+        logits. A hit ends where every group's blocks end (a multiple of `hit_alignment` tokens).
+        Iterates to a fixed point, since a shorter hit in one group can move a sliding group's hit.
         """
         if not self.enable_caching:
             return CacheHit([[] for _ in self.managers], 0)
-        max_blocks = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        align = self.hit_alignment
+        max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
         settled = False
-        while not settled and max_blocks > 0:
+        while not settled and max_tokens > 0:
             settled = True
             for manager in self._search_order:
-                hit = manager.find_longest_cache_hit(request.block_hashes, max_blocks)
+                hit = manager.find_longest_cache_hit(request.block_hashes, max_tokens // manager.block_size)
                 hits[manager.group_id] = hit
-                if len(hit) < max_blocks:
-                    max_blocks = len(hit)
+                hit_tokens = len(hit) * manager.block_size
+                if hit_tokens < max_tokens:
+                    max_tokens = hit_tokens // align * align
+                    # A shorter prefix of a prefix-closed kind's hit is a hit; a window's is not.
                     settled = manager.hits_are_prefix_closed and settled
-        if max_blocks == 0:
+        if max_tokens == 0:
             hits = [[] for _ in self.managers]
-        for hit in hits:
-            del hit[max_blocks:]
-        return CacheHit(hits, max_blocks * self.block_size)
+        for manager, hit in zip(self.managers, hits, strict=True):
+            del hit[max_tokens // manager.block_size :]
+        return CacheHit(hits, max_tokens)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
@@ -120,9 +131,10 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         request_id = request.request_id
-        # Every group's list covers the same positions, so one length says whether any group needs a
+        # The group of the smallest blocks runs out first, so its length says whether any group needs a
         # block (most decode steps need none).
-        if hit is None and num_total <= len(self.managers[0].blocks_of(request_id)) * self.block_size:
+        finest = self._finest
+        if hit is None and num_total <= len(finest.blocks_of(request_id)) * finest.block_size:
             return True
         no_hit: list[KVBlock] = []
         num_needed = 0
@@ -150,12 +162,12 @@ class KVCacheCoordinator:
 
         Caching comes first so that out-of-window blocks go back to the pool still hashed.
         """
-        num_full_blocks = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         request_id = request.request_id
+        num_computed = request.num_computed_tokens
         for manager in self.managers:
             if self.enable_caching:
-                manager.cache_blocks(request_id, request.block_hashes, num_full_blocks)
-            manager.remove_skipped_blocks(request_id, request.num_computed_tokens)
+                manager.cache_blocks(request_id, request.block_hashes, num_computed)
+            manager.remove_skipped_blocks(request_id, num_computed)
 
     def restore(self, request_id: str, layout: list[list[bool]]) -> list[list[int]] | None:
         """Give a request that holds nothing fresh blocks in the given layout (per group, True = a
@@ -212,6 +224,8 @@ class KVCacheCoordinator:
             num_evictions=self.pool.num_evictions,
             group_size=self.config.group_size,
             padding_layers=self.config.padding_layers,
+            group_block_sizes=[group.block_size for group in self.config.groups],
+            padding_fraction=self.config.padding_fraction,
         )
 
     def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
@@ -243,14 +257,15 @@ class KVCacheCoordinator:
         for manager in self.managers:
             for request_id, blocks in manager.req_to_blocks.items():
                 request = requests[request_id]
+                num_hashed = manager.num_hashed_blocks(request.block_hashes)
                 for i, block in enumerate(blocks):
                     if block.block_hash is not None:
-                        own_hash = request.block_hashes[i] if i < len(request.block_hashes) else None
+                        own_hash = manager.block_hash(request.block_hashes, i) if i < num_hashed else None
                         assert block.block_hash == own_hash, (
                             f"{block} at position {i} of {request_id} carries another chain's hash"
                         )
                 first_needed = manager.first_needed_block(request.num_computed_tokens)
-                computed_blocks = -(-request.num_computed_tokens // self.block_size)
+                computed_blocks = -(-request.num_computed_tokens // manager.block_size)
                 assert len(blocks) >= computed_blocks, f"{request_id} lost blocks of computed tokens"
                 assert not any(b.is_null for b in blocks[first_needed:]), (
                     f"{request_id} has a null block where group {manager.group_id} still attends"

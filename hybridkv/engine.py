@@ -415,7 +415,12 @@ class LLMEngine:
             "kv_bytes_in_use": kv.blocks_in_use * self.bytes_per_block,
             "num_groups": len(self.kv_config.groups),
             "group_size": kv.group_size,
+            # Tokens per block in each group: a kind of fewer K/V bytes per token gets larger blocks
+            # (hybridkv/grouping.py); prefix-cache hits are multiples of the largest.
+            "group_block_sizes": kv.group_block_sizes,
             "padding_layers": kv.padding_layers,
+            # Share of the pages' bytes no layer writes (padding slots and page tails).
+            "padding_fraction": kv.padding_fraction,
             # K and V bytes a token costs across the layers that hold pages; KV-sharing layers hold none.
             "kv_bytes_per_token": self.kv_config.kv_bytes_per_token,
             "shared_kv_layers": self.kv_config.shared_layers,

@@ -1,19 +1,28 @@
 """Layers -> KV cache groups of uniform page bytes.
 
 One block id names one page of `block_bytes` bytes, the same in every group, so every group draws on
-one pool. A group holds `num_slots` layers of one kind (one window); its page is cut into per-layer
-slots, each layer's K then V:
+one pool. A group holds `num_slots` layers of one kind (one attention rule, one K/V size per token);
+its page is cut into per-layer slots, each layer's K then V:
 
     one block id = one page of block_bytes
     | layer a: K [block_size, heads, dk] | V [block_size, heads, dv] | layer b: K | V | ... | padding |
 
-Every layer that holds pages must need the same bytes per token (V rows may be narrower than K rows);
-layers whose per-token bytes differ (Gemma 4's 512-dim full layers) are refused for now. A kind whose
-layer count does not fill its last group leaves padding slots there: bytes allocated but never
-written, reported. Padding costs in proportion to the blocks its group holds, and a full-attention
-group holds a block per block_size tokens of context while a sliding group holds a window's worth, so
-the group size keeps full-attention groups free of padding first (`choose_group_size`).
-KV-sharing layers hold no pages and belong to no group.
+Layers whose K/V cost different bytes per token (Gemma 4's 512-dim full layers beside 256-dim sliding
+ones, MiMo-V2's sliding layers with more kv heads) get groups with different block sizes, as in vLLM:
+the kind with the most bytes per token keeps the engine's `block_size`, and a kind needing 1/k of those
+bytes holds k times as many tokens per block, so every page has the same bytes and nothing is padded
+(when k is not a whole number, the page's tail is). Prefix-cache hashes are kept per `block_size`
+tokens; a group of k times that block size names its block by the hash of the block's last
+`block_size` tokens, and a hit must end where every group's blocks end (a multiple of the largest
+block size). The alternative, one block size with every slot padded to the widest layer's bytes
+(`uniform_block_size=True`), wastes up to half of Gemma 4's KV bytes: benchmarks/kv_layouts.py and
+docs/design.md have the measurement.
+
+A kind whose layer count does not fill its last group leaves padding slots there: bytes allocated but
+never written, reported. Padding costs in proportion to the blocks its group holds, and a
+full-attention group holds a block per block_size tokens of context while a windowed group holds a
+window's worth, so the group size keeps full-attention groups free of padding first
+(`choose_group_size`). KV-sharing layers hold no pages and belong to no group.
 """
 
 from __future__ import annotations
@@ -25,23 +34,35 @@ from hybridkv.kv_spec import LayerSpec
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    """One group: its kind, its real layers in slot order, the slots its page has room for, and the
-    bytes of one layer's page (slot s starts at byte s * slot_bytes of the group's page)."""
+    """One group: its kind, its real layers in slot order, the slots its page has room for, the
+    bytes between slots (slot s starts at byte s * slot_bytes of the group's page), the tokens one of
+    its blocks holds and the K/V bytes one token costs in each of its layers."""
 
     group_id: int
     sliding_window: int | None
     layer_indices: tuple[int, ...]
     num_slots: int
     slot_bytes: int
+    block_size: int
+    token_bytes: int
 
     @property
     def padding_slots(self) -> int:
         return self.num_slots - len(self.layer_indices)
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of one page its layers write."""
+        return len(self.layer_indices) * self.block_size * self.token_bytes
+
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """The grouping of a model's attention layers, and the bytes one block id stands for."""
+    """The grouping of a model's attention layers, and the bytes one block id stands for.
+
+    `block_size` is the tokens per block of the groups with the most bytes per token, and the
+    granularity of prefix-cache hashes; every group's block size is a multiple of it.
+    """
 
     block_size: int
     groups: tuple[KVCacheGroupSpec, ...]
@@ -54,7 +75,7 @@ class KVCacheConfig:
 
     @property
     def group_size(self) -> int:
-        """Layer slots per group (every group has the same number: one page size, one slot size)."""
+        """Layer slots per group (every group has the same number)."""
         return max(g.num_slots for g in self.groups)
 
     @property
@@ -63,8 +84,14 @@ class KVCacheConfig:
 
     @property
     def padding_fraction(self) -> float:
-        """Share of the groups' page bytes reserved for padding slots that no layer uses."""
-        return sum(g.padding_slots * g.slot_bytes for g in self.groups) / (len(self.groups) * self.block_bytes)
+        """Share of the groups' page bytes that no layer writes (padding slots, padded slots and tails)."""
+        return 1 - sum(g.used_bytes for g in self.groups) / (len(self.groups) * self.block_bytes)
+
+    @property
+    def hit_alignment(self) -> int:
+        """Tokens a prefix-cache hit is a multiple of: the largest block size (each is a multiple of the
+        smallest, block_size, so this is their least common multiple)."""
+        return max(g.block_size for g in self.groups)
 
     @property
     def shared_layers(self) -> dict[int, int]:
@@ -109,42 +136,40 @@ def choose_group_size(full_counts: list[int], sliding_counts: list[int]) -> int:
     )
 
 
-def group_layers(specs: list[LayerSpec], block_size: int, group_size: int | None = None) -> KVCacheConfig:
-    """Split a model's attention layers into KV cache groups (see the module docstring). `group_size`
-    overrides `choose_group_size` (benchmarks/kv_layouts.py compares choices)."""
+def group_layers(
+    specs: list[LayerSpec], block_size: int, group_size: int | None = None, uniform_block_size: bool = False
+) -> KVCacheConfig:
+    """Split a model's attention layers into KV cache groups (see the module docstring).
+
+    `group_size` overrides `choose_group_size`; `uniform_block_size` pads every slot to the widest
+    layer's bytes instead of giving narrower kinds larger blocks (benchmarks/kv_layouts.py compares both).
+    """
     if not specs:
         raise ValueError("the model has no attention layers to cache")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     _check_kv_sources(specs)
-    paged = [spec for spec in specs if spec.holds_pages]
-    layers_by_bytes: dict[int, list[int]] = {}
-    for spec in paged:
-        layers_by_bytes.setdefault(spec.kv_bytes_per_token, []).append(spec.layer_idx)
-    if len(layers_by_bytes) > 1:
-        found = "; ".join(
-            f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}: {per_token} bytes per token"
-            for per_token, layers in layers_by_bytes.items()
-        )
-        raise ValueError(
-            f"hybridkv needs every attention layer to store one K/V size per token (KV cache groups share one "
-            f"page size), but {found}; per-layer KV sizes (e.g. Gemma 4's global_head_dim) are not supported yet"
-        )
-    slot_bytes = paged[0].page_bytes(block_size)
-    layers_by_window: dict[int | None, list[int]] = {}
-    for spec in paged:
-        layers_by_window.setdefault(spec.sliding_window, []).append(spec.layer_idx)
+    kinds: dict[tuple[int | None, int], list[int]] = {}
+    for spec in specs:
+        if spec.holds_pages:
+            kinds.setdefault((spec.sliding_window, spec.kv_bytes_per_token), []).append(spec.layer_idx)
     if group_size is None:
         group_size = choose_group_size(
-            [len(layers) for window, layers in layers_by_window.items() if window is None],
-            [len(layers) for window, layers in layers_by_window.items() if window is not None],
+            [len(layers) for (window, _), layers in kinds.items() if window is None],
+            [len(layers) for (window, _), layers in kinds.items() if window is not None],
         )
+    widest = max(token_bytes for _, token_bytes in kinds)
+    widest_slot = block_size * widest
     groups = []
-    for window, layers in layers_by_window.items():
+    for (window, token_bytes), layers in kinds.items():
+        group_block_size = block_size if uniform_block_size else block_size * (widest // token_bytes)
+        slot_bytes = widest_slot if uniform_block_size else group_block_size * token_bytes
         for start in range(0, len(layers), group_size):
             chunk = tuple(layers[start : start + group_size])
-            groups.append(KVCacheGroupSpec(len(groups), window, chunk, group_size, slot_bytes))
-    return KVCacheConfig(block_size, tuple(groups), tuple(specs), group_size * slot_bytes)
+            groups.append(
+                KVCacheGroupSpec(len(groups), window, chunk, group_size, slot_bytes, group_block_size, token_bytes)
+            )
+    return KVCacheConfig(block_size, tuple(groups), tuple(specs), group_size * widest_slot)
 
 
 def _check_kv_sources(specs: list[LayerSpec]) -> None:

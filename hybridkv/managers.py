@@ -5,6 +5,10 @@ allocate the blocks a step needs, cache blocks that became full, return blocks t
 be attended to, and free a request. Block lists are append-only and indexed by block position
 (block i covers tokens [i * block_size, (i + 1) * block_size)); the null block stands in for
 positions a sliding window no longer sees.
+
+Block hashes come per `block_size / hash_stride` tokens (the engine's block size); a group whose blocks
+hold `hash_stride` times as many tokens names its block i by hash `(i + 1) * hash_stride - 1`, the
+chained hash of everything up to the block's end.
 """
 
 from __future__ import annotations
@@ -26,19 +30,28 @@ class SingleTypeManager(ABC):
     #: True when a cache hit of n blocks implies hits of every shorter length (full attention).
     hits_are_prefix_closed: bool = True
 
-    def __init__(self, group_id: int, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, group_id: int, pool: BlockPool, block_size: int, hash_stride: int = 1) -> None:
         self.group_id = group_id
         self.pool = pool
         self.block_size = block_size
+        self.hash_stride = hash_stride
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 
     @abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        """The longest hit of at most max_num_blocks blocks, as the block list it would start with.
+        """The longest hit of at most max_num_blocks of this group's blocks, as the block list it would
+        start with; `block_hashes` are the request's (see the module docstring).
 
         The returned list may contain the null block (positions the kind never reads again).
         """
+
+    def block_hash(self, block_hashes: Sequence[bytes], index: int) -> bytes:
+        """This group's hash of its block `index`."""
+        return block_hashes[(index + 1) * self.hash_stride - 1]
+
+    def num_hashed_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        return len(block_hashes) // self.hash_stride
 
     @abstractmethod
     def first_needed_block(self, num_computed_tokens: int) -> int:
@@ -87,13 +100,17 @@ class SingleTypeManager(ABC):
         blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_full_blocks: int) -> None:
-        """Register the request's blocks [num_cached, num_full_blocks) under their hashes."""
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
+        """Register the request's blocks that num_computed_tokens filled, from num_cached on, under
+        their hashes."""
+        stride = self.hash_stride
+        num_full_blocks = min(num_computed_tokens // self.block_size, len(block_hashes) // stride)
         start = self.num_cached_blocks.get(request_id, 0)
         if num_full_blocks <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        self.pool.cache_blocks(blocks[start:num_full_blocks], block_hashes[start:num_full_blocks], self.group_id)
+        hashes = block_hashes[(start + 1) * stride - 1 : num_full_blocks * stride : stride]
+        self.pool.cache_blocks(blocks[start:num_full_blocks], hashes, self.group_id)
         self.num_cached_blocks[request_id] = num_full_blocks
 
     @abstractmethod
@@ -116,8 +133,9 @@ class FullAttentionManager(SingleTypeManager):
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         cached = self.pool.cached[self.group_id]
+        stride = self.hash_stride
         hit = []
-        for block_hash in block_hashes[:max_num_blocks]:
+        for block_hash in block_hashes[stride - 1 : max_num_blocks * stride : stride]:
             block = cached.get(block_hash)
             if block is None:
                 break
@@ -149,20 +167,23 @@ class SlidingWindowManager(SingleTypeManager):
 
     hits_are_prefix_closed = False
 
-    def __init__(self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int) -> None:
-        super().__init__(group_id, pool, block_size)
+    def __init__(
+        self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int, hash_stride: int = 1
+    ) -> None:
+        super().__init__(group_id, pool, block_size, hash_stride)
         self.sliding_window = sliding_window
         self.num_window_blocks = num_window_blocks(sliding_window, block_size)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         cached = self.pool.cached[self.group_id]
         need = self.num_window_blocks
-        max_num_blocks = min(max_num_blocks, len(block_hashes))
+        stride = self.hash_stride
+        max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
         if need == 0:
             return [self.pool.null_block] * max_num_blocks
         run: list[KVBlock] = []
         for i in range(max_num_blocks - 1, -1, -1):
-            block = cached.get(block_hashes[i])
+            block = cached.get(block_hashes[(i + 1) * stride - 1])
             if block is None:
                 run.clear()
                 continue

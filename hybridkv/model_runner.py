@@ -34,7 +34,6 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.kv_config = kv_config
-        self.block_size = kv_config.block_size
         self.backend = backend
         named = dict(model.named_modules())
         self.input_device = input_device(model)
@@ -54,7 +53,7 @@ class ModelRunner:
                 keys, values = kv_page_views(
                     self._pages[device],
                     slot * group.slot_bytes,
-                    self.block_size,
+                    group.block_size,
                     spec.num_kv_heads,
                     spec.head_dim,
                     spec.value_head_dim,
@@ -121,13 +120,14 @@ class ModelRunner:
         tables = [coordinator.block_ids(request.request_id) for request, _ in scheduled]
         metadata: list[PagedAttentionMetadata] = []
         for device in self.devices:
-            first = None
+            # Groups of one block size share length tensors and per-window layouts.
+            first: dict[int, PagedAttentionMetadata] = {}
             for group in self.kv_config.groups:
                 rows = [table[group.group_id] for table in tables]
                 group_metadata = PagedAttentionMetadata.build(
-                    query_lens, seq_lens, rows, self.block_size, device, share_with=first
+                    query_lens, seq_lens, rows, group.block_size, device, share_with=first.get(group.block_size)
                 )
-                first = first or group_metadata
+                first.setdefault(group.block_size, group_metadata)
                 metadata.append(group_metadata)
         device = self.input_device
         step = StepContext(self.layers, metadata, self.backend)

@@ -77,7 +77,7 @@ class PagedAttentionMetadata:
     _torch_plans: dict[int | None, TorchAttentionPlan] = field(default_factory=dict, repr=False)
     _triton_tiles: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
     # Per window: the sequences' key ranges and masks, and the block range each gathers. They depend
-    # on the step's lengths only, so every group of a step shares one dict (see `share_with`).
+    # on the step's lengths and block size only, so groups of one block size share one dict (`share_with`).
     _layouts: dict[int | None, tuple[list[SequencePlan], list[tuple[int, int]]]] = field(
         default_factory=dict, repr=False
     )
@@ -97,7 +97,8 @@ class PagedAttentionMetadata:
         ``query_lens[s]`` new tokens of sequence s are computed this step, ``seq_lens[s]`` counts its
         tokens including them, ``block_table[s]`` lists its block ids (at least
         ``ceil(seq_lens[s] / block_size)`` of them). ``share_with``: the metadata of another group of
-        the same step (same lengths and device), whose length tensors and per-window layouts are reused.
+        the same step (same lengths, device and block size), whose length tensors and per-window layouts
+        are reused.
         """
         if not len(query_lens) == len(seq_lens) == len(block_table):
             raise ValueError(
@@ -125,6 +126,8 @@ class PagedAttentionMetadata:
         if share_with is not None:
             if share_with.query_lens_list != query_lens_list or share_with.seq_lens_list != seq_lens_list:
                 raise ValueError("share_with must be metadata of the same step: its lengths differ")
+            if share_with.block_size != block_size:
+                raise ValueError("share_with must be metadata of the same block size: its layouts depend on it")
             cu_seqlens_q, seq_lens_tensor = share_with.cu_seqlens_q, share_with.seq_lens
         else:
             cu_seqlens_q = _int_tensor(cu_seqlens, torch.int32, device)

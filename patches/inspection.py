@@ -198,7 +198,9 @@ def _probe_forward(model: torch.nn.Module, probe: Probe) -> None:
             model(
                 input_ids=ids[None].to(device),
                 position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                logits_to_keep=1,
+                # A tensor of rows, as an engine step passes: an int lets some models (Gemma 4) skip
+                # rows in their KV-sharing layers, which a step never does.
+                logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
                 use_cache=False,
                 **{attention.STEP_KWARG: probe},
             )

@@ -8,15 +8,21 @@ from hybridkv.kv_spec import LayerSpec
 from hybridkv.request import KVRequest
 
 
-def specs(windows: list[int | None]) -> list[LayerSpec]:
-    """One layer per entry: None = full attention, W = sliding window W."""
-    return [LayerSpec(i, w, num_kv_heads=2, head_dim=8, dtype_bytes=2) for i, w in enumerate(windows)]
+def specs(windows: list[int | None], kv_heads: list[int] | None = None) -> list[LayerSpec]:
+    """One layer per entry: None = full attention, W = sliding window W; 2 kv heads of 8 dims unless
+    `kv_heads` gives each layer's (layers of fewer heads get larger blocks)."""
+    heads = kv_heads or [2] * len(windows)
+    return [LayerSpec(i, w, num_kv_heads=h, head_dim=8, dtype_bytes=2) for i, (w, h) in enumerate(zip(windows, heads))]
 
 
 def make_coordinator(
-    windows: list[int | None], num_blocks: int, block_size: int = 4, enable_caching: bool = True
+    windows: list[int | None],
+    num_blocks: int,
+    block_size: int = 4,
+    enable_caching: bool = True,
+    kv_heads: list[int] | None = None,
 ) -> KVCacheCoordinator:
-    return KVCacheCoordinator(group_layers(specs(windows), block_size), num_blocks, enable_caching)
+    return KVCacheCoordinator(group_layers(specs(windows, kv_heads), block_size), num_blocks, enable_caching)
 
 
 def run_prefill(coordinator: KVCacheCoordinator, request: KVRequest) -> bool:

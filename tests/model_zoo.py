@@ -429,7 +429,70 @@ EXTRA = {
     ),
 }
 
-ZOO: dict[str, Callable[[], PreTrainedModel]] = {**FAMILIES, **NEW, **EXTRA}
+GEMMA4_TEXT = dict(
+    COMMON,
+    head_dim=16,
+    global_head_dim=32,  # full layers use a wider head than sliding ones
+    sliding_window=WINDOW,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    initializer_range=0.03,
+    tie_word_embeddings=False,
+)
+
+
+def _gemma4():
+    """Like Gemma 4 E2B/E4B: the full layers' K/V cost twice the sliding layers' bytes per token, and the
+    last two layers reuse the K/V of layers 3 (sliding) and 2 (full)."""
+    m = hf.gemma4
+    text = dict(GEMMA4_TEXT, num_hidden_layers=6, layer_types=[S, S, F, S, S, F], num_kv_shared_layers=2)
+    special = ("image_token_id", "video_token_id", "audio_token_id", "boi_token_id", "eoi_token_id", "boa_token_id")
+    config = m.Gemma4Config(
+        text_config=text,
+        vision_config=None,
+        audio_config=None,
+        tie_word_embeddings=False,
+        eoa_token_index=VOCAB + len(special),
+        **{field: VOCAB + i for i, field in enumerate(special)},
+    )
+    model = _tiny(m.Gemma4ForConditionalGeneration, config)
+    # Its forward embeds the pad id where media placeholders sit (none in text prompts): any id serves.
+    model.config.text_config.pad_token_id = 0
+    return model
+
+
+KV_LAYOUTS = {
+    # Like Gemma 4 31B / 26B-A4B: full layers hold fewer, wider heads with V from the K projection,
+    # half the sliding layers' bytes per token.
+    "gemma4_text": lambda: _build(
+        hf.gemma4.Gemma4ForCausalLM,
+        hf.gemma4.Gemma4TextConfig,
+        **{
+            **GEMMA4_TEXT,
+            "num_hidden_layers": 4,
+            "layer_types": [S, S, S, F],
+            "num_key_value_heads": 4,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+        },
+    ),
+    "gemma4": _gemma4,
+    "mimo_v2_flash": lambda: _build(
+        hf.mimo_v2_flash.MiMoV2FlashForCausalLM,
+        hf.mimo_v2_flash.MiMoV2FlashConfig,
+        num_hidden_layers=4,
+        head_dim=24,
+        v_head_dim=16,  # K head dim != V head dim; sliding layers get twice the kv heads
+        layer_types=[S, S, S, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        sliding_window=WINDOW,
+        n_routed_experts=4,
+        **MOE,
+        initializer_range=0.2,
+    ),
+}
+
+ZOO: dict[str, Callable[[], PreTrainedModel]] = {**FAMILIES, **NEW, **EXTRA, **KV_LAYOUTS}
 
 
 LIN = "linear_attention"
@@ -493,32 +556,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         intermediate_size_mlp=128,
         num_local_experts=4,
         num_experts_per_tok=1,
-        initializer_range=0.2,
-    ),
-    "gemma4_text": lambda: _build(
-        hf.gemma4.Gemma4ForCausalLM,
-        hf.gemma4.Gemma4TextConfig,
-        num_hidden_layers=4,
-        head_dim=16,
-        global_head_dim=32,  # full layers use a wider head than sliding ones
-        layer_types=[S, S, S, F],
-        sliding_window=WINDOW,
-        vocab_size_per_layer_input=VOCAB,
-        hidden_size_per_layer_input=8,
-        initializer_range=0.03,
-        tie_word_embeddings=False,
-    ),
-    "mimo_v2_flash": lambda: _build(
-        hf.mimo_v2_flash.MiMoV2FlashForCausalLM,
-        hf.mimo_v2_flash.MiMoV2FlashConfig,
-        num_hidden_layers=4,
-        head_dim=24,
-        v_head_dim=16,  # K head dim != V head dim
-        layer_types=[S, S, S, F],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        sliding_window=WINDOW,
-        n_routed_experts=4,
-        **MOE,
         initializer_range=0.2,
     ),
     "minimax": lambda: _build(
@@ -655,13 +692,16 @@ LAYER_KINDS: dict[str, str] = {
     "modernbert-decoder": "full, 2 sliding, full",
     "phimoe": "sliding on every layer (window passed through the mask only)",
     "gpt2": "full; absolute position embeddings",
+    # KV_LAYOUTS
+    "gemma4_text": "3 sliding (4 kv heads of 16) : 1 full (1 kv head of 32, V from the K projection)",
+    "gemma4": "2 sliding (head dim 16) : 1 full (head dim 32), twice; the last 2 layers reuse earlier K/V "
+    "(multimodal wrapper, text only)",
+    "mimo_v2_flash": "3 sliding (twice the kv heads, attention sinks) : 1 full, K head dim 24 / V head dim 16",
     # REFUSED
     "qwen3_next": "3 linear attention (recurrent state) : 1 full",
     "jamba": "alternating mamba / full",
     "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
     "llama4_text": "3 chunked : 1 full (no RoPE)",
-    "gemma4_text": "3 sliding (head dim 16) : 1 full (head dim 32)",
-    "mimo_v2_flash": "3 sliding : 1 full, K head dim 24 / V head dim 16",
     "minimax": "3 linear attention (recurrent state) : 1 full",
     "lfm2": "alternating conv (recurrent state) / full",
     "lfm3": "conv, conv, full, conv, sliding",

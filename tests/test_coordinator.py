@@ -184,3 +184,27 @@ def test_free_hit_block_of_a_sliding_group_is_not_evicted_by_the_full_groups_all
     assert coordinator.pool.blocks[5].block_hash == a.block_hashes[1]
     b.num_computed_tokens = hit.num_tokens
     coordinator.check_integrity({"b": b})
+
+
+def test_groups_of_different_block_sizes_hit_where_every_groups_blocks_end():
+    # The full layer has 1 kv head: blocks of 8 tokens; the sliding layer (window 5, 2 heads) blocks of 4.
+    coordinator = make_coordinator([None, 5], num_blocks=32, kv_heads=[1, 2])
+    assert [m.block_size for m in coordinator.managers] == [8, 4]
+    a = request("a", list(range(21)))
+    assert run_prefill(coordinator, a)
+    # The full group hashed 2 blocks of 8 (by the hashes of tokens 0-7 and 0-15), the sliding one 5 of 4.
+    assert len(coordinator.pool.cached[0]) == 2
+    assert coordinator.pool.cached[0][a.block_hashes[3]].block_id == coordinator.block_ids("a")[0][1]
+    # 12 tokens are cached in the sliding group but end inside a full-group block: the hit is 8.
+    b = request("b", list(range(12)) + [99] * 5)
+    hit = coordinator.find_longest_cache_hit(b)
+    assert hit.num_tokens == 8 and [len(blocks) for blocks in hit.blocks] == [1, 2]
+    assert coordinator.allocate_slots(b, b.num_tokens - 8, hit)
+    b.num_computed_tokens = b.num_tokens
+    coordinator.update_computed(b)
+    coordinator.check_integrity({"a": a, "b": b})
+    # 20 shared tokens hit 16: two full-group blocks, and the sliding window's blocks before 16.
+    c = request("c", list(range(20)) + [7])
+    hit = coordinator.find_longest_cache_hit(c)
+    assert hit.num_tokens == 16
+    assert [len(blocks) for blocks in hit.blocks] == [2, 4] and hit.blocks[1][0].is_null

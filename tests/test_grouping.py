@@ -84,10 +84,33 @@ def test_padding_fraction_is_reported():
     assert config.padding_fraction == pytest.approx(8 / 70)
 
 
-def test_layers_of_different_kv_bytes_per_token_are_refused():
+def test_a_kind_of_half_the_bytes_per_token_gets_blocks_of_twice_the_tokens():
+    mixed = [LayerSpec(0, None, 2, 8, 2), LayerSpec(1, 64, 2, 16, 2)]  # 64 and 128 bytes per token
+    config = group_layers(mixed, block_size=16)
+    assert [(g.sliding_window, g.block_size, g.slot_bytes) for g in config.groups] == [(None, 32, 2048), (64, 16, 2048)]
+    assert config.block_bytes == 2048 and config.padding_fraction == 0
+    assert config.hit_alignment == 32 and config.kv_bytes_per_token == 192
+
+
+def test_one_block_size_pads_the_narrower_slots_instead():
     mixed = [LayerSpec(0, None, 2, 8, 2), LayerSpec(1, 64, 2, 16, 2)]
-    with pytest.raises(ValueError, match=r"one K/V size per token.*layer 0: 64 bytes per token; layer 1: 128 bytes"):
-        group_layers(mixed, block_size=16)
+    config = group_layers(mixed, block_size=16, uniform_block_size=True)
+    assert [(g.block_size, g.slot_bytes) for g in config.groups] == [(16, 2048), (16, 2048)]
+    assert config.padding_fraction == pytest.approx(0.25)  # the full layer writes 1,024 of its 2,048 bytes
+    assert config.hit_alignment == 16
+
+
+def test_a_ratio_that_is_not_whole_pads_the_page_tail():
+    mixed = [LayerSpec(0, None, 3, 8, 2), LayerSpec(1, 64, 2, 8, 2)]  # 96 and 64 bytes per token
+    config = group_layers(mixed, block_size=16)
+    assert [(g.block_size, g.slot_bytes) for g in config.groups] == [(16, 1536), (16, 1024)]
+    assert config.padding_fraction == pytest.approx(512 / 3072)
+
+
+def test_layers_of_one_window_and_different_bytes_are_different_kinds():
+    layers = [LayerSpec(0, 64, 2, 8, 2), LayerSpec(1, 64, 4, 8, 2), LayerSpec(2, 64, 2, 8, 2)]
+    config = group_layers(layers, block_size=8)
+    assert [(g.layer_indices, g.block_size) for g in config.groups] == [((0, 2), 16), ((1,), 8)]
 
 
 def test_key_and_value_head_dims_may_differ_when_the_bytes_per_token_match():

@@ -104,7 +104,7 @@ def test_free_returns_blocks_deepest_first():
     pool = BlockPool(num_blocks=5, num_groups=1)
     manager = FullAttentionManager(0, pool, BLOCK_SIZE)
     blocks = manager.allocate_new_blocks("r", 0, 16)
-    manager.cache_blocks("r", [b"a", b"b", b"c", b"d"], 4)
+    manager.cache_blocks("r", [b"a", b"b", b"c", b"d"], 16)
     manager.free("r")
     assert [b.block_id for b in pool.free_queue] == [4, 3, 2, 1]
     assert [b.block_id for b in blocks] == [1, 2, 3, 4]

@@ -27,9 +27,6 @@ REFUSAL_REASONS = {
     "recurrent_gemma": RECURRENT,
     "llama4_text": r"'chunked_attention' layers .* need a chunked-local layer kind",
     "deepseek_v3": r"multi-head latent attention \(kv_lora_rank=16\): hybridkv would page the decompressed",
-    # K and V head dims differ (24 and 16), which is served; the sliding layers' extra kv heads are not.
-    "mimo_v2_flash": r"one K/V size per token .*layers 0, 1, 2: 640 bytes per token; layer 3: 320 bytes",
-    "gemma4_text": r"one K/V size per token .*layers 0, 1, 2: 256 bytes per token; layer 3: 512 bytes",
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",
 }
@@ -82,3 +79,26 @@ def test_families_hybridkv_cannot_serve_exactly_are_refused_with_the_reason(name
         hybridkv.patch(model, max_model_len=256)
     assert not hybridkv.is_patched(model)
     assert model.config._attn_implementation != "hybridkv"
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name):
+    """stats()' bytes per token against transformers' DynamicCache after a prompt shorter than every
+    window: each layer that stores K/V counts once, KV-sharing layers (which store nothing) not at all."""
+    model = ZOO[name]()
+    prompt = torch.tensor([prompts((12,))[0]])
+    with torch.inference_mode():
+        cache = model(input_ids=prompt, use_cache=True).past_key_values
+    stored = 0
+    for layer in getattr(cache, "layers", ()):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            stored += keys.numel() * keys.element_size() + values.numel() * values.element_size()
+    assert stored > 0, f"{name}: no K/V in the model's own cache"
+    llm = hybridkv.patch(model, max_model_len=64, block_size=8)
+    try:
+        stats = llm.stats()
+        assert stats["kv_bytes_per_token"] * prompt.shape[1] == stored
+        assert stats["blocks_in_use"] == 0
+    finally:
+        hybridkv.unpatch(model)
