@@ -12,7 +12,8 @@ def specs(windows: list[int | None], kv_heads: list[int] | None = None) -> list[
     """One layer per entry: None = full attention, W = sliding window W; 2 kv heads of 8 dims unless
     `kv_heads` gives each layer's (layers of fewer heads get larger blocks)."""
     heads = kv_heads or [2] * len(windows)
-    return [LayerSpec(i, w, num_kv_heads=h, head_dim=8, dtype_bytes=2) for i, (w, h) in enumerate(zip(windows, heads))]
+    pairs = enumerate(zip(windows, heads, strict=True))
+    return [LayerSpec(i, w, num_kv_heads=h, head_dim=8, dtype_bytes=2) for i, (w, h) in pairs]
 
 
 def make_coordinator(
