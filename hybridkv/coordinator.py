@@ -11,7 +11,13 @@ from dataclasses import dataclass
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.managers import FullAttentionManager, SingleTypeManager, SlidingWindowManager, num_window_blocks
+from hybridkv.managers import (
+    ChunkedLocalManager,
+    FullAttentionManager,
+    SingleTypeManager,
+    SlidingWindowManager,
+    num_window_blocks,
+)
 from hybridkv.request import KVRequest
 
 
@@ -47,15 +53,17 @@ class KVCacheStats:
 def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens: int) -> int:
     """The most blocks one request of num_tokens tokens, computed in chunks of at most
     max_chunk_tokens, holds at once: a full group holds a block per block_size tokens, a sliding
-    group never more than ceil((W-1)/block_size) + 1 blocks plus the chunk being computed."""
+    group never more than ceil((W-1)/block_size) + 1 blocks plus the chunk being computed (a chunked
+    local group the same with the attention chunk size C for W)."""
     total = 0
     for group in config.groups:
         block_size = group.block_size
         all_blocks = -(-num_tokens // block_size)
-        if group.sliding_window is None:
+        if group.is_full_attention:
             total += all_blocks
         else:
-            window_blocks = num_window_blocks(group.sliding_window, block_size)
+            reach = group.sliding_window or group.attention_chunk_size
+            window_blocks = num_window_blocks(reach, block_size)
             total += min(all_blocks, window_blocks + 1 + -(-max_chunk_tokens // block_size))
     return total
 
@@ -77,7 +85,11 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeManager] = []
         for group in config.groups:
             stride = group.block_size // config.block_size
-            if group.sliding_window is None:
+            if group.attention_chunk_size is not None:
+                manager = ChunkedLocalManager(
+                    group.group_id, self.pool, group.block_size, group.attention_chunk_size, stride
+                )
+            elif group.sliding_window is None:
                 manager = FullAttentionManager(group.group_id, self.pool, group.block_size, stride)
             else:
                 manager = SlidingWindowManager(
@@ -270,11 +282,11 @@ class KVCacheCoordinator:
                 assert not any(b.is_null for b in blocks[first_needed:]), (
                     f"{request_id} has a null block where group {manager.group_id} still attends"
                 )
-                if isinstance(manager, SlidingWindowManager):
+                if isinstance(manager, (SlidingWindowManager, ChunkedLocalManager)):
                     bound = manager.num_window_blocks + 1
                     held = manager.num_real_blocks(request_id)
                     chunk_blocks = max(0, len(blocks) - computed_blocks)
                     assert held <= bound + chunk_blocks, (
-                        f"{request_id} holds {held} real blocks in sliding group {manager.group_id}, "
+                        f"{request_id} holds {held} real blocks in windowed group {manager.group_id}, "
                         f"more than {bound} + {chunk_blocks} for its chunk"
                     )

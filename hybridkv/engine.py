@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -460,6 +461,26 @@ def _kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtyp
     layout = inspect_model(model, kv_dtype)
     kv_config = group_layers(layout.specs, config.block_size)
     max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
+    limit = layout.max_exact_tokens
+    if limit is not None and max_model_len > limit:
+        if config.max_model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} is beyond what hybridkv serves exactly for this "
+                f"{type(model).__name__}: {layout.limit_reason}. Pass max_model_len <= {limit}"
+            )
+        warnings.warn(
+            f"hybridkv serves this {type(model).__name__} up to {limit} tokens ({layout.limit_reason}); "
+            f"max_model_len is {limit}, not max_position_embeddings={max_model_len}",
+            stacklevel=3,
+        )
+        max_model_len = limit
+    if limit is not None and config.max_num_batched_tokens > limit:
+        # The model counts a step's rows as positions there, so the rows must stay below the limit too.
+        raise ValueError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} is beyond what hybridkv serves exactly for "
+            f"this {type(model).__name__}: {layout.limit_reason}, and a step's rows count as positions there. "
+            f"Pass max_num_batched_tokens <= {limit}"
+        )
     return kv_dtype, layout, kv_config, max_model_len
 
 

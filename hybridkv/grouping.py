@@ -1,7 +1,8 @@
 """Layers -> KV cache groups of uniform page bytes.
 
 One block id names one page of `block_bytes` bytes, the same in every group, so every group draws on
-one pool. A group holds `num_slots` layers of one kind (one attention rule, one K/V size per token);
+one pool. A group holds `num_slots` layers of one kind (one attention rule: full, a sliding window or
+chunked local attention; one K/V size per token);
 its page is cut into per-layer slots, each layer's K then V:
 
     one block id = one page of block_bytes
@@ -20,8 +21,8 @@ docs/design.md have the measurement.
 
 A kind whose layer count does not fill its last group leaves padding slots there: bytes allocated but
 never written, reported. Padding costs in proportion to the blocks its group holds, and a
-full-attention group holds a block per block_size tokens of context while a windowed group holds a
-window's worth, so the group size keeps full-attention groups free of padding first
+full-attention group holds a block per block_size tokens of context while a windowed (or chunked)
+group holds a window's (chunk's) worth, so the group size keeps full-attention groups free of padding first
 (`choose_group_size`). KV-sharing layers hold no pages and belong to no group.
 """
 
@@ -45,6 +46,11 @@ class KVCacheGroupSpec:
     slot_bytes: int
     block_size: int
     token_bytes: int
+    attention_chunk_size: int | None = None
+
+    @property
+    def is_full_attention(self) -> bool:
+        return self.sliding_window is None and self.attention_chunk_size is None
 
     @property
     def padding_slots(self) -> int:
@@ -112,7 +118,7 @@ class KVCacheConfig:
 
 
 def choose_group_size(full_counts: list[int], sliding_counts: list[int]) -> int:
-    """Layers per group for kinds of these layer counts (full-attention kinds, windowed kinds).
+    """Layers per group for kinds of these layer counts (full-attention kinds, windowed or chunked kinds).
 
     At most as many groups as a group size equal to the smallest kind's layer count (vLLM's rule).
     Among those: no padding slot in a full-attention group if possible (each wastes a page-slot for
@@ -149,25 +155,30 @@ def group_layers(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     _check_kv_sources(specs)
-    kinds: dict[tuple[int | None, int], list[int]] = {}
+    # A kind: (window, chunk size, bytes per token); None, None is full attention.
+    kinds: dict[tuple[int | None, int | None, int], list[int]] = {}
     for spec in specs:
         if spec.holds_pages:
-            kinds.setdefault((spec.sliding_window, spec.kv_bytes_per_token), []).append(spec.layer_idx)
+            kind = (spec.sliding_window, spec.attention_chunk_size, spec.kv_bytes_per_token)
+            kinds.setdefault(kind, []).append(spec.layer_idx)
     if group_size is None:
+        bounded = {kind: kind[:2] != (None, None) for kind in kinds}
         group_size = choose_group_size(
-            [len(layers) for (window, _), layers in kinds.items() if window is None],
-            [len(layers) for (window, _), layers in kinds.items() if window is not None],
+            [len(layers) for kind, layers in kinds.items() if not bounded[kind]],
+            [len(layers) for kind, layers in kinds.items() if bounded[kind]],
         )
-    widest = max(token_bytes for _, token_bytes in kinds)
+    widest = max(token_bytes for _, _, token_bytes in kinds)
     widest_slot = block_size * widest
     groups = []
-    for (window, token_bytes), layers in kinds.items():
+    for (window, chunk_size, token_bytes), layers in kinds.items():
         group_block_size = block_size if uniform_block_size else block_size * (widest // token_bytes)
         slot_bytes = widest_slot if uniform_block_size else group_block_size * token_bytes
         for start in range(0, len(layers), group_size):
-            chunk = tuple(layers[start : start + group_size])
+            members = tuple(layers[start : start + group_size])
             groups.append(
-                KVCacheGroupSpec(len(groups), window, chunk, group_size, slot_bytes, group_block_size, token_bytes)
+                KVCacheGroupSpec(
+                    len(groups), window, members, group_size, slot_bytes, group_block_size, token_bytes, chunk_size
+                )
             )
     return KVCacheConfig(block_size, tuple(groups), tuple(specs), group_size * widest_slot)
 
@@ -180,6 +191,11 @@ def _check_kv_sources(specs: list[LayerSpec]) -> None:
         source = by_layer.get(spec.kv_source)
         if source is None or not source.holds_pages:
             raise ValueError(f"layer {spec.layer_idx} reads the K/V of layer {spec.kv_source}, which holds no pages")
+        if source.attention_chunk_size is not None and spec.attention_chunk_size != source.attention_chunk_size:
+            raise ValueError(
+                f"layer {spec.layer_idx} reads the K/V of layer {spec.kv_source}, which keeps only its current "
+                f"chunk of {source.attention_chunk_size}; only a layer of the same chunks can share it"
+            )
         if source.sliding_window is not None and (
             spec.sliding_window is None or spec.sliding_window > source.sliding_window
         ):

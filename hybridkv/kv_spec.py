@@ -9,10 +9,11 @@ from dataclasses import dataclass
 class LayerSpec:
     """One attention layer's KV cache needs.
 
-    sliding_window is None for full attention; W for a sliding window where, as in transformers,
-    a query at position i sees the keys at positions (i - W, i]. K rows have `head_dim` elements and
-    V rows `v_head_dim` (None: the same). A layer with `kv_source` set reads the K/V that layer wrote
-    (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own.
+    sliding_window is None for full attention; W for a sliding window where, as in transformers, a query
+    at position i sees the keys at positions (i - W, i]. With `attention_chunk_size` C set (chunked
+    local attention, Llama 4) a query at i sees [C * (i // C), i]: only its own chunk. K rows have
+    `head_dim` elements and V rows `v_head_dim` (None: the same). A layer with `kv_source` set reads the
+    K/V that layer wrote (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own.
     """
 
     layer_idx: int
@@ -22,16 +23,26 @@ class LayerSpec:
     dtype_bytes: int
     v_head_dim: int | None = None
     kv_source: int | None = None
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"layer {self.layer_idx}: sliding_window must be >= 1, not {self.sliding_window}")
+        if self.attention_chunk_size is not None and (self.attention_chunk_size < 1 or self.sliding_window):
+            raise ValueError(
+                f"layer {self.layer_idx}: attention_chunk_size must be >= 1 and excludes a sliding window, "
+                f"got {self.attention_chunk_size} with sliding_window={self.sliding_window}"
+            )
         if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1 or self.value_head_dim < 1:
             raise ValueError(f"layer {self.layer_idx}: kv heads, head dims and dtype bytes must be positive")
 
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def is_full_attention(self) -> bool:
+        return self.sliding_window is None and self.attention_chunk_size is None
 
     @property
     def holds_pages(self) -> bool:

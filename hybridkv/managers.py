@@ -199,16 +199,65 @@ class SlidingWindowManager(SingleTypeManager):
         return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        null_block = self.pool.null_block
-        skipped = []
-        for i in range(min(self.first_needed_block(num_computed_tokens), len(blocks)) - 1, -1, -1):
-            block = blocks[i]
-            if block is null_block:
-                break
-            skipped.append(block)
-            blocks[i] = null_block
-        if skipped:
-            self.pool.free_blocks(skipped)
+        _return_blocks_before(self, request_id, self.first_needed_block(num_computed_tokens))
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """Chunked local attention (Llama 4): a query at position i sees [C * (i // C), i], its own chunk.
+
+    A hit ending at (block-aligned) position p needs only the blocks from its chunk's start, C * (p // C),
+    to p; earlier positions become null blocks, and at a chunk boundary no block at all is needed. A
+    shorter hit may start in an earlier chunk, whose blocks a longer hit did not need: hits are not
+    prefix-closed.
+    """
+
+    hits_are_prefix_closed = False
+
+    def __init__(
+        self, group_id: int, pool: BlockPool, block_size: int, attention_chunk_size: int, hash_stride: int = 1
+    ) -> None:
+        super().__init__(group_id, pool, block_size, hash_stride)
+        self.attention_chunk_size = attention_chunk_size
+        # Real blocks one request holds at most, besides those of the tokens being computed: the
+        # C - 1 keys before a query, wherever in a block its chunk starts.
+        self.num_window_blocks = num_window_blocks(attention_chunk_size, block_size)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id]
+        stride = self.hash_stride
+        max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
+        blocks = [cached.get(h) for h in block_hashes[stride - 1 : max_num_blocks * stride : stride]]
+        # last_miss[end]: the last block index below `end` that is not cached (-1: none).
+        last_miss = [-1] * (max_num_blocks + 1)
+        for index, block in enumerate(blocks):
+            last_miss[index + 1] = index if block is None else last_miss[index]
+        for end in range(max_num_blocks, 0, -1):
+            first = self.first_needed_block(end * self.block_size)
+            if last_miss[end] < first:
+                return [self.pool.null_block] * first + blocks[first:end]
+        return []
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        chunk_size = self.attention_chunk_size
+        return num_computed_tokens // chunk_size * chunk_size // self.block_size
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        _return_blocks_before(self, request_id, self.first_needed_block(num_computed_tokens))
+
+
+def _return_blocks_before(manager: SingleTypeManager, request_id: str, first_needed: int) -> None:
+    """Put the null block in place of the request's real blocks before `first_needed` and return them
+    to the pool, walking back from there until a null block (everything before it went earlier)."""
+    blocks = manager.req_to_blocks.get(request_id)
+    if not blocks:
+        return
+    null_block = manager.pool.null_block
+    skipped = []
+    for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
+        block = blocks[i]
+        if block is null_block:
+            break
+        skipped.append(block)
+        blocks[i] = null_block
+    if skipped:
+        manager.pool.free_blocks(skipped)

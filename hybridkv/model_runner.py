@@ -59,16 +59,23 @@ class ModelRunner:
                     spec.value_head_dim,
                 )
                 index = self.devices.index(device) * num_groups + group.group_id
-                self.layers[layer_idx] = LayerKV(index, keys, values, group.sliding_window)
+                self.layers[layer_idx] = LayerKV(
+                    index, keys, values, group.sliding_window, attention_chunk_size=group.attention_chunk_size
+                )
         for layer_idx, source in kv_config.shared_layers.items():
             if devices[layer_idx] != devices[source]:
                 raise ValueError(
                     f"layer {layer_idx} reads the K/V of layer {source}, which computes on another device "
                     f"({devices[source]} vs {devices[layer_idx]}); place them on one device"
                 )
-            reads = self.layers[source]
+            reads, spec = self.layers[source], specs[layer_idx]
             self.layers[layer_idx] = LayerKV(
-                reads.metadata_index, reads.key_cache, reads.value_cache, specs[layer_idx].sliding_window, False
+                reads.metadata_index,
+                reads.key_cache,
+                reads.value_cache,
+                spec.sliding_window,
+                writes_kv=False,
+                attention_chunk_size=spec.attention_chunk_size,
             )
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0

@@ -77,12 +77,14 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     backend: str | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's query rows over the paged cache, as transformers computes it.
 
     query: ``[num_tokens, num_q_heads, head_dim]``, the rows of ``metadata`` in order (rows past
     ``metadata.num_query_tokens`` are padding and come back as zeros). A query at position i sees keys
-    at positions ``(i - sliding_window, i]`` (all of ``[0, i]`` without a window). Logits are
+    at positions ``(i - sliding_window, i]``, or with ``attention_chunk_size`` C those of its own chunk,
+    ``[C * (i // C), i]`` (all of ``[0, i]`` with neither). Logits are
     ``scale * q.k``, then ``softcap * tanh(logits / softcap)`` if softcap is set; ``sinks``
     (``[num_q_heads]``) adds one logit per q head to the softmax denominator with no value (GPT-OSS).
     q head h reads kv head ``h // (num_q_heads // num_kv_heads)``. Accumulates in fp32; returns
@@ -109,6 +111,11 @@ def paged_attention(
         raise ValueError(f"metadata uses block_size {metadata.block_size}, the cache {key_cache.shape[1]}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window}")
+    if attention_chunk_size is not None and (attention_chunk_size < 1 or sliding_window is not None):
+        raise ValueError(
+            f"attention_chunk_size must be None or >= 1, and not given with a sliding window; got "
+            f"{attention_chunk_size} with sliding_window={sliding_window}"
+        )
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
     if sinks is not None and sinks.shape != (num_q_heads,):
@@ -116,8 +123,12 @@ def paged_attention(
     if resolve_backend(backend, query.device) == "triton":
         from .triton_attention import triton_paged_attention
 
-        return triton_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
-    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks)
+        return triton_paged_attention(
+            query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks, attention_chunk_size
+        )
+    return torch_paged_attention(
+        query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks, attention_chunk_size
+    )
 
 
 def _check_cache(

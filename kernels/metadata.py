@@ -74,11 +74,12 @@ class PagedAttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_table_rows: list[list[int]]
-    _torch_plans: dict[int | None, TorchAttentionPlan] = field(default_factory=dict, repr=False)
+    # Keyed by visibility: (sliding window, attention chunk size), (None, None) for full attention.
+    _torch_plans: dict[tuple[int | None, int | None], TorchAttentionPlan] = field(default_factory=dict, repr=False)
     _triton_tiles: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
     # Per window: the sequences' key ranges and masks, and the block range each gathers. They depend
     # on the step's lengths and block size only, so groups of one block size share one dict (`share_with`).
-    _layouts: dict[int | None, tuple[list[SequencePlan], list[tuple[int, int]]]] = field(
+    _layouts: dict[tuple[int | None, int | None], tuple[list[SequencePlan], list[tuple[int, int]]]] = field(
         default_factory=dict, repr=False
     )
 
@@ -154,12 +155,14 @@ class PagedAttentionMetadata:
     def num_query_tokens(self) -> int:
         return sum(self.query_lens_list)
 
-    def torch_plan(self, sliding_window: int | None) -> TorchAttentionPlan:
-        """The gather plan for ``sliding_window``, built on the first layer that asks for it."""
-        plan = self._torch_plans.get(sliding_window)
+    def torch_plan(self, sliding_window: int | None, attention_chunk_size: int | None = None) -> TorchAttentionPlan:
+        """The gather plan for a window or chunk size (neither: full attention), built on the first
+        layer that asks for it."""
+        key = (sliding_window, attention_chunk_size)
+        plan = self._torch_plans.get(key)
         if plan is None:
-            plan = self._build_torch_plan(sliding_window)
-            self._torch_plans[sliding_window] = plan
+            plan = self._build_torch_plan(key)
+            self._torch_plans[key] = plan
         return plan
 
     def triton_tiles(self, block_q: int) -> TritonQueryTiles:
@@ -180,11 +183,11 @@ class PagedAttentionMetadata:
             self._triton_tiles[block_q] = tiles
         return tiles
 
-    def _build_torch_plan(self, sliding_window: int | None) -> TorchAttentionPlan:
-        layout = self._layouts.get(sliding_window)
+    def _build_torch_plan(self, visibility: tuple[int | None, int | None]) -> TorchAttentionPlan:
+        layout = self._layouts.get(visibility)
         if layout is None:
-            layout = self._build_layout(sliding_window)
-            self._layouts[sliding_window] = layout
+            layout = self._build_layout(*visibility)
+            self._layouts[visibility] = layout
         sequences, block_ranges = layout
         block_ids = [
             block_id
@@ -194,7 +197,9 @@ class PagedAttentionMetadata:
         gather_block_ids = _int_tensor(block_ids, torch.int64, self.block_table.device)
         return TorchAttentionPlan(gather_block_ids=gather_block_ids, sequences=sequences)
 
-    def _build_layout(self, sliding_window: int | None) -> tuple[list[SequencePlan], list[tuple[int, int]]]:
+    def _build_layout(
+        self, sliding_window: int | None, attention_chunk_size: int | None
+    ) -> tuple[list[SequencePlan], list[tuple[int, int]]]:
         """Per sequence: where its queries and visible keys sit, and the blocks [first, end) it gathers."""
         block_size = self.block_size
         device = self.block_table.device
@@ -207,6 +212,8 @@ class PagedAttentionMetadata:
             first_key_position = 0
             if sliding_window is not None:
                 first_key_position = max(0, first_query_position - sliding_window + 1)
+            elif attention_chunk_size is not None:
+                first_key_position = first_query_position // attention_chunk_size * attention_chunk_size
             first_block = first_key_position // block_size
             end_block = (seq_len - 1) // block_size + 1
             workspace_start = (num_gathered - first_block) * block_size
@@ -219,7 +226,13 @@ class PagedAttentionMetadata:
                     key_start=workspace_start + first_key_position,
                     key_end=workspace_start + seq_len,
                     hidden=_hidden_keys(
-                        first_query_position, query_len, first_key_position, seq_len, sliding_window, device
+                        first_query_position,
+                        query_len,
+                        first_key_position,
+                        seq_len,
+                        sliding_window,
+                        attention_chunk_size,
+                        device,
                     ),
                 )
             )
@@ -241,14 +254,17 @@ def _hidden_keys(
     first_key_position: int,
     seq_len: int,
     sliding_window: int | None,
+    attention_chunk_size: int | None,
     device: torch.device,
 ) -> torch.Tensor | None:
     if query_len == 1:
-        # The gathered range is exactly what the single row sees: (p - W, p] clipped at 0.
+        # The gathered range is exactly what the single row sees: (p - W, p] clipped at 0, or p's chunk.
         return None
     query_positions = torch.arange(first_query_position, seq_len, device=device)[:, None, None]
     key_positions = torch.arange(first_key_position, seq_len, device=device)[None, None, :]
     hidden = key_positions > query_positions
     if sliding_window is not None:
         hidden |= key_positions <= query_positions - sliding_window
+    if attention_chunk_size is not None:
+        hidden |= key_positions < query_positions // attention_chunk_size * attention_chunk_size
     return hidden

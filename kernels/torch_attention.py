@@ -78,9 +78,10 @@ def torch_paged_attention(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
-    plan = metadata.torch_plan(sliding_window)
+    plan = metadata.torch_plan(sliding_window, attention_chunk_size)
     num_tokens, num_q_heads, head_dim = query.shape
     value_head_dim = value_cache.shape[-1]
     num_query_tokens = metadata.num_query_tokens

@@ -43,6 +43,7 @@ def paged_attention_kernel(
     scale,
     softcap,
     sliding_window,
+    chunk_size,
     stride_query_token,
     stride_query_head,
     stride_out_token,
@@ -64,6 +65,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -111,6 +113,9 @@ def paged_attention_kernel(
     key_start = 0
     if USE_WINDOW:
         key_start = tl.maximum(context_len + tile_start - sliding_window + 1, 0)
+    if USE_CHUNK:
+        # The tile's first query sits in the earliest chunk of the tile: nothing before it is visible.
+        key_start = (context_len + tile_start) // chunk_size * chunk_size
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
     key_head_base = key_cache_ptr + kv_head.to(tl.int64) * stride_key_head
     value_head_base = value_cache_ptr + kv_head.to(tl.int64) * stride_value_head
@@ -133,6 +138,8 @@ def paged_attention_kernel(
         visible = key_valid[None, :] & (key_positions[None, :] <= row_position[:, None])
         if USE_WINDOW:
             visible = visible & (key_positions[None, :] > row_position[:, None] - sliding_window)
+        if USE_CHUNK:
+            visible = visible & (key_positions[None, :] >= row_position[:, None] // chunk_size * chunk_size)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -182,6 +189,7 @@ def triton_paged_attention(
     sliding_window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -211,6 +219,7 @@ def triton_paged_attention(
         scale,
         softcap if softcap is not None else 1.0,
         sliding_window if sliding_window is not None else 0,
+        attention_chunk_size if attention_chunk_size is not None else 1,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -232,6 +241,7 @@ def triton_paged_attention(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         USE_WINDOW=sliding_window is not None,
+        USE_CHUNK=attention_chunk_size is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
         UPCAST=INTERPRETED and query.dtype == torch.bfloat16,

@@ -49,8 +49,8 @@ _original_implementation: dict[int, str] = {}
 @dataclass(slots=True)
 class LayerKV:
     """Where one attention layer's K/V live (views of its slot in every page), which entry of the
-    step's metadata list describes its group on its device, and the window the layer attends with:
-    the layout's, the same one its group's manager frees blocks by. A KV-sharing layer reads its
+    step's metadata list describes its group on its device, and the window (or attention chunk size)
+    the layer attends with: the layout's, the same one its group's manager frees blocks by. A KV-sharing layer reads its
     source layer's views and metadata and writes nothing (`writes_kv` False)."""
 
     metadata_index: int
@@ -58,6 +58,7 @@ class LayerKV:
     value_cache: torch.Tensor
     sliding_window: int | None
     writes_kv: bool = True
+    attention_chunk_size: int | None = None
 
 
 @dataclass(slots=True)
@@ -145,6 +146,7 @@ def hybridkv_attention(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         backend=step.backend,
+        attention_chunk_size=layer.attention_chunk_size,
     )
     return out.unsqueeze(0), None
 

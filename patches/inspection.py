@@ -2,9 +2,10 @@
 
 hybridkv serves a model when (a) every decoder layer's attention module calls transformers' attention
 interface, with the keyword arguments of the model's forward passed through, and (b) each layer's kind
-is one hybridkv implements (full attention, or a sliding window). That is decided by what the model
-does, not by its name: `inspect_model` runs one short forward of the model with hybridkv's functions
-in a recording mode and compares what every layer did with what the config declares.
+is one hybridkv implements (full attention, a sliding window, or chunked local attention). That is
+decided by what the model does, not by its name: `inspect_model` runs one short forward of the model
+with hybridkv's functions in a recording mode and compares what every layer did with what the config
+declares.
 
 For each attention call the probe records the module and its `layer_idx`, the shapes of query, key and
 value, the `sliding_window` the call passes, any other input the kernels would have to implement, and
@@ -30,7 +31,7 @@ import torch
 
 from hybridkv.kv_spec import LayerSpec
 from hybridkv.patches import attention
-from hybridkv.patches.layer_kinds import SUPPORTED_LAYER_TYPES, config_layers, text_config
+from hybridkv.patches.layer_kinds import SUPPORTED_LAYER_TYPES, ConfigLayer, config_layers, text_config
 from hybridkv.patches.visibility import Visibility, visibility_of_function, visibility_of_tensor
 
 PROBE_TOKENS = 40
@@ -50,6 +51,10 @@ class ModelLayout:
 
     specs: list[LayerSpec]
     module_names: dict[int, str]
+    # Tokens up to which the model's output does not depend on state a step lacks (None: no limit),
+    # and why: see `_position_limit`.
+    max_exact_tokens: int | None = None
+    limit_reason: str = ""
 
 
 @dataclass
@@ -133,7 +138,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     latent = getattr(config, "kv_lora_rank", None)
     specs = []
     for layer_idx, layer in enumerate(declared):
-        problem = _layer_problem(model, layer_idx, layer.layer_type, layer.sliding_window, calls.get(layer_idx, []))
+        problem = _layer_problem(model, layer_idx, layer, calls.get(layer_idx, []))
         if not problem and latent:
             problem = (
                 f"multi-head latent attention (kv_lora_rank={latent}): hybridkv would page the decompressed "
@@ -154,6 +159,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
                 kv_dtype.itemsize,
                 v_head_dim=call.value.shape[-1],
                 kv_source=source,
+                attention_chunk_size=layer.attention_chunk_size,
             )
         )
     if problems:
@@ -164,7 +170,25 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             + "\nSee docs/adding_a_model.md for what each of these needs."
         )
     module_names = {spec.layer_idx: names[id(calls[spec.layer_idx][0].module)] for spec in specs}
-    return ModelLayout(specs, module_names)
+    return ModelLayout(specs, module_names, *_position_limit(config))
+
+
+def _position_limit(config: Any) -> tuple[int | None, str]:
+    """Llama 4's attention temperature tuning scales the queries of its no-RoPE layers by
+    1 + attn_scale * log1p(floor((p + 1) / floor_scale)), with p counted from the length of its own
+    cache (`past_key_values.get_seq_length()`), not from position_ids. An engine step has no such
+    cache, so p would be the row's index in the step: exact only while every position and every row
+    index p has p + 1 < floor_scale, where the factor is 1 for both (max_model_len and
+    max_num_batched_tokens at most floor_scale - 1)."""
+    floor_scale = getattr(config, "floor_scale", None)
+    if not getattr(config, "attn_temperature_tuning", False) or not floor_scale:
+        return None, ""
+    reason = (
+        f"its no-RoPE layers scale queries by a temperature that grows from position {floor_scale - 1} on "
+        f"(attn_temperature_tuning, floor_scale={floor_scale}), counted from the model's own cache, which "
+        "hybridkv's batched steps do not have"
+    )
+    return floor_scale - 1, reason
 
 
 def execution_device(modules: dict[str, torch.nn.Module], name: str) -> torch.device:
@@ -225,9 +249,10 @@ def _attention_installed(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _layer_problem(
-    model: torch.nn.Module, layer_idx: int, layer_type: str, window: int | None, calls: list[_AttentionCall]
+    model: torch.nn.Module, layer_idx: int, layer: ConfigLayer, calls: list[_AttentionCall]
 ) -> str | None:
     """Why layer `layer_idx` cannot be served exactly, or None."""
+    layer_type = layer.layer_type
     if layer_type in _RECURRENT_LAYER_TYPES:
         return (
             f"{layer_type!r} layers keep a per-request recurrent state, not a K/V cache; hybridkv pages "
@@ -235,13 +260,9 @@ def _layer_problem(
         )
     if layer_type in _SPARSE_LAYER_TYPES:
         return f"{layer_type!r} layers use sparse or compressed attention, which hybridkv's kernels do not implement"
-    if layer_type == "chunked_attention":
-        return (
-            "'chunked_attention' layers (a query sees only its own chunk) need a chunked-local layer kind; "
-            "hybridkv implements full and sliding-window layers"
-        )
     if layer_type not in SUPPORTED_LAYER_TYPES:
-        return f"layer type {layer_type!r} is not one hybridkv implements ('full_attention', 'sliding_attention')"
+        kinds = ", ".join(repr(kind) for kind in SUPPORTED_LAYER_TYPES)
+        return f"layer type {layer_type!r} is not one hybridkv implements ({kinds})"
     if not calls:
         mixer = _layer_module_names(model, layer_idx)
         return (
@@ -262,7 +283,9 @@ def _layer_problem(
             f"{module} passes {call.unknown_inputs} to its attention function, which hybridkv's paged "
             "attention does not implement"
         )
-    return _shape_problem(call) or _window_problem(call, window)
+    if layer.attention_chunk_size is not None:
+        return _shape_problem(call) or _chunk_problem(call, layer.attention_chunk_size)
+    return _shape_problem(call) or _window_problem(call, layer.sliding_window)
 
 
 def _shape_problem(call: _AttentionCall) -> str | None:
@@ -279,6 +302,22 @@ def _shape_problem(call: _AttentionCall) -> str | None:
         return f"query head dim {q_dim} differs from key head dim {k_dim}, which the kernels do not implement"
     if q_heads % kv_heads:
         return f"{q_heads} query heads for {kv_heads} kv heads; the kernels need a whole number of queries per kv head"
+    return None
+
+
+def _chunk_problem(call: _AttentionCall, chunk_size: int) -> str | None:
+    visibility = call.visibility
+    declared = f"chunked local attention of {chunk_size}"
+    if call.passed_window:
+        return f"the layer passes sliding_window={call.passed_window} to attention, but its config declares {declared}"
+    if visibility is None or visibility.kind == "causal":
+        return (
+            f"the mask that reaches the layer does not show its chunks, so the {declared} its config declares "
+            "cannot be confirmed"
+        )
+    if visibility.kind != "chunked" or visibility.chunk != chunk_size:
+        seen = f"chunks of {visibility.chunk}" if visibility.kind == "chunked" else f"a {visibility.kind} mask"
+        return f"the mask shows {seen}, but the config declares {declared}"
     return None
 
 
@@ -299,6 +338,8 @@ def _window_problem(call: _AttentionCall, window: int | None) -> str | None:
         return "a query sees later tokens (bidirectional attention); hybridkv serves causal decoders"
     if visibility.kind == "other":
         return "the mask is neither causal nor a sliding window"
+    if visibility.kind == "chunked":
+        return f"the mask keeps only each query's chunk of {visibility.chunk}, but the config declares {declared}"
     if visibility.kind == "window" and visibility.window != window:
         return f"the mask keeps the last {visibility.window} keys, but the config declares {declared}"
     if visibility.kind == "causal" and window:

@@ -1,4 +1,5 @@
-"""Layer kinds from a Hugging Face config: which layers attend fully and which through a window.
+"""Layer kinds from a Hugging Face config: which layers attend fully, which through a sliding window and
+which only within their chunk (chunked local attention, Llama 4's `attention_chunk_size`).
 
 transformers' configs describe hybrid layouts with `layer_types` (Gemma 2 alternating, Gemma 3
 5 local : 1 global, GPT-OSS alternating, Cohere2 3 : 1, OLMo 3, Ministral; Qwen2/3 build it from
@@ -20,16 +21,18 @@ from hybridkv.kv_spec import LayerSpec
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+CHUNKED_ATTENTION = "chunked_attention"
+SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigLayer:
-    """What the config declares for one decoder layer: its `layer_types` entry, and the window of a
-    sliding layer (None otherwise)."""
+    """What the config declares for one decoder layer: its `layer_types` entry, the window of a
+    sliding layer and the chunk size of a chunked one (None otherwise)."""
 
     layer_type: str
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
 
 
 def text_config(config: Any) -> Any:
@@ -59,25 +62,39 @@ def config_layers(config: Any) -> list[ConfigLayer]:
                     "set config.sliding_window"
                 )
             layers.append(ConfigLayer(SLIDING_ATTENTION, window))
+        elif layer_type == CHUNKED_ATTENTION:
+            chunk_size = getattr(config, "attention_chunk_size", None)
+            if not chunk_size:
+                raise ValueError(
+                    f"layer {layer_idx} is a chunked_attention layer but config.attention_chunk_size is not set; "
+                    "set config.attention_chunk_size"
+                )
+            layers.append(ConfigLayer(CHUNKED_ATTENTION, attention_chunk_size=chunk_size))
         else:
             layers.append(ConfigLayer(layer_type))
     return layers
 
 
-def layer_windows(config: Any) -> list[int | None]:
-    """Per layer: None for full attention, W for a sliding window of W tokens; a ValueError for a
-    layer type hybridkv does not implement, or for a bidirectional (encoder) config."""
+def supported_layers(config: Any) -> list[ConfigLayer]:
+    """`config_layers`, with a ValueError for a layer type hybridkv does not implement, or for a
+    bidirectional (encoder) config."""
     if getattr(text_config(config), "use_bidirectional_attention", False) is True:
         raise ValueError("this config uses bidirectional attention (an encoder); hybridkv serves causal decoders only")
-    windows = []
-    for layer_idx, layer in enumerate(config_layers(config)):
+    layers = config_layers(config)
+    for layer_idx, layer in enumerate(layers):
         if layer.layer_type not in SUPPORTED_LAYER_TYPES:
             raise ValueError(
                 f"layer {layer_idx} has layer type {layer.layer_type!r}; hybridkv supports "
-                f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r} layers"
+                + ", ".join(repr(kind) for kind in SUPPORTED_LAYER_TYPES)
+                + " layers"
             )
-        windows.append(layer.sliding_window)
-    return windows
+    return layers
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per layer: None for full attention, W for a sliding window of W tokens (and None for a chunked
+    layer: see `supported_layers`)."""
+    return [layer.sliding_window for layer in supported_layers(config)]
 
 
 def layer_specs_from_config(config: Any, dtype: torch.dtype | str | None = None) -> list[LayerSpec]:
@@ -92,6 +109,13 @@ def layer_specs_from_config(config: Any, dtype: torch.dtype | str | None = None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."))
     return [
-        LayerSpec(layer_idx, window, num_kv_heads, head_dim, dtype.itemsize)
-        for layer_idx, window in enumerate(layer_windows(config))
+        LayerSpec(
+            layer_idx,
+            layer.sliding_window,
+            num_kv_heads,
+            head_dim,
+            dtype.itemsize,
+            attention_chunk_size=layer.attention_chunk_size,
+        )
+        for layer_idx, layer in enumerate(supported_layers(config))
     ]

@@ -19,12 +19,14 @@ import torch
 @dataclass(frozen=True, slots=True)
 class Visibility:
     """Which earlier keys a query sees: "causal" (all of them), "window" (the last `window` positions),
-    "bidirectional" (later keys too) or "other". `exact` is False when only the probe's own tokens
-    were seen, so a window longer than the probe would still read as "causal"."""
+    "chunked" (those of its own chunk of `chunk` positions: [chunk * (i // chunk), i]), "bidirectional"
+    (later keys too) or "other". `exact` is False when only the probe's own tokens were seen, so a
+    window or chunk longer than the probe would still read as "causal"."""
 
     kind: str
     window: int | None = None
     exact: bool = True
+    chunk: int | None = None
 
 
 def visibility_of_function(mask_function: Any, horizon: int) -> Visibility | None:
@@ -43,7 +45,40 @@ def visibility_of_function(mask_function: Any, horizon: int) -> Visibility | Non
     except Exception:  # any failure only means: read the materialized mask instead
         return None
     rows = list(visible.split(lengths.tolist()))
-    return _visibility_of_rows(rows, queries.tolist(), exact=True)
+    visibility = _visibility_of_rows(rows, queries.tolist(), exact=True)
+    if visibility.kind == "other":
+        return _chunked_visibility(mask_function, horizon - 1) or visibility
+    return visibility
+
+
+def _first_visible_key(mask_function: Any, query: int) -> int | None:
+    """The first key `query` sees when it sees a contiguous run of keys ending at itself, else None."""
+    kv_idx = torch.arange(query + 2)
+    zeros = torch.zeros_like(kv_idx)
+    with torch.no_grad():
+        row = torch.as_tensor(mask_function(zeros, zeros, torch.full_like(kv_idx, query), kv_idx)).bool()
+    row = row.expand(kv_idx.shape)
+    seen = row.nonzero()
+    if row[query + 1] or len(seen) == 0 or not row[int(seen[0]) : query + 1].all():
+        return None
+    return int(seen[0])
+
+
+def _chunked_visibility(mask_function: Any, last_query: int) -> Visibility | None:
+    """Chunked local attention, if the mask is one: the chunk the last query sits in starts at f, the
+    query before f sees from the start of the chunk before, and every row checked agrees with it."""
+    start = _first_visible_key(mask_function, last_query)
+    if not start:
+        return None
+    previous = _first_visible_key(mask_function, start - 1)
+    if previous is None or previous >= start:
+        return None
+    chunk = start - previous
+    checks = {previous, previous + 1, start - 2, start - 1, start, start + 1, last_query - 1, last_query}
+    for query in checks:
+        if 0 <= query <= last_query and _first_visible_key(mask_function, query) != query // chunk * chunk:
+            return None
+    return Visibility("chunked", exact=True, chunk=chunk)
 
 
 def visibility_of_tensor(mask: torch.Tensor) -> Visibility:
@@ -58,6 +93,7 @@ def visibility_of_tensor(mask: torch.Tensor) -> Visibility:
 
 def _visibility_of_rows(rows: list[torch.Tensor], positions: list[int], exact: bool) -> Visibility:
     spans = set()
+    firsts = []
     for row, position in zip(rows, positions, strict=True):
         if row[position + 1 :].any():
             return Visibility("bidirectional")
@@ -67,11 +103,18 @@ def _visibility_of_rows(rows: list[torch.Tensor], positions: list[int], exact: b
         first = int(seen[0])
         if not row[first : position + 1].all():
             return Visibility("other")
+        firsts.append(first)
         spans.add(None if first == 0 else position - first + 1)
     windows = spans - {None}
     if not windows:
         return Visibility("causal", exact=exact)
     if len(windows) > 1:
+        # Rows of a materialized mask that cross a chunk boundary show the chunk size.
+        chunk = min(first for first in firsts if first)
+        if not exact and all(
+            first == position // chunk * chunk for first, position in zip(firsts, positions, strict=True)
+        ):
+            return Visibility("chunked", exact=True, chunk=chunk)
         return Visibility("other")
     window = windows.pop()
     # A row that still sees position 0 must be one the window has not passed yet.

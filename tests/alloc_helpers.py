@@ -8,16 +8,21 @@ from hybridkv.kv_spec import LayerSpec
 from hybridkv.request import KVRequest
 
 
-def specs(windows: list[int | None], kv_heads: list[int] | None = None) -> list[LayerSpec]:
-    """One layer per entry: None = full attention, W = sliding window W; 2 kv heads of 8 dims unless
-    `kv_heads` gives each layer's (layers of fewer heads get larger blocks)."""
+def specs(windows: list[int | str | None], kv_heads: list[int] | None = None) -> list[LayerSpec]:
+    """One layer per entry: None = full attention, W = sliding window W, "cC" = chunked local attention
+    in chunks of C; 2 kv heads of 8 dims unless `kv_heads` gives each layer's (layers of fewer heads get
+    larger blocks)."""
     heads = kv_heads or [2] * len(windows)
-    pairs = enumerate(zip(windows, heads, strict=True))
-    return [LayerSpec(i, w, num_kv_heads=h, head_dim=8, dtype_bytes=2) for i, (w, h) in pairs]
+    layers = []
+    for i, (window, num_heads) in enumerate(zip(windows, heads, strict=True)):
+        chunk = int(window[1:]) if isinstance(window, str) else None
+        window = None if chunk else window
+        layers.append(LayerSpec(i, window, num_heads, 8, 2, attention_chunk_size=chunk))
+    return layers
 
 
 def make_coordinator(
-    windows: list[int | None],
+    windows: list[int | str | None],
     num_blocks: int,
     block_size: int = 4,
     enable_caching: bool = True,

@@ -40,6 +40,7 @@ def make_paged_batch(
     seed: int = 0,
     value_head_dim: int | None = None,
     in_pages: bool = False,
+    attention_chunk_size: int | None = None,
 ) -> PagedBatch:
     """Random query rows and K/V for the given sequences, stored in a paged cache. With `in_pages`
     the caches are a layer's views into shared pages (as the engine allocates them): K and V sit
@@ -68,6 +69,8 @@ def make_paged_batch(
         first_needed = 0
         if sliding_window is not None:
             first_needed = max(0, seq_len - query_len - sliding_window + 1)
+        if attention_chunk_size is not None:
+            first_needed = (seq_len - query_len) // attention_chunk_size * attention_chunk_size
         row = []
         for block in range(num_seq_blocks):
             if (block + 1) * block_size <= first_needed:
@@ -94,6 +97,7 @@ def reference_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Dense masked softmax attention in fp64, per sequence, from the dense K/V (never the cache)."""
     metadata = batch.metadata
@@ -114,6 +118,8 @@ def reference_attention(
         visible = key_positions <= query_positions
         if sliding_window is not None:
             visible &= key_positions > query_positions - sliding_window
+        if attention_chunk_size is not None:
+            visible &= key_positions // attention_chunk_size == query_positions // attention_chunk_size
         logits = logits.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             sink_column = sinks.double().view(num_q_heads, 1, 1).expand(num_q_heads, query_len, 1)

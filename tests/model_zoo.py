@@ -4,9 +4,10 @@
 MoE, attention sinks, softcapping, layers without RoPE, KV shared across layers, and multimodal wrappers fed
 text only. It re-exports every family of tests/tiny_models.py (`FAMILIES`) and adds the other transformers
 5.23 model types that gave `generate`'s exact greedy tokens through hybridkv. `REFUSED` holds families
-hybridkv must refuse, because their layers do not keep one K/V of one shape per token: linear attention,
-mamba, conv or recurrent state, multi-head latent attention, chunked attention, per-layer head dims, K head
-dim != V head dim, sparse or compressed attention.
+hybridkv must refuse, because their layers keep something other than a per-token K/V cache it can page
+exactly: linear attention, mamba, conv or recurrent state, multi-head latent attention, sparse or
+compressed attention. `KV_LAYOUTS` holds the served layouts beyond one K/V shape: per-layer head dims and
+head counts (Gemma 4, MiMo-V2-Flash), KV-sharing layers, chunked local attention (Llama 4).
 
 Every builder seeds torch with 0 and returns an fp32 model in eval() mode with a 256-token vocabulary,
 hidden size 64, 2-6 layers, and windows (`WINDOW`, 16) shorter than the test prompts so that they really
@@ -476,6 +477,18 @@ KV_LAYOUTS = {
             "attention_k_eq_v": True,
         },
     ),
+    # Chunked local attention (chunks of 16) on 3 of 4 layers; the full layer has no RoPE.
+    "llama4_text": lambda: _build(
+        hf.llama4.Llama4ForCausalLM,
+        hf.llama4.Llama4TextConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        attention_chunk_size=WINDOW,
+        intermediate_size_mlp=128,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        initializer_range=0.2,
+    ),
     "gemma4": _gemma4,
     "mimo_v2_flash": lambda: _build(
         hf.mimo_v2_flash.MiMoV2FlashForCausalLM,
@@ -545,17 +558,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         num_hidden_layers=2,
         **MLA,
         **MOE,
-        initializer_range=0.2,
-    ),
-    "llama4_text": lambda: _build(
-        hf.llama4.Llama4ForCausalLM,
-        hf.llama4.Llama4TextConfig,
-        num_hidden_layers=4,
-        head_dim=16,
-        attention_chunk_size=WINDOW,
-        intermediate_size_mlp=128,
-        num_local_experts=4,
-        num_experts_per_tok=1,
         initializer_range=0.2,
     ),
     "minimax": lambda: _build(
@@ -697,11 +699,11 @@ LAYER_KINDS: dict[str, str] = {
     "gemma4": "2 sliding (head dim 16) : 1 full (head dim 32), twice; the last 2 layers reuse earlier K/V "
     "(multimodal wrapper, text only)",
     "mimo_v2_flash": "3 sliding (twice the kv heads, attention sinks) : 1 full, K head dim 24 / V head dim 16",
+    "llama4_text": "3 chunked local (chunks of 16) : 1 full (no RoPE)",
     # REFUSED
     "qwen3_next": "3 linear attention (recurrent state) : 1 full",
     "jamba": "alternating mamba / full",
     "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
-    "llama4_text": "3 chunked : 1 full (no RoPE)",
     "minimax": "3 linear attention (recurrent state) : 1 full",
     "lfm2": "alternating conv (recurrent state) / full",
     "lfm3": "conv, conv, full, conv, sliding",

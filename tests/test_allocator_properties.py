@@ -21,7 +21,7 @@ PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9, 9, 9), tuple(
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    windows: tuple[int | None, ...] = (None,)
+    windows: tuple[int | str | None, ...] = (None,)  # "cC": chunked local attention in chunks of C
     kv_heads: tuple[int, ...] | None = None  # per layer; fewer heads -> larger blocks in that group
     block_size = 2
     num_blocks = 12
@@ -178,11 +178,29 @@ class MixedBlockSizes(AllocatorMachine):
     num_blocks = 24
 
 
+class ChunkedLocal(AllocatorMachine):
+    """Llama 4's kinds: chunks of 6 tokens (ending inside blocks of 4) beside full attention, and a
+    chunked kind of fewer heads, so of larger blocks."""
+
+    windows = ("c6", None, "c6", "c8")
+    kv_heads = (2, 2, 2, 1)
+    block_size = 4
+    num_blocks = 24
+
+
 TestFullAttentionOnly = FullAttentionOnly.TestCase
 TestSlidingWindowOnly = SlidingWindowOnly.TestCase
 TestHybrid = Hybrid.TestCase
 TestHybridLargerBlocks = HybridLargerBlocks.TestCase
 TestMixedBlockSizes = MixedBlockSizes.TestCase
-for case in (TestFullAttentionOnly, TestSlidingWindowOnly, TestHybrid, TestHybridLargerBlocks, TestMixedBlockSizes):
+TestChunkedLocal = ChunkedLocal.TestCase
+for case in (
+    TestFullAttentionOnly,
+    TestSlidingWindowOnly,
+    TestHybrid,
+    TestHybridLargerBlocks,
+    TestMixedBlockSizes,
+    TestChunkedLocal,
+):
     case.settings = MACHINE_SETTINGS
 del case  # a module-level TestCase name would be collected twice

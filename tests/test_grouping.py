@@ -1,5 +1,7 @@
 import pytest
 
+from hybridkv import layouts
+from hybridkv.coordinator import blocks_for_request
 from hybridkv.grouping import group_layers
 from hybridkv.kv_spec import LayerSpec
 
@@ -120,19 +122,8 @@ def test_key_and_value_head_dims_may_differ_when_the_bytes_per_token_match():
     assert config.kv_bytes_per_token == 2 * 2 * 32 * 2
 
 
-def gemma3n_e4b() -> list[LayerSpec]:
-    """Gemma 3n E4B's published text layout (transformers' Gemma3nTextConfig defaults document it):
-    35 layers, 4 sliding (window 512) : 1 full, 2 kv heads of 256, bf16; layers 20-34 reuse the K/V of
-    layer 18 (the last sliding layer before them) or 19 (the last full one)."""
-    windows = [None if (i + 1) % 5 == 0 else 512 for i in range(35)]
-    return [
-        LayerSpec(i, window, 2, 256, 2, kv_source=None if i < 20 else (19 if window is None else 18))
-        for i, window in enumerate(windows)
-    ]
-
-
 def test_gemma3n_e4b_shared_layers_hold_no_pages():
-    config = group_layers(gemma3n_e4b(), block_size=16)
+    config = group_layers(layouts.gemma3n_e4b(), block_size=16)
     assert [(g.sliding_window, len(g.layer_indices)) for g in config.groups] == [(512, 4)] * 4 + [(None, 4)]
     assert config.padding_layers == 0
     assert len(config.shared_layers) == 15 and config.shared_layers[34] == 19 and config.shared_layers[33] == 18
@@ -159,3 +150,73 @@ def test_a_shared_layer_cannot_see_further_back_than_its_source_keeps():
 def test_no_layers_is_a_clear_error():
     with pytest.raises(ValueError, match="no attention layers"):
         group_layers([], block_size=16)
+
+
+# ---- published layouts (hybridkv/layouts.py, from their config.json values) -----------------------
+
+
+def summarize(specs, block_size=16):
+    """(kind, layers, block size) per group, padding slots, page bytes, bytes per token held and the
+    bytes per token a cache with a page for every layer would hold."""
+    config = group_layers(specs, block_size)
+    kinds = [
+        (
+            g.sliding_window or (f"chunk {g.attention_chunk_size}" if g.attention_chunk_size else "full"),
+            len(g.layer_indices),
+            g.block_size,
+        )
+        for g in config.groups
+    ]
+    every_layer = sum(spec.kv_bytes_per_token for spec in specs)
+    return kinds, config.padding_layers, config.block_bytes, config.kv_bytes_per_token, every_layer
+
+
+def test_gemma4_31b_gives_its_narrower_full_layers_blocks_of_twice_the_tokens():
+    # 50 sliding layers of 16 x (256 + 256) bf16 = 16,384 bytes a token; 10 full of 4 x (512 + 512) = 8,192.
+    kinds, padding, page, per_token, every_layer = summarize(layouts.gemma4_31b())
+    assert kinds == [(1024, 10, 16)] * 5 + [("full", 10, 32)]
+    assert padding == 0 and page == 10 * 16 * 16384 == 2_621_440
+    assert per_token == every_layer == 50 * 16384 + 10 * 8192 == 901_120
+
+
+def test_gemma4_26b_a4b_has_no_padding_at_all():
+    kinds, padding, page, per_token, _ = summarize(layouts.gemma4_26b_a4b())
+    assert kinds == [(1024, 5, 16)] * 5 + [("full", 5, 32)]
+    assert padding == 0 and page == 5 * 16 * 8192 and per_token == 25 * 8192 + 5 * 4096 == 225_280
+
+
+def test_gemma4_e4b_shares_18_layers_and_gives_its_sliding_layers_the_larger_blocks():
+    # Full layers keep 2 kv heads (no k_eq_v) of 512: 4,096 bytes a token, twice a sliding layer's 2,048.
+    specs = layouts.gemma4_e4b()
+    kinds, padding, page, per_token, every_layer = summarize(specs)
+    assert kinds == [(512, 4, 32)] * 5 + [("full", 4, 16)]
+    assert padding == 0 and page == 4 * 16 * 4096
+    assert per_token == 20 * 2048 + 4 * 4096 == 57_344 and every_layer == 35 * 2048 + 7 * 4096 == 100_352
+    assert 1 - per_token / every_layer == pytest.approx(0.4286, abs=1e-4)
+    assert {spec.kv_source for spec in specs[24:]} == {22, 23}
+
+
+def test_mimo_v2_flash_sliding_layers_of_twice_the_heads_get_the_engine_block_size():
+    # Sliding: 8 x (192 + 128) bf16 = 5,120 bytes a token; full: 4 x 320 x 2 = 2,560.
+    kinds, padding, page, per_token, _ = summarize(layouts.mimo_v2_flash())
+    assert kinds == [("full", 9, 32)] + [(129, 9, 16)] * 4 + [(129, 3, 16)]
+    assert padding == 6 and page == 9 * 16 * 5120 and per_token == 39 * 5120 + 9 * 2560 == 222_720
+
+
+def test_llama4_scout_chunked_layers_are_a_kind_of_their_own():
+    specs = layouts.llama4_scout()
+    kinds, padding, page, per_token, _ = summarize(specs)
+    assert kinds == [("chunk 8192", 12, 16)] * 3 + [("full", 12, 16)]
+    assert padding == 0 and page == 12 * 16 * 4096 and per_token == 48 * 4096
+    # At 128k tokens a chunked group holds at most a chunk's blocks (plus one, plus the computed chunk).
+    config = group_layers(specs, 16)
+    held = blocks_for_request(config, 131072, max_chunk_tokens=1) * config.block_bytes
+    full_cache = 131072 * per_token
+    assert held == (3 * (512 + 1 + 1) + 8192) * page
+    assert full_cache / held == pytest.approx(3.366, abs=1e-3)  # 48 / 12 = 4x is the limit
+
+
+def test_uniform_block_size_would_waste_a_quarter_of_gemma4_31b_pages():
+    padded = group_layers(layouts.gemma4_31b(), 16, uniform_block_size=True)
+    assert [g.block_size for g in padded.groups] == [16] * 6
+    assert padded.padding_fraction == pytest.approx(1 / 12)  # one group of six is half padding

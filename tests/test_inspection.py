@@ -36,7 +36,7 @@ def greedy(model, batch, **settings):
         (mu.causal_mask_function, "causal", None),
         (mu.sliding_window_causal_mask_function(4096), "window", 4096),
         (mu.sliding_window_causal_mask_function(1), "window", 1),
-        (mu.chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long)), "other", None),
+        (mu.chunked_causal_mask_function(8192, torch.zeros(1, dtype=torch.long)), "chunked", None),
         (mu.bidirectional_mask_function, "bidirectional", None),
     ],
     ids=["causal", "window-4096", "window-1", "chunked", "bidirectional"],
@@ -255,5 +255,78 @@ def test_kv_sharing_layers_read_their_source_pages_and_hold_none():
         assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
             hf_greedy(model, p, 12)[0] for p in batch
         ]
+    finally:
+        hybridkv.unpatch(model)
+
+
+# ---- chunked local attention -------------------------------------------------------------------
+
+
+def test_chunked_masks_are_read_from_the_mask_function_and_from_a_materialized_mask():
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from hybridkv.patches.visibility import Visibility, visibility_of_function, visibility_of_tensor
+
+    no_padding = torch.zeros(1, dtype=torch.long)
+    for chunk in (16, 5000, 8192):  # 65,536 is a multiple of 16 and 8,192, not of 5,000
+        assert visibility_of_function(chunked_causal_mask_function(chunk, no_padding), 65536) == Visibility(
+            "chunked", chunk=chunk
+        )
+    queries, keys = torch.arange(40)[:, None], torch.arange(40)[None]
+    assert visibility_of_tensor(((keys <= queries) & (keys // 16 == queries // 16))[None, None]).chunk == 16
+    # Chunks longer than the mask cannot show: causal, not exact, and refused for a chunked layer.
+    longer = visibility_of_tensor(((keys <= queries) & (keys // 64 == queries // 64))[None, None])
+    assert (longer.kind, longer.exact) == ("causal", False)
+
+
+def test_chunked_layers_get_the_configs_chunk_size():
+    from model_zoo import ZOO
+
+    specs = inspect_model(ZOO["llama4_text"](), torch.float32).specs
+    assert [(spec.sliding_window, spec.attention_chunk_size) for spec in specs] == [(None, 16)] * 3 + [(None, None)]
+
+
+def test_a_chunked_layer_whose_mask_shows_no_chunks_is_refused(monkeypatch):
+    from transformers.models.llama4 import modeling_llama4
+
+    from model_zoo import ZOO
+
+    model = ZOO["llama4_text"]()
+    monkeypatch.setattr(modeling_llama4, "create_chunked_causal_mask", modeling_llama4.create_causal_mask)
+    with pytest.raises(
+        ValueError,
+        match=r"layers 0, 1, 2: the mask that reaches the layer does not show its chunks, so the chunked local "
+        r"attention of 16 its config declares cannot be confirmed",
+    ):
+        hybridkv.patch(model)
+
+
+def llama4_with_temperature_from(floor_scale: int):
+    from transformers.models.llama4 import Llama4ForCausalLM
+
+    from model_zoo import ZOO
+
+    config = ZOO["llama4_text"]().config
+    config.floor_scale, config.attn_scale = floor_scale, 0.5
+    torch.manual_seed(0)
+    return Llama4ForCausalLM(config).eval()
+
+
+def test_llama4_temperature_tuning_bounds_max_model_len_and_the_step_rows():
+    """Its no-RoPE layers count positions from their own cache: past floor_scale - 1 tokens (or step rows)
+    a step would give other tokens than generate (measured), so hybridkv caps or refuses."""
+    model = llama4_with_temperature_from(64)
+    with pytest.raises(ValueError, match=r"max_model_len=256 is beyond .*floor_scale=64.*Pass max_model_len <= 63"):
+        hybridkv.patch(model, max_model_len=256)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=2048 .*Pass max_num_batched_tokens <= 63"):
+        hybridkv.patch(model, max_model_len=63)
+    assert not hybridkv.is_patched(model)
+    with pytest.warns(UserWarning, match="up to 63 tokens"):
+        llm = hybridkv.patch(model, max_num_batched_tokens=32, block_size=8)
+    try:
+        assert llm.max_model_len == 63
+        batch = prompts((20, 40))
+        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12)[0] for p in batch]
     finally:
         hybridkv.unpatch(model)

@@ -64,6 +64,16 @@ def test_sliding_window_matches_reference_for_context_vs_window(backend, context
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [16, 24, 40])
+def test_chunked_local_attention_matches_reference(backend, chunk):
+    """A query sees only its own chunk: decodes at, just past and inside a chunk boundary, and prefill
+    chunks that cross boundaries (chunks of 24 and 40 end inside blocks of 16)."""
+    batch = make_paged_batch([1, 1, 1, 30, 70, 5], [48, 49, 60, 100, 70, 123], attention_chunk_size=chunk)
+    assert sum(row.count(0) for row in batch.metadata.block_table_rows) >= 2
+    assert attention_error(batch, backend, attention_chunk_size=chunk) <= FP32_TOLERANCE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_long_contexts_put_null_blocks_in_the_table(backend):
     batch = make_paged_batch([1, 30], [200, 180], sliding_window=24)
     null_entries = sum(row.count(0) for row in batch.metadata.block_table_rows)

@@ -70,9 +70,21 @@ def test_explicit_head_dim_wins_over_hidden_size():
 
 def test_unknown_layer_type_names_the_supported_ones():
     config = LlamaConfig(num_hidden_layers=2)
-    config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(ValueError, match=r"'chunked_attention'.*supports 'full_attention' and 'sliding_attention'"):
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(
+        ValueError, match=r"'linear_attention'.*supports 'full_attention', 'sliding_attention', 'chunked_attention'"
+    ):
         layer_windows(config)
+
+
+def test_chunked_layers_take_the_configs_chunk_size():
+    config = LlamaConfig(num_hidden_layers=2)
+    config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"set config\.attention_chunk_size"):
+        layer_specs_from_config(config)
+    config.attention_chunk_size = 8192
+    specs = layer_specs_from_config(config)
+    assert [(spec.sliding_window, spec.attention_chunk_size) for spec in specs] == [(None, 8192), (None, None)]
 
 
 def test_sliding_layer_without_window_is_a_clear_error():

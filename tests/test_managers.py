@@ -1,7 +1,7 @@
 import pytest
 
 from hybridkv.block_pool import BlockPool
-from hybridkv.managers import FullAttentionManager, SlidingWindowManager
+from hybridkv.managers import ChunkedLocalManager, FullAttentionManager, SlidingWindowManager
 
 BLOCK_SIZE = 4
 
@@ -46,6 +46,35 @@ def test_window_of_one_token_hits_everything_without_reading_blocks():
     pool = BlockPool(num_blocks=4, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=1)
     assert hit_layout(manager.find_longest_cache_hit([b"x", b"y", b"z"], 2)) == "nn"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "max_blocks", "expected"),
+    [
+        ("0000111", 7, "nnnnbbb"),  # ends at 28 in the chunk [16, 32): blocks 4-6 hit, 0-3 are never read
+        ("0000101", 7, "nnnnb"),  # block 5 missing: the longest hit ends at 20 and needs block 4 only
+        ("110", 3, "bb"),  # ends at 8 in the first chunk: blocks 0-1 needed and cached
+        ("010", 3, ""),  # block 0 missing: no end before 16 has its chunk cached
+        ("00000000", 8, "nnnnnnnn"),  # at 32, a chunk boundary, the next query needs no block
+        ("11111", 3, "bbb"),
+    ],
+)
+def test_chunked_hit_needs_only_the_blocks_of_its_last_chunk(pattern, max_blocks, expected):
+    pool = BlockPool(num_blocks=16, num_groups=1)
+    manager = ChunkedLocalManager(0, pool, BLOCK_SIZE, attention_chunk_size=16)  # chunks of 4 blocks
+    hashes = cached_pattern(manager, pattern)
+    assert hit_layout(manager.find_longest_cache_hit(hashes, max_blocks)) == expected
+
+
+def test_chunked_manager_returns_the_blocks_of_chunks_behind_the_query():
+    pool = BlockPool(num_blocks=16, num_groups=1)
+    manager = ChunkedLocalManager(0, pool, BLOCK_SIZE, attention_chunk_size=12)  # chunk ends inside block 2
+    manager.allocate_new_blocks("r", 0, 26)
+    manager.remove_skipped_blocks("r", 25)  # the query at 25 sees [24, 25]: blocks 0-5 are behind it
+    assert hit_layout(manager.blocks_of("r")) == "nnnnnnb"
+    manager.allocate_new_blocks("r", 25, 30)
+    assert hit_layout(manager.blocks_of("r")) == "nnnnnnbb"
+    assert pool.num_free_blocks == 15 - 2
 
 
 @pytest.mark.parametrize(("pattern", "expected"), [("1101", 2), ("0111", 0), ("1111", 4), ("", 0)])

@@ -25,7 +25,6 @@ REFUSAL_REASONS = {
     "lfm2": RECURRENT,
     "lfm3": RECURRENT,
     "recurrent_gemma": RECURRENT,
-    "llama4_text": r"'chunked_attention' layers .* need a chunked-local layer kind",
     "deepseek_v3": r"multi-head latent attention \(kv_lora_rank=16\): hybridkv would page the decompressed",
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",
