@@ -74,11 +74,7 @@ def demo(max_tokens: int) -> None:
     tokenizer = tiny_tokenizer()
     model = tiny_gemma3(len(tokenizer))
     llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=512, block_size=8)
-    groups = ", ".join(
-        f"group {g.group_id}: {'full' if g.sliding_window is None else f'window {g.sliding_window}'} "
-        f"(layers {list(g.layer_indices)})"
-        for g in llm.kv_config.groups
-    )
+    groups = ", ".join(f"group {g.group_id}: {g.kind} (layers {list(g.layer_indices)})" for g in llm.kv_config.groups)
     print(f"tiny random Gemma-3-style model (its text is gibberish); KV cache groups: {groups}\n")
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=max_tokens)
     print(f"streaming {DEMO_PROMPTS[0]!r} ->", end=" ", flush=True)

@@ -53,6 +53,12 @@ class KVCacheGroupSpec:
         return self.sliding_window is None and self.attention_chunk_size is None
 
     @property
+    def kind(self) -> str:
+        if self.attention_chunk_size is not None:
+            return f"chunks of {self.attention_chunk_size}"
+        return "full" if self.sliding_window is None else f"window {self.sliding_window}"
+
+    @property
     def padding_slots(self) -> int:
         return self.num_slots - len(self.layer_indices)
 

@@ -40,6 +40,7 @@ def _attention_variant(
     queries_per_kv: int = 4,
     capability: int = 90,
     value_head_dim: int | None = None,
+    chunk: bool = False,
 ) -> Variant:
     block_m, block_q, tile_n = launch_config(queries_per_kv, interpreted=False)
     value_head_dim = value_head_dim or head_dim
@@ -54,6 +55,7 @@ def _attention_variant(
         "BLOCK_M": block_m,
         "TILE_N": tile_n,
         "USE_WINDOW": window,
+        "USE_CHUNK": chunk,
         "USE_SOFTCAP": softcap,
         "USE_SINKS": sinks,
         "UPCAST": False,
@@ -90,6 +92,7 @@ def _variants() -> list[Variant]:
         _attention_variant("bf16", 128, True, True, True, capability=80),
         _attention_variant("bf16", 192, True, False, False, value_head_dim=128),  # K and V head dims differ
         _attention_variant("bf16", 512, False, False, False, queries_per_kv=8),  # Gemma 4's full layers
+        _attention_variant("bf16", 128, False, False, False, queries_per_kv=5, chunk=True),  # Llama 4
     ]
     variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
