@@ -98,8 +98,8 @@ class KVCacheCoordinator:
             self.managers.append(manager)
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
-        # The group with the smallest blocks: when its list covers a request's tokens, every group's does.
-        self._finest = min(self.managers, key=lambda m: m.block_size)
+        # With one block size, one group's list length says whether any group needs a block.
+        self._one_block_size = len({m.block_size for m in self.managers}) == 1
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -143,10 +143,8 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         request_id = request.request_id
-        # The group of the smallest blocks runs out first, so its length says whether any group needs a
-        # block (most decode steps need none).
-        finest = self._finest
-        if hit is None and num_total <= len(finest.blocks_of(request_id)) * finest.block_size:
+        # Most decode steps need no block in any group: say so without counting.
+        if hit is None and self._covered(request_id, num_total):
             return True
         no_hit: list[KVBlock] = []
         num_needed = 0
@@ -167,6 +165,13 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
+
+    def _covered(self, request_id: str, num_tokens: int) -> bool:
+        """Whether every group's block list already covers num_tokens tokens of the request."""
+        if self._one_block_size:
+            manager = self.managers[0]
+            return num_tokens <= len(manager.blocks_of(request_id)) * manager.block_size
+        return all(num_tokens <= len(m.blocks_of(request_id)) * m.block_size for m in self.managers)
 
     def update_computed(self, request: KVRequest) -> None:
         """After a step computed tokens: cache blocks that became full, then return the blocks that

@@ -417,7 +417,7 @@ class LLMEngine:
             "num_groups": len(self.kv_config.groups),
             "group_size": kv.group_size,
             # Tokens per block in each group: a kind of fewer K/V bytes per token gets larger blocks
-            # (hybridkv/grouping.py); prefix-cache hits are multiples of the largest.
+            # (hybridkv/grouping.py); prefix-cache hits are multiples of every one.
             "group_block_sizes": kv.group_block_sizes,
             "padding_layers": kv.padding_layers,
             # Share of the pages' bytes no layer writes (padding slots and page tails).

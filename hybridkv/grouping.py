@@ -14,8 +14,8 @@ the kind with the most bytes per token keeps the engine's `block_size`, and a ki
 bytes holds k times as many tokens per block, so every page has the same bytes and nothing is padded
 (when k is not a whole number, the page's tail is). Prefix-cache hashes are kept per `block_size`
 tokens; a group of k times that block size names its block by the hash of the block's last
-`block_size` tokens, and a hit must end where every group's blocks end (a multiple of the largest
-block size). The alternative, one block size with every slot padded to the widest layer's bytes
+`block_size` tokens, and a hit must end where every group's blocks end (a multiple of every block
+size). The alternative, one block size with every slot padded to the widest layer's bytes
 (`uniform_block_size=True`), wastes up to half of Gemma 4's KV bytes: benchmarks/kv_layouts.py and
 docs/design.md have the measurement.
 
@@ -28,6 +28,7 @@ group holds a window's (chunk's) worth, so the group size keeps full-attention g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hybridkv.kv_spec import LayerSpec
@@ -101,9 +102,9 @@ class KVCacheConfig:
 
     @property
     def hit_alignment(self) -> int:
-        """Tokens a prefix-cache hit is a multiple of: the largest block size (each is a multiple of the
-        smallest, block_size, so this is their least common multiple)."""
-        return max(g.block_size for g in self.groups)
+        """Tokens a prefix-cache hit is a multiple of: the least common multiple of the block sizes
+        (where every group's blocks end; the largest block size when each divides the next)."""
+        return math.lcm(*(g.block_size for g in self.groups))
 
     @property
     def shared_layers(self) -> dict[int, int]:

@@ -208,3 +208,24 @@ def test_groups_of_different_block_sizes_hit_where_every_groups_blocks_end():
     hit = coordinator.find_longest_cache_hit(c)
     assert hit.num_tokens == 16
     assert [len(blocks) for blocks in hit.blocks] == [2, 4] and hit.blocks[1][0].is_null
+
+
+def test_block_sizes_that_do_not_divide_each_other_allocate_and_hit_where_all_blocks_end():
+    # 6, 3 and 2 kv heads: blocks of 4, 8 and 12 tokens (the engine block size is 4); hits are multiples of 24.
+    coordinator = make_coordinator([None, None, None], num_blocks=64, kv_heads=[6, 3, 2])
+    assert [m.block_size for m in coordinator.managers] == [4, 8, 12] and coordinator.hit_alignment == 24
+    a = request("a", list(range(9)))
+    assert run_prefill(coordinator, a)
+    # 9 tokens fill 3 blocks of 4, 2 of 8 (16 tokens) and 1 of 12: decoding to 13 tokens needs a block of
+    # 4 and one of 12 even though the groups of 8 have room.
+    a.append_token_ids([1, 2, 3, 4])
+    assert coordinator.allocate_slots(a, 4)
+    assert [len(blocks) for blocks in coordinator.block_ids("a")] == [4, 2, 2]
+    a.num_computed_tokens = 13
+    coordinator.update_computed(a)
+    coordinator.check_integrity({"a": a})
+    b = request("b", list(range(30)))
+    assert run_prefill(coordinator, b)
+    c = request("c", list(range(30)) + [5])
+    hit = coordinator.find_longest_cache_hit(c)
+    assert hit.num_tokens == 24 and [len(blocks) for blocks in hit.blocks] == [6, 3, 2]
