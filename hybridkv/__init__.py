@@ -1,9 +1,11 @@
 """hybridkv: a paged, hybrid-attention-aware KV-cache manager for Hugging Face transformers models."""
 
-from hybridkv.engine import EngineConfig, LLMEngine, min_num_blocks
+from hybridkv.config import EngineConfig
+from hybridkv.engine import LLMEngine
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.sizing import min_num_blocks
 
 __version__ = "0.1.0"
 

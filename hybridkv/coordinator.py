@@ -186,21 +186,18 @@ class KVCacheCoordinator:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
 
-    def restore(self, request_id: str, layout: list[list[bool]]) -> list[list[int]] | None:
+    def restore(self, request_id: str, layout: list[list[bool]]) -> list[int] | None:
         """Give a request that holds nothing fresh blocks in the given layout (per group, True = a
         real block, False = the null block), as it was swapped out; None, changing nothing, if the
-        pool lacks the blocks. Returns the new block ids of the real positions, per group."""
+        pool lacks the blocks. Returns the new block ids of the real positions, group after group."""
         needed = sum(sum(group) for group in layout)
         if needed > self.pool.num_free_blocks:
             return None
-        restored = []
-        for manager, real in zip(self.managers, layout, strict=True):
-            new_blocks = self.pool.get_new_blocks(sum(real))
-            fresh = iter(new_blocks)
-            manager.req_to_blocks[request_id] = [next(fresh) if r else self.pool.null_block for r in real]
-            manager.num_cached_blocks[request_id] = 0
-            restored.append([b.block_id for b in new_blocks])
-        return restored
+        return [
+            block.block_id
+            for manager, real in zip(self.managers, layout, strict=True)
+            for block in manager.restore(request_id, real)
+        ]
 
     def layout(self, request_id: str) -> list[list[bool]]:
         """Per group, which positions of the request's block list hold a real block."""
@@ -216,15 +213,12 @@ class KVCacheCoordinator:
         return blocks_for_request(self.config, num_tokens, max_chunk_tokens)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
-        """The request's block table in each group (null block = 0)."""
-        return [[b.block_id for b in m.blocks_of(request_id)] for m in self.managers]
+        """The request's block table in each group (the null block's id where it holds none)."""
+        return [m.block_table(request_id) for m in self.managers]
 
-    def num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> list[int]:
-        """Per group, leading blocks shared by all running requests (0 for sliding groups)."""
-        return [
-            m.num_common_prefix_blocks(request_id, num_running_requests) if isinstance(m, FullAttentionManager) else 0
-            for m in self.managers
-        ]
+    def block_tables(self, request_ids: list[str]) -> list[list[list[int]]]:
+        """Per group, the block-table row of each request (the managers' live lists: read, never change)."""
+        return [[m.block_table(request_id) for request_id in request_ids] for m in self.managers]
 
     def stats(self) -> KVCacheStats:
         per_group = [
@@ -255,6 +249,7 @@ class KVCacheCoordinator:
         pool.check_integrity()
         expected_refs = [0] * pool.num_blocks
         for manager in self.managers:
+            assert manager.req_to_block_ids.keys() == manager.req_to_blocks.keys(), "block tables out of step"
             for request_id, blocks in manager.req_to_blocks.items():
                 seen = set()
                 for block in blocks:
@@ -265,6 +260,9 @@ class KVCacheCoordinator:
                     expected_refs[block.block_id] += 1
                     if block.block_hash is not None:
                         assert block.hash_group == manager.group_id, f"{block} cached for another group"
+                assert manager.block_table(request_id) == [b.block_id for b in blocks], (
+                    f"{request_id}'s block table in group {manager.group_id} disagrees with its blocks"
+                )
         for block in pool.blocks[1:]:
             assert block.ref_cnt == expected_refs[block.block_id], (
                 f"{block}: ref count {block.ref_cnt} but held by {expected_refs[block.block_id]} lists"

@@ -16,7 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from hybridkv.block_pool import BlockPool, KVBlock
+from hybridkv.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 
 
 def num_window_blocks(sliding_window: int, block_size: int) -> int:
@@ -36,6 +36,9 @@ class SingleTypeManager(ABC):
         self.block_size = block_size
         self.hash_stride = hash_stride
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # The same lists as block ids, kept in step with req_to_blocks: the rows of the step's block
+        # tables, read by the model runner without touching a block object.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
 
     @abstractmethod
@@ -60,6 +63,11 @@ class SingleTypeManager(ABC):
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_to_blocks.get(request_id, [])
 
+    def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids by position (the null block's id where it holds none); the live
+        list, changed by later allocations: read it, never change it."""
+        return self.req_to_block_ids.get(request_id, [])
+
     def num_blocks_to_allocate(
         self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
     ) -> int:
@@ -83,11 +91,13 @@ class SingleTypeManager(ABC):
             )
         self.pool.touch(hit_blocks)
         self.req_to_blocks[request_id] = list(hit_blocks)
+        self.req_to_block_ids[request_id] = [b.block_id for b in hit_blocks]
         self.num_cached_blocks[request_id] = len(hit_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         """Extend the request's list to cover num_total_tokens; returns the new real blocks."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
+        block_ids = self.req_to_block_ids.setdefault(request_id, [])
         self.num_cached_blocks.setdefault(request_id, 0)
         num_required = -(-num_total_tokens // self.block_size)
         if num_required <= len(blocks):
@@ -96,8 +106,22 @@ class SingleTypeManager(ABC):
         num_null = min(num_null, num_required - len(blocks))
         if num_null:
             blocks.extend([self.pool.null_block] * num_null)
+            block_ids.extend([NULL_BLOCK_ID] * num_null)
         new_blocks = self.pool.get_new_blocks(num_required - len(blocks))
         blocks.extend(new_blocks)
+        block_ids.extend([b.block_id for b in new_blocks])
+        return new_blocks
+
+    def restore(self, request_id: str, real: Sequence[bool]) -> list[KVBlock]:
+        """Give a request that holds nothing a fresh block at each real position and the null block
+        elsewhere (its layout when it was swapped out); the caller checked the pool has enough.
+        Returns the new blocks in position order."""
+        new_blocks = self.pool.get_new_blocks(sum(real))
+        fresh = iter(new_blocks)
+        blocks = [next(fresh) if is_real else self.pool.null_block for is_real in real]
+        self.req_to_blocks[request_id] = blocks
+        self.req_to_block_ids[request_id] = [b.block_id for b in blocks]
+        self.num_cached_blocks[request_id] = 0
         return new_blocks
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
@@ -120,6 +144,7 @@ class SingleTypeManager(ABC):
     def free(self, request_id: str) -> None:
         """Drop the request's blocks, deepest first, so its least shareable blocks are evicted first."""
         blocks = self.req_to_blocks.pop(request_id, None)
+        self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
@@ -147,15 +172,6 @@ class FullAttentionManager(SingleTypeManager):
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         return
-
-    def num_common_prefix_blocks(self, request_id: str, num_requests: int) -> int:
-        """Leading blocks of this request that every one of num_requests running requests holds."""
-        count = 0
-        for block in self.req_to_blocks.get(request_id, ()):
-            if block.ref_cnt != num_requests:
-                break
-            count += 1
-        return count
 
 
 class SlidingWindowManager(SingleTypeManager):
@@ -251,6 +267,7 @@ def _return_blocks_before(manager: SingleTypeManager, request_id: str, first_nee
     blocks = manager.req_to_blocks.get(request_id)
     if not blocks:
         return
+    block_ids = manager.req_to_block_ids[request_id]
     null_block = manager.pool.null_block
     skipped = []
     for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
@@ -259,5 +276,6 @@ def _return_blocks_before(manager: SingleTypeManager, request_id: str, first_nee
             break
         skipped.append(block)
         blocks[i] = null_block
+        block_ids[i] = NULL_BLOCK_ID
     if skipped:
         manager.pool.free_blocks(skipped)

@@ -7,12 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import KVCacheConfig
 from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_pages, kv_page_views
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
 from hybridkv.patches.inspection import execution_device, input_device
-from hybridkv.request import Request
+from hybridkv.scheduler import SchedulerOutput
 
 
 class ModelRunner:
@@ -106,31 +105,29 @@ class ModelRunner:
                 else:
                     pages[device_ids] = cpu_pages[cpu_ids].to(device)
 
-    def execute(
-        self,
-        scheduled: Sequence[tuple[Request, int]],
-        coordinator: KVCacheCoordinator,
-        logits_rows: Sequence[int],
-    ) -> torch.Tensor:
-        """Compute the scheduled tokens and return float32 logits for the given flattened rows."""
+    def execute(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Compute the plan's tokens in one forward and return float32 logits of `logits_rows` of the
+        flattened batch (by default the last row of each request that samples, in batch order)."""
         start_time = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        for request, num_new in scheduled:
+        sample_rows: list[int] = []
+        for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
-            input_ids.extend(request.token_ids[start : start + num_new])
-            positions.extend(range(start, start + num_new))
+            end = start + num_new
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
             query_lens.append(num_new)
-            seq_lens.append(start + num_new)
-        tables = [coordinator.block_ids(request.request_id) for request, _ in scheduled]
+            seq_lens.append(end)
+            if samples:
+                sample_rows.append(len(input_ids) - 1)
         metadata: list[PagedAttentionMetadata] = []
         for device in self.devices:
             # Groups of one block size share length tensors and per-window layouts.
             first: dict[int, PagedAttentionMetadata] = {}
-            for group in self.kv_config.groups:
-                rows = [table[group.group_id] for table in tables]
+            for group, rows in zip(self.kv_config.groups, plan.block_tables, strict=True):
                 group_metadata = PagedAttentionMetadata.build(
                     query_lens, seq_lens, rows, group.block_size, device, share_with=first.get(group.block_size)
                 )
@@ -138,13 +135,14 @@ class ModelRunner:
                 metadata.append(group_metadata)
         device = self.input_device
         step = StepContext(self.layers, metadata, self.backend)
+        rows = sample_rows if logits_rows is None else list(logits_rows)
         forward_time = time.perf_counter()
         self.prepare_seconds += forward_time - start_time
         with torch.inference_mode(), step_running():
             output = self.model(
                 input_ids=torch.tensor([input_ids], device=device),
                 position_ids=torch.tensor([positions], device=device),
-                logits_to_keep=torch.tensor(logits_rows, dtype=torch.long, device=device),
+                logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),
                 use_cache=False,
                 **{STEP_KWARG: step},
             )

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.config import EngineConfig
+from hybridkv.engine import LLMEngine
 from hybridkv.patches import attention
 
 # The engine lives in the model's __dict__ while patched: a plain reference cycle, collected with the

@@ -1,4 +1,5 @@
-"""Requests: the memory manager's view (KVRequest) and the scheduler's (Request)."""
+"""Requests: the memory manager's view (KVRequest), the scheduler's (Request), and the n samples of
+one prompt (SampleGroup)."""
 
 from __future__ import annotations
 
@@ -88,9 +89,22 @@ class RequestStatus(enum.Enum):
 
 
 class Request(KVRequest):
-    """A request as the scheduler and engine see it: KV state plus how to generate and when to stop."""
+    """A request as the scheduler and engine see it: KV state plus how to generate and when to stop.
 
-    __slots__ = ("error", "group", "num_cached_tokens", "num_preemptions", "params", "status", "stop_reason")
+    One sample of a user request: `group` holds every sample of the same prompt (a group of one when
+    n == 1) and `sample_index` is this one's place in it.
+    """
+
+    __slots__ = (
+        "error",
+        "group",
+        "num_cached_tokens",
+        "num_preemptions",
+        "params",
+        "sample_index",
+        "status",
+        "stop_reason",
+    )
 
     def __init__(
         self,
@@ -106,8 +120,8 @@ class Request(KVRequest):
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
-        # The n samples of one prompt (n > 1): scheduled and preempted together; None when n == 1.
-        self.group: list[Request] | None = None
+        self.group = SampleGroup(request_id, [self])
+        self.sample_index = 0
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,3 +134,64 @@ class Request(KVRequest):
     def finish(self, status: RequestStatus, error: str | None = None) -> None:
         self.status = status
         self.error = error
+
+
+class SampleGroup:
+    """The samples of one prompt (a user request's n), and the rules they follow together.
+
+    The first sample (the leader) computes the prompt; the others (followers) wait for it with status
+    WAITING_FOR_LEADER, then queue and take the prompt's blocks through the prefix cache. Preempting
+    any member preempts every running member; a failure fails every unfinished member; a leader that
+    ends before its followers were released takes them with it.
+    """
+
+    __slots__ = ("members", "request_id")
+
+    def __init__(self, request_id: str, members: list[Request]) -> None:
+        self.request_id = request_id
+        self.members = members
+        for index, member in enumerate(members):
+            member.group = self
+            member.sample_index = index
+
+    @classmethod
+    def of(cls, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, block_size: int | None):
+        """The params.n samples of a prompt, named `request_id#index`."""
+        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size) for i in range(params.n)]
+        return cls(request_id, members)
+
+    @property
+    def leader(self) -> Request:
+        return self.members[0]
+
+    @property
+    def finished(self) -> bool:
+        return all(m.status.is_finished for m in self.members)
+
+    def hold_followers(self) -> None:
+        """The followers wait until the leader has computed the prompt."""
+        for member in self.members[1:]:
+            member.status = RequestStatus.WAITING_FOR_LEADER
+
+    def release_followers(self, leader: Request) -> list[Request]:
+        """The followers still waiting for `leader`, now WAITING, in sample order (none unless
+        `leader` leads the group and has just produced its first token)."""
+        if len(self.members) == 1 or leader is not self.members[0] or leader.num_output_tokens != 1:
+            return []
+        released = [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]
+        for member in released:
+            member.status = RequestStatus.WAITING
+        return released
+
+    def running(self) -> list[Request]:
+        """Members that hold blocks and run (preempted together)."""
+        return [m for m in self.members if m.status is RequestStatus.RUNNING]
+
+    def unfinished(self) -> list[Request]:
+        return [m for m in self.members if not m.status.is_finished]
+
+    def held_followers(self, request: Request) -> list[Request]:
+        """The followers that end with `request` when it leads and ends before releasing them."""
+        if request is not self.members[0]:
+            return []
+        return [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]

@@ -20,8 +20,9 @@ cache. Preempting any member preempts every running member of its group.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.request import Request, RequestStatus
@@ -52,21 +53,46 @@ class SchedulerConfig:
             raise ValueError("preemption_mode='swap' needs swap space: set swap_space (bytes) to hold blocks")
 
 
+class ScheduledRequest(NamedTuple):
+    """One request in a step: its next `num_new_tokens` tokens are computed; `samples` when they reach
+    its last known token, so the last row's logits give its next token."""
+
+    request: Request
+    num_new_tokens: int
+    samples: bool
+
+
 @dataclass
 class SchedulerOutput:
-    """One step: requests to run with their new token counts (in batch order), what changed, and the
-    block copies to make before the forward: swap_out (device block, CPU block) pairs first, then
-    swap_in (CPU block, device block) pairs."""
+    """One step's plan, everything the model runner needs: the requests to run (in batch order), their
+    block-table rows per group (`block_tables[group][i]` for `scheduled[i]`: the managers' own integer
+    tables, read before the step's update and never changed by the runner), and the block copies to
+    make before the forward: swap_out (device block, CPU block) pairs first, then swap_in (CPU block,
+    device block) pairs. `preempted` and `failed` say what else changed."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_tables: list[list[list[int]]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
+        self.num_tokens += num_new_tokens
+
+    def drop(self, requests: list[Request]) -> None:
+        """Take requests out of the batch (preempted after they were scheduled)."""
+        kept = [s for s in self.scheduled if s.request not in requests]
+        self.num_tokens = sum(s.num_new_tokens for s in kept)
+        self.scheduled = kept
 
     @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    def sampling(self) -> list[Request]:
+        """The requests that produce a token this step, in batch order: sampled tokens align with it."""
+        return [s.request for s in self.scheduled if s.samples]
 
 
 class Scheduler:
@@ -84,22 +110,16 @@ class Scheduler:
         self.num_swaps = 0
         self.max_num_running = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def add_request(self, request: Request) -> bool:
-        """Queue a request (with its group's other members, which wait for it to finish the prompt).
+        """Queue a request (with its group's followers, which wait for it to compute the prompt).
         False, and the whole group finished with an error, if it can never run."""
         error = self._never_fits(request)
-        members = request.group or [request]
         if error:
-            for member in members:
+            for member in request.group.members:
                 member.finish(RequestStatus.FINISHED_ERROR, error)
             return False
         self.waiting.append(request)
-        for member in members[1:]:
-            member.status = RequestStatus.WAITING_FOR_LEADER
+        request.group.hold_followers()
         return True
 
     def _never_fits(self, request: Request) -> str | None:
@@ -125,7 +145,14 @@ class Scheduler:
         return min(threshold, budget) if threshold else budget
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step (see the module docstring); the plan carries the block-table rows."""
         out = SchedulerOutput()
+        self._schedule(out)
+        out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
+        self.max_num_running = max(self.max_num_running, len(self.running))
+        return out
+
+    def _schedule(self, out: SchedulerOutput) -> None:
         cap = self._chunk_cap()
         coordinator = self.coordinator
         for request in list(self.running):
@@ -138,23 +165,22 @@ class Scheduler:
             while not coordinator.allocate_slots(request, num_new):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
-                    self._fail(
-                        request,
+                    error = (
                         "the request needs more KV blocks than the whole pool holds; raise num_blocks / "
-                        "kv_cache_memory or lower max_tokens",
-                        out,
+                        "kv_cache_memory or lower max_tokens"
                     )
+                    out.failed.extend(self.fail(request, error))
                     break
                 self._preempt(victim, out)
                 if request.status is not RequestStatus.RUNNING:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                out.add(request, num_new)
         if out.preempted:
-            return out
+            return
         budget = self._swap_in(out, self.config.max_num_batched_tokens - out.num_tokens, cap)
         if self.swapped:
-            return out
+            return
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = coordinator.find_longest_cache_hit(request)
@@ -167,10 +193,8 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            out.add(request, num_new)
             budget -= num_new
-        self.max_num_running = max(self.max_num_running, len(self.running))
-        return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int, cap: int) -> int:
         """Bring swapped requests back (oldest first) while blocks and sequence slots allow, and
@@ -183,22 +207,21 @@ class Scheduler:
                 break
             self.swapped.popleft()
             del self.swap_records[request.request_id]
-            device_ids = [block_id for group in restored for block_id in group]
-            out.swap_in.extend(zip(record.cpu_block_ids, device_ids, strict=True))
+            out.swap_in.extend(zip(record.cpu_block_ids, restored, strict=True))
             self.swap_space.free(record.cpu_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
             if num_new > 0 and self.coordinator.allocate_slots(request, num_new):
-                out.scheduled.append((request, num_new))
+                out.add(request, num_new)
                 budget -= num_new
         return budget
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Preempt the victim and every other running member of its group, newest first."""
-        members = [m for m in (victim.group or [victim]) if m.status is RequestStatus.RUNNING]
+        members = victim.group.running()
         # A member already scheduled earlier in this step leaves the step's batch.
-        out.scheduled = [(r, n) for r, n in out.scheduled if r not in members]
+        out.drop(members)
         for member in sorted(members, key=self.running.index, reverse=True):
             self.running.remove(member)
             member.num_preemptions += 1
@@ -213,7 +236,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
         layout = self.coordinator.layout(request.request_id)
-        device_ids = [bid for group in self.coordinator.block_ids(request.request_id) for bid in group if bid]
+        device_ids = [bid for row in self.coordinator.block_ids(request.request_id) for bid in row if bid]
         cpu_ids = self.swap_space.allocate(len(device_ids))
         if cpu_ids is None:
             return False
@@ -225,51 +248,26 @@ class Scheduler:
         self.num_swaps += 1
         return True
 
-    def _fail(self, request: Request, error: str, out: SchedulerOutput) -> None:
-        for member in request.group or [request]:
-            if not member.status.is_finished:
-                self.finish(member, RequestStatus.FINISHED_ERROR, error)
-                out.failed.append(member)
-
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: Iterable[int]) -> list[Request]:
-        """Advance every scheduled request by its computed tokens, append sampled tokens, stop and free
-        requests that finished, release group members whose leader finished the prompt. Returns the
-        requests finished this step (failed ones included)."""
-        eos = frozenset(eos_token_ids)
-        finished = list(out.failed)
-        for request, num_new in out.scheduled:
+    def update(self, out: SchedulerOutput, sampled_tokens: Sequence[int]) -> None:
+        """After the step ran: advance every scheduled request by its computed tokens, append the sampled
+        tokens (aligned with `out.sampling`), cache blocks that became full and return blocks that left a
+        window, and queue the followers of a leader that has just computed its prompt (right behind the
+        running requests, ahead of every other waiting request). Stopping is the caller's: `finish`."""
+        tokens = iter(sampled_tokens)
+        for request, num_new, samples in out.scheduled:
             request.num_computed_tokens += num_new
-            token = sampled.get(request.request_id)
-            if token is not None:
-                request.append_token_ids([token])
-                if request.group and request is request.group[0] and request.num_output_tokens == 1:
-                    self._release_followers(request)
+            if samples:
+                request.append_token_ids([next(tokens)])
+                self.waiting.extendleft(reversed(request.group.release_followers(request)))
             self.coordinator.update_computed(request)
-            if token is not None:
-                status = self._stop_status(request, token, eos)
-                if status is not None:
-                    self.finish(request, status)
-                    finished.append(request)
-        return finished
 
-    def _release_followers(self, leader: Request) -> None:
-        """The leader's prompt is computed and cached: its group's other samples queue right behind
-        the running requests, ahead of every other waiting request."""
-        for member in reversed(leader.group[1:]):
-            if member.status is RequestStatus.WAITING_FOR_LEADER:
-                member.status = RequestStatus.WAITING
-                self.waiting.appendleft(member)
-
-    def _stop_status(self, request: Request, token: int, eos: frozenset[int]) -> RequestStatus | None:
-        params = request.params
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
-            request.stop_reason = token if token in params.stop_token_ids else None
-            return RequestStatus.FINISHED_STOPPED
-        return None
+    def fail(self, request: Request, error: str) -> list[Request]:
+        """Finish the request and every unfinished member of its group with an error; returns them."""
+        members = request.group.unfinished()
+        for member in members:
+            if not member.status.is_finished:  # a leader's finish ends the followers it holds
+                self.finish(member, RequestStatus.FINISHED_ERROR, error)
+        return members
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """Take a request out of every queue and return every block it holds, device and CPU."""
@@ -281,9 +279,6 @@ class Scheduler:
             self.swapped.remove(request)
             self.swap_space.free(self.swap_records.pop(request.request_id).cpu_block_ids)
         self.coordinator.free(request.request_id)
+        for follower in request.group.held_followers(request):
+            follower.finish(status, error)
         request.finish(status, error)
-        if request.group and request is request.group[0]:
-            # A leader that ends before its followers were released takes them with it.
-            for member in request.group[1:]:
-                if member.status is RequestStatus.WAITING_FOR_LEADER:
-                    member.finish(status, error)

@@ -143,15 +143,6 @@ def test_stats_count_queries_hits_and_blocks_per_group():
     assert stats.num_free_blocks == 40 - 1 - stats.blocks_in_use
 
 
-def test_common_prefix_blocks_count_blocks_every_running_request_holds():
-    coordinator = make_coordinator([None, 9], num_blocks=40)
-    a = request("a", list(range(20)))
-    b = request("b", list(range(12)) + [50] * 8)
-    assert run_prefill(coordinator, a) and run_prefill(coordinator, b)
-    assert coordinator.num_common_prefix_blocks("b", 2) == [3, 0]
-    assert coordinator.num_common_prefix_blocks("b", 3) == [0, 0]
-
-
 def test_no_hits_when_caching_is_off():
     coordinator = make_coordinator([None], num_blocks=16, enable_caching=False)
     assert run_prefill(coordinator, request("a", list(range(13))))

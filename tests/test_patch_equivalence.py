@@ -15,6 +15,7 @@ import torch
 import hybridkv
 from hybridkv.request import Request
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.scheduler import ScheduledRequest, SchedulerOutput
 
 from model_zoo import ZOO
 from tiny_models import hf_greedy, prompts
@@ -112,6 +113,12 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name):
     assert waited and preempted
 
 
+def plan_of(llm, request, num_new_tokens):
+    """A step that computes the request's next tokens alone."""
+    scheduled = [ScheduledRequest(request, num_new_tokens, samples=False)]
+    return SchedulerOutput(scheduled, llm.coordinator.block_tables([request.request_id]))
+
+
 def test_prefill_logits_match_forward(name):
     model, batch, _ = family(name)
     prompt = batch[-1]
@@ -122,12 +129,12 @@ def test_prefill_logits_match_forward(name):
         request = Request("logits", prompt, SamplingParams(), block_size=8)
         first = 100  # two chunks: the second attends to the first through the paged cache
         assert llm.coordinator.allocate_slots(request, first)
-        head = llm.runner.execute([(request, first)], llm.coordinator, list(range(first)))
+        head = llm.runner.execute(plan_of(llm, request, first), logits_rows=range(first))
         request.num_computed_tokens = first
         llm.coordinator.update_computed(request)
         rest = len(prompt) - first
         assert llm.coordinator.allocate_slots(request, rest)
-        tail = llm.runner.execute([(request, rest)], llm.coordinator, list(range(rest)))
+        tail = llm.runner.execute(plan_of(llm, request, rest), logits_rows=range(rest))
         llm.coordinator.free("logits")
     finally:
         hybridkv.unpatch(model)

@@ -1,6 +1,7 @@
 from hybridkv.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.stopping import StopRules
 
 from alloc_helpers import make_coordinator
 
@@ -18,11 +19,19 @@ def add(scheduler, request_id, num_tokens, start=0, **params):
 
 
 def step(scheduler, token=7, eos=()):
-    """One engine step with a fake model: every request that reaches its last token samples `token`."""
+    """One engine step with a fake model: every request that reaches its last token samples `token`,
+    and the engine's stop rules finish what they stop."""
     out = scheduler.schedule()
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    finished = scheduler.update(out, sampled, eos)
-    return [(r.request_id, n) for r, n in out.scheduled], out, finished
+    sampling = out.sampling
+    scheduler.update(out, [token] * len(sampling))
+    finished = list(out.failed)
+    stop_rules = StopRules(eos, scheduler.config.max_model_len)
+    for request in sampling:
+        status = stop_rules.check(request, token)
+        if status is not None:
+            scheduler.finish(request, status)
+            finished.append(request)
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled], out, finished
 
 
 def test_budget_and_long_prefill_threshold_chunk_three_long_prompts():
@@ -92,7 +101,7 @@ def test_prompt_longer_than_max_model_len_fails_at_once_with_the_fix():
     assert not scheduler.add_request(request)
     assert request.status is RequestStatus.FINISHED_ERROR
     assert "prompt has 17 tokens but max_model_len is 16; raise max_model_len" in request.error
-    assert scheduler.num_unfinished == 0
+    assert not (scheduler.waiting or scheduler.running or scheduler.swapped)
 
 
 def test_prompt_larger_than_the_pool_fails_at_once_with_the_fix():
@@ -120,7 +129,7 @@ def test_request_outgrowing_the_whole_pool_fails_and_returns_its_blocks():
     assert request.status is RequestStatus.FINISHED_ERROR
     assert "more KV blocks than the whole pool" in request.error
     assert scheduler.coordinator.pool.num_used_blocks == 0
-    assert scheduler.num_unfinished == 0
+    assert not (scheduler.waiting or scheduler.running or scheduler.swapped)
 
 
 def test_max_tokens_finishes_with_length():

@@ -1,0 +1,147 @@
+"""The output side of the engine: one record per sample (its request, detokenizer, logprobs, generator,
+stream offset), the stop decision after each new token, and the `RequestOutput`s the engine returns.
+
+Outputs are built incrementally: each sample's `CompletionOutput` is kept and extended by its new
+tokens, so a long generation costs constant work per token. A `RequestOutput` is the request's live
+record: later steps update the same object until it is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridkv.detokenizer import IncrementalDetokenizer
+from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from hybridkv.request import Request, RequestStatus, SampleGroup
+from hybridkv.sampler import SamplingRow, TokenLogprobs
+from hybridkv.stopping import StopRules
+
+
+@dataclass(slots=True)
+class SampleState:
+    """One sample: its scheduler request, what the sampler reads for it (params, generator, tokens so
+    far), its text, its output record and how much of it a stream has yielded."""
+
+    request: Request
+    sampling_row: SamplingRow
+    detokenizer: IncrementalDetokenizer | None
+    completion: CompletionOutput
+    num_streamed_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One user request: its samples (a SampleGroup) and the output record the engine hands out."""
+
+    group: SampleGroup
+    samples: list[SampleState]
+    output: RequestOutput
+
+
+class OutputProcessor:
+    """Records of every unfinished request, keyed by its id."""
+
+    def __init__(self, tokenizer: Any, stop_rules: StopRules, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.stop_rules = stop_rules
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, group: SampleGroup, prompt: str | None) -> RequestState:
+        """Records for a new request's samples (a seeded request's sample i draws from seed + i)."""
+        leader = group.leader
+        params = leader.params
+        prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
+        samples = []
+        for index, request in enumerate(group.members):
+            generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+            logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+            samples.append(
+                SampleState(
+                    request=request,
+                    sampling_row=SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens),
+                    detokenizer=detokenizer,
+                    completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
+                )
+            )
+        output = RequestOutput(
+            request_id=group.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            outputs=[sample.completion for sample in samples],
+            finished=False,
+            metrics=RequestMetrics(arrival_time=time.monotonic()),
+        )
+        state = RequestState(group, samples, output)
+        self.states[group.request_id] = state
+        return state
+
+    def state_of(self, request: Request) -> RequestState:
+        return self.states[request.group.request_id]
+
+    def sampling_rows(self, requests: Sequence[Request]) -> list[SamplingRow]:
+        return [self.state_of(request).samples[request.sample_index].sampling_row for request in requests]
+
+    def process(
+        self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
+    ) -> list[tuple[Request, RequestStatus]]:
+        """Record each request's new token (already appended to the request) and its logprobs, extend its
+        text, and decide whether it stops. Returns the requests that stop, with their status: the caller
+        finishes them in the scheduler."""
+        now = time.monotonic()
+        stopped = []
+        for request, token, token_logprobs in zip(requests, tokens, logprobs, strict=True):
+            state = self.state_of(request)
+            sample = state.samples[request.sample_index]
+            completion = sample.completion
+            completion.token_ids.append(token)
+            if completion.logprobs is not None and token_logprobs is not None:
+                completion.logprobs.append(token_logprobs)
+            if state.output.metrics.first_token_time is None:
+                state.output.metrics.first_token_time = now
+            status = self.stop_rules.check(request, token, sample.detokenizer)
+            if status is not None:
+                stopped.append((request, status))
+        return stopped
+
+    def output(self, state: RequestState) -> RequestOutput:
+        """The request's output as of now; a finished request's records are dropped."""
+        output = state.output
+        for sample in state.samples:
+            request, completion, detokenizer = sample.request, sample.completion, sample.detokenizer
+            if request.status.is_finished and completion.finish_reason is None:
+                if detokenizer is not None:
+                    detokenizer.flush()
+                completion.finish_reason = request.status.value
+                completion.stop_reason = request.stop_reason
+            if detokenizer is not None:
+                completion.text = detokenizer.text
+        leader = state.group.leader
+        output.metrics.num_cached_tokens = leader.num_cached_tokens
+        output.error = next((m.error for m in state.group.members if m.error), None)
+        if state.group.finished and not output.finished:
+            output.finished = True
+            output.metrics.finished_time = time.monotonic()
+            self.states.pop(state.group.request_id, None)
+        return output
+
+    def stream_deltas(self, state: RequestState) -> list[StreamDelta]:
+        """What each sample produced since the last call: new token ids and text (text that may still
+        become a stop string is held back until it cannot)."""
+        deltas = []
+        for sample in state.samples:
+            completion = sample.completion
+            new_tokens = completion.token_ids[sample.num_streamed_tokens :]
+            sample.num_streamed_tokens = len(completion.token_ids)
+            text = sample.detokenizer.stream_delta(completion.finished) if sample.detokenizer is not None else ""
+            if new_tokens or text or completion.finished:
+                deltas.append(StreamDelta(completion.index, new_tokens, text, completion.finish_reason))
+        return deltas

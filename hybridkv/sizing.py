@@ -1,0 +1,103 @@
+"""KV sizing: the model's KV cache groups and max_model_len for a config, and how many blocks the pool
+gets (a block count, a byte budget, or on CUDA a share of device memory after a profiling forward)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from hybridkv.config import EngineConfig
+from hybridkv.coordinator import blocks_for_request
+from hybridkv.grouping import KVCacheConfig, group_layers
+from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utilization
+from hybridkv.patches.inspection import ModelLayout, inspect_model
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, ModelLayout, KVCacheConfig, int]:
+    """The KV dtype, the model's attention layout (measured by a probe forward), its KV cache groups and
+    max_model_len that `config` gives for `model`."""
+    kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
+    layout = inspect_model(model, kv_dtype)
+    kv_config = group_layers(layout.specs, config.block_size)
+    max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
+    limit = layout.max_exact_tokens
+    if limit is not None and max_model_len > limit:
+        if config.max_model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} is beyond what hybridkv serves exactly for this "
+                f"{type(model).__name__}: {layout.limit_reason}. Pass max_model_len <= {limit}"
+            )
+        warnings.warn(
+            f"hybridkv serves this {type(model).__name__} up to {limit} tokens ({layout.limit_reason}); "
+            f"max_model_len is {limit}, not max_position_embeddings={max_model_len}",
+            stacklevel=4,
+        )
+        max_model_len = limit
+    if limit is not None and config.max_num_batched_tokens > limit:
+        # The model counts a step's rows as positions there, so the rows must stay below the limit too.
+        raise ValueError(
+            f"max_num_batched_tokens={config.max_num_batched_tokens} is beyond what hybridkv serves exactly for "
+            f"this {type(model).__name__}: {layout.limit_reason}, and a step's rows count as positions there. "
+            f"Pass max_num_batched_tokens <= {limit}"
+        )
+    return kv_dtype, layout, kv_config, max_model_len
+
+
+def blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_model_len: int, count: int) -> int:
+    """The null block plus `count` requests at max_model_len, prefilled in chunks of the token budget."""
+    chunk = min(max_model_len, config.max_num_batched_tokens)
+    return 1 + count * blocks_for_request(kv_config, max_model_len, chunk)
+
+
+def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
+    """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
+    engine_config = EngineConfig(**config)
+    _, _, kv_config, max_model_len = kv_layout(model, engine_config)
+    return blocks_for_requests(kv_config, engine_config, max_model_len, 1)
+
+
+def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCacheConfig, max_model_len: int) -> int:
+    """The pool's block count, null block included: `num_blocks`, else what `kv_cache_memory` bytes hold,
+    else on CUDA `gpu_memory_utilization` of the device less the activations of the largest step, else
+    1 GiB on the CPU capped at what max_num_seqs requests at max_model_len can use. Never fewer than one
+    request at max_model_len needs (else a ValueError naming the fix)."""
+    bytes_per_block = kv_config.block_bytes
+    min_blocks = blocks_for_requests(kv_config, config, max_model_len, 1)
+    if config.num_blocks is not None:
+        if config.num_blocks < min_blocks:
+            raise ValueError(
+                f"num_blocks={config.num_blocks} cannot hold one request at max_model_len="
+                f"{max_model_len} ({min_blocks} blocks with the null block); raise num_blocks "
+                "or lower max_model_len"
+            )
+        return config.num_blocks
+    if config.kv_cache_memory is not None:
+        return num_blocks_for_budget(config.kv_cache_memory, bytes_per_block, min_blocks)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        activation_peak = _profile_forward(model, min(config.max_num_batched_tokens, max_model_len), device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        return num_blocks_for_memory_utilization(
+            config.gpu_memory_utilization, free_bytes - activation_peak, total_bytes, bytes_per_block, min_blocks
+        )
+    most = blocks_for_requests(kv_config, config, max_model_len, config.max_num_seqs)
+    budget = min(DEFAULT_CPU_KV_CACHE_BYTES, most * bytes_per_block)
+    return num_blocks_for_budget(budget, bytes_per_block, min_blocks)
+
+
+def _profile_forward(model: torch.nn.Module, num_tokens: int, device: torch.device) -> int:
+    """Bytes a forward of `num_tokens` needs beyond what stays allocated (its activations), measured
+    with the model's own attention before the KV cache exists, as vLLM profiles."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model(input_ids=torch.zeros((1, num_tokens), dtype=torch.long, device=device), use_cache=False)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    torch.cuda.empty_cache()
+    return peak
