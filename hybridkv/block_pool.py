@@ -163,9 +163,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - 1 - self.free_queue.num_free_blocks
 
-    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVBlock | None:
-        return self.cached[group_id].get(block_hash)
-
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
         blocks = self.free_queue.popleft_n(n)

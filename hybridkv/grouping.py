@@ -116,13 +116,6 @@ class KVCacheConfig:
         """K and V bytes one token costs across the layers that hold pages: what the model needs."""
         return sum(spec.kv_bytes_per_token for spec in self.layer_specs if spec.holds_pages)
 
-    def layer_slot(self, layer_idx: int) -> tuple[int, int]:
-        """(group id, slot) of a layer that holds pages."""
-        for group in self.groups:
-            if layer_idx in group.layer_indices:
-                return group.group_id, group.layer_indices.index(layer_idx)
-        raise KeyError(f"layer {layer_idx} holds no pages of its own in this model")
-
 
 def choose_group_size(full_counts: list[int], sliding_counts: list[int]) -> int:
     """Layers per group for kinds of these layer counts (full-attention kinds, windowed or chunked kinds).

@@ -77,10 +77,10 @@ def test_reused_block_loses_its_hash_at_allocation():
     (block,) = pool.get_new_blocks(1)
     pool.cache_blocks([block], [b"h"], 0)
     pool.free_blocks([block])
-    assert pool.get_cached_block(b"h", 0) is block
+    assert pool.cached[0].get(b"h") is block
     (again,) = pool.get_new_blocks(1)
     assert again is block and block.block_hash is None
-    assert pool.get_cached_block(b"h", 0) is None
+    assert pool.cached[0].get(b"h") is None
     assert pool.num_evictions == 1
 
 
@@ -89,7 +89,7 @@ def test_second_block_with_a_cached_hash_is_not_registered():
     first, second = pool.get_new_blocks(2)
     pool.cache_blocks([first], [b"h"], 0)
     pool.cache_blocks([second], [b"h"], 0)
-    assert pool.get_cached_block(b"h", 0) is first
+    assert pool.cached[0].get(b"h") is first
     assert second.block_hash is None
 
 
@@ -98,8 +98,8 @@ def test_hash_maps_are_per_group():
     a, b = pool.get_new_blocks(2)
     pool.cache_blocks([a], [b"h"], 0)
     pool.cache_blocks([b], [b"h"], 1)
-    assert pool.get_cached_block(b"h", 0) is a
-    assert pool.get_cached_block(b"h", 1) is b
+    assert pool.cached[0].get(b"h") is a
+    assert pool.cached[1].get(b"h") is b
 
 
 def test_touch_takes_a_free_block_out_of_the_queue():
