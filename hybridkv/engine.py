@@ -95,9 +95,7 @@ class LLMEngine:
         state = self.outputs.states.get(request_id)
         if state is None:
             return None
-        for member in state.group.unfinished():
-            if not member.status.is_finished:  # a leader's finish ends the followers it holds
-                self.scheduler.finish(member, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_group(state.group, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
 
     def close(self) -> None:
@@ -125,7 +123,9 @@ class LLMEngine:
         except Exception as exc:  # the model or a kernel failed: fail this step's requests, keep serving
             error = f"the step failed: {type(exc).__name__}: {exc}"
             for scheduled in plan.scheduled:
-                plan.failed.extend(self.scheduler.fail(scheduled.request, error))
+                plan.failed.extend(
+                    self.scheduler.finish_group(scheduled.request.group, RequestStatus.FINISHED_ERROR, error)
+                )
             plan.scheduled, sampling, tokens, logprobs = [], [], [], []
         update_start = time.perf_counter()
         self.scheduler.update(plan, tokens)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.request import Request, RequestStatus
+from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.swap import SwapRecord, SwapSpace
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -169,7 +169,7 @@ class Scheduler:
                         "the request needs more KV blocks than the whole pool holds; raise num_blocks / "
                         "kv_cache_memory or lower max_tokens"
                     )
-                    out.failed.extend(self.fail(request, error))
+                    out.failed.extend(self.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
                     break
                 self._preempt(victim, out)
                 if request.status is not RequestStatus.RUNNING:
@@ -261,12 +261,12 @@ class Scheduler:
                 self.waiting.extendleft(reversed(request.group.release_followers(request)))
             self.coordinator.update_computed(request)
 
-    def fail(self, request: Request, error: str) -> list[Request]:
-        """Finish the request and every unfinished member of its group with an error; returns them."""
-        members = request.group.unfinished()
+    def finish_group(self, group: SampleGroup, status: RequestStatus, error: str | None = None) -> list[Request]:
+        """Finish every unfinished sample of a group (aborted or failed together); returns them."""
+        members = group.unfinished()
         for member in members:
             if not member.status.is_finished:  # a leader's finish ends the followers it holds
-                self.finish(member, RequestStatus.FINISHED_ERROR, error)
+                self.finish(member, status, error)
         return members
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
