@@ -157,22 +157,24 @@ def group_layers(
     _check_kv_sources(specs)
     # A kind: (window, chunk size, bytes per token); None, None is full attention.
     kinds: dict[tuple[int | None, int | None, int], list[int]] = {}
+    example: dict[int, LayerSpec] = {}  # a layer of each bytes per token
     for spec in specs:
         if spec.holds_pages:
             kind = (spec.sliding_window, spec.attention_chunk_size, spec.kv_bytes_per_token)
             kinds.setdefault(kind, []).append(spec.layer_idx)
+            example.setdefault(spec.kv_bytes_per_token, spec)
     if group_size is None:
         bounded = {kind: kind[:2] != (None, None) for kind in kinds}
         group_size = choose_group_size(
             [len(layers) for kind, layers in kinds.items() if not bounded[kind]],
             [len(layers) for kind, layers in kinds.items() if bounded[kind]],
         )
-    widest = max(token_bytes for _, _, token_bytes in kinds)
-    widest_slot = block_size * widest
+    widest = max(example)
+    widest_slot = example[widest].page_bytes(block_size)
     groups = []
     for (window, chunk_size, token_bytes), layers in kinds.items():
         group_block_size = block_size if uniform_block_size else block_size * (widest // token_bytes)
-        slot_bytes = widest_slot if uniform_block_size else group_block_size * token_bytes
+        slot_bytes = widest_slot if uniform_block_size else example[token_bytes].page_bytes(group_block_size)
         for start in range(0, len(layers), group_size):
             members = tuple(layers[start : start + group_size])
             groups.append(
