@@ -19,9 +19,9 @@ from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
 from hybridkv.model_runner import ModelRunner
 from hybridkv.output_processor import OutputProcessor, RequestState
-from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampler import TokenLogprobs, sample
+from hybridkv.sampler import sample
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from hybridkv.detokenizer import IncrementalDetokenizer
-from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta
+from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampler import SamplingRow, TokenLogprobs
+from hybridkv.sampler import SamplingRow
 from hybridkv.stopping import StopRules
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridkv.sampler import TokenLogprobs
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top-k (token id, logprob) pairs, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.outputs import TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
 
 
@@ -30,14 +31,6 @@ class SamplingRow:
     @property
     def output_token_ids(self) -> Sequence[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top-k (token id, logprob) pairs, most likely first."""
-
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
