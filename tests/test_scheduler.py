@@ -1,6 +1,6 @@
-from hybridkv.request import Request, RequestStatus
+from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.stopping import StopRules
 
 from alloc_helpers import make_coordinator
@@ -167,3 +167,47 @@ def test_generation_stops_at_max_model_len():
     step(scheduler)
     step(scheduler)
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 8
+
+
+def test_the_plan_carries_each_requests_block_table_rows_and_whether_it_samples():
+    scheduler = make_scheduler(windows=(None, 9), max_model_len=64, max_num_batched_tokens=12)
+    a = add(scheduler, "a", 6, 0)
+    b = add(scheduler, "b", 10, 100)
+    plan = scheduler.schedule()
+    assert [(s.request, s.num_new_tokens, s.samples) for s in plan.scheduled] == [(a, 6, True), (b, 6, False)]
+    assert plan.sampling == [a]
+    assert plan.block_tables == [
+        [scheduler.coordinator.block_ids("a")[group], scheduler.coordinator.block_ids("b")[group]] for group in (0, 1)
+    ]
+    assert [len(row) for row in plan.block_tables[0]] == [2, 2]
+
+
+def test_the_samples_of_one_prompt_wait_for_the_leader_and_are_preempted_together():
+    scheduler = make_scheduler(num_blocks=9, max_model_len=64)  # 8 usable blocks
+    other = add(scheduler, "other", 8, 100, max_tokens=20)
+    step(scheduler)
+    group = SampleGroup.of("r", list(range(9)), SamplingParams(n=3, max_tokens=20), BS)
+    leader, *followers = group.members
+    assert scheduler.add_request(leader)
+    assert [m.status for m in followers] == [RequestStatus.WAITING_FOR_LEADER] * 2
+    assert step(scheduler)[0] == [("other", 1), ("r#0", 9)]
+    # The leader's first token released the followers to the front of the queue: they take its two
+    # full prompt blocks from the prefix cache and compute only the last prompt token.
+    assert list(scheduler.waiting) == followers
+    assert step(scheduler)[0] == [("other", 1), ("r#0", 1), ("r#1", 1), ("r#2", 1)]
+    plan = SchedulerOutput()
+    while not plan.preempted:
+        _, plan, _ = step(scheduler)
+    # The newest running request is a sample of the group: every running sample goes with it.
+    assert sorted(r.request_id for r in plan.preempted) == ["r#0", "r#1", "r#2"]
+    assert [s.request for s in plan.scheduled] == [other]
+    assert other.status is RequestStatus.RUNNING
+
+
+def test_a_leader_that_fails_before_releasing_its_followers_takes_them_with_it():
+    scheduler = make_scheduler(max_model_len=64)
+    group = SampleGroup.of("r", list(range(8)), SamplingParams(n=2), BS)
+    scheduler.add_request(group.leader)
+    scheduler.finish_group(group, RequestStatus.FINISHED_ABORTED)
+    assert [m.status for m in group.members] == [RequestStatus.FINISHED_ABORTED] * 2
+    assert not scheduler.waiting and scheduler.coordinator.pool.num_used_blocks == 0
