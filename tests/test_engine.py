@@ -8,8 +8,9 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
 
-from tiny_models import FAMILIES, hf_greedy, prompts, text_llama
+from tiny_models import FAMILIES, hf_greedy, prompts
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -25,7 +26,7 @@ def gemma3():
 @pytest.fixture(scope="module")
 def text_model():
     tokenizer = tiny_tokenizer()
-    return text_llama(len(tokenizer)), tokenizer
+    return tiny_model("llama", vocab_size=len(tokenizer)), tokenizer
 
 
 def tokens(outputs):
