@@ -19,39 +19,28 @@ import random
 import time
 
 import torch
-from transformers import (
-    ContinuousBatchingConfig,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
 
 VOCAB = 32_000
 
 
 def hybrid_model() -> torch.nn.Module:
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, sliding_window=256, max_position_embeddings=8192,
-        initializer_range=0.03, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    return tiny_model(
+        "gemma3", vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_attention_heads=8, head_dim=32,
+        sliding_window=256, max_position_embeddings=8192, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(config).eval()
 
 
 def llama_model() -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-        num_key_value_heads=4, max_position_embeddings=8192, initializer_range=0.02, eos_token_id=None,
-        bos_token_id=None, pad_token_id=0,
+    return tiny_model(
+        "llama", vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=8192, initializer_range=0.02,
+        pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def workload(name: str) -> tuple[list[list[int]], int]:

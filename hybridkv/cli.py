@@ -10,6 +10,7 @@ import torch
 
 import hybridkv
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.tiny import tiny_model
 
 SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
 DEMO_PROMPTS = [
@@ -39,30 +40,6 @@ def tiny_tokenizer(corpus: list[str] | None = None, vocab_size: int = 320):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
 
 
-def tiny_gemma3(vocab_size: int):
-    """A random 6-layer Gemma-3-style model: 5 sliding-window layers (window 32) to 1 full layer."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        sliding_window=32,
-        max_position_embeddings=1024,
-        initializer_range=0.03,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(0)
-    return Gemma3ForCausalLM(config).eval()
-
-
 def printable(text: str) -> str:
     """Random weights produce control characters and broken bytes: show them as dots."""
     return "".join(c if c.isprintable() and c != "\ufffd" else "·" for c in text)
@@ -72,7 +49,15 @@ def demo(max_tokens: int) -> None:
     """Generate on a tiny random hybrid model: stream one prompt, batch the rest, show the stats."""
     torch.set_num_threads(1)
     tokenizer = tiny_tokenizer()
-    model = tiny_gemma3(len(tokenizer))
+    model = tiny_model(
+        "gemma3",
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        head_dim=32,
+        sliding_window=32,
+        max_position_embeddings=1024,
+    )
     llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=512, block_size=8)
     groups = ", ".join(f"group {g.group_id}: {g.kind} (layers {list(g.layer_indices)})" for g in llm.kv_config.groups)
     print(f"tiny random Gemma-3-style model (its text is gibberish); KV cache groups: {groups}\n")

@@ -6,8 +6,8 @@ import pytest
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
 
-from tiny_models import text_llama
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -27,7 +27,7 @@ def test_demo_generates_on_a_tiny_hybrid_model_and_reports_stats():
 @pytest.mark.slow
 def test_generate_serves_a_local_checkpoint(tmp_path):
     tokenizer = tiny_tokenizer()
-    model = text_llama(len(tokenizer))
+    model = tiny_model("llama", vocab_size=len(tokenizer))
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     llm = hybridkv.patch(model, tokenizer=tokenizer)

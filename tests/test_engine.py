@@ -8,8 +8,9 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
 
-from tiny_models import FAMILIES, hf_greedy, prompts, text_llama
+from tiny_models import FAMILIES, hf_greedy, prompts
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -25,7 +26,7 @@ def gemma3():
 @pytest.fixture(scope="module")
 def text_model():
     tokenizer = tiny_tokenizer()
-    return text_llama(len(tokenizer)), tokenizer
+    return tiny_model("llama", vocab_size=len(tokenizer)), tokenizer
 
 
 def tokens(outputs):
@@ -37,11 +38,11 @@ def tight_pool(model):
 
 
 @pytest.mark.parametrize("swap_space_blocks", [64, 1])
-def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, swap_space_blocks):
+def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, swap_space_blocks, patched):
     model, batch, expected = gemma3
     num_blocks = tight_pool(model)
-    probe = hybridkv.patch(model, block_size=8, max_model_len=176)
-    llm = hybridkv.patch(
+    probe = patched(model, block_size=8, max_model_len=176)
+    llm = patched(
         model,
         block_size=8,
         max_model_len=176,
@@ -50,19 +51,16 @@ def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, sw
         preemption_mode="swap",
         swap_space=swap_space_blocks * probe.bytes_per_block,
     )
-    try:
-        assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
-        stats = llm.stats()
-        assert stats["num_preemptions"] > 0
-        if swap_space_blocks == 64:
-            assert stats["num_swaps"] > 0  # room in swap space: preempted requests were swapped
-        else:
-            assert stats["num_swaps"] == 0  # no room: it fell back to recompute
-        swap = llm.scheduler.swap_space
-        assert swap.num_blocks == min(swap_space_blocks, num_blocks - 1)  # never more than the device pool
-        assert stats["blocks_in_use"] == 0 and swap.num_free_blocks == swap.num_blocks
-    finally:
-        hybridkv.unpatch(model)
+    assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    if swap_space_blocks == 64:
+        assert stats["num_swaps"] > 0  # room in swap space: preempted requests were swapped
+    else:
+        assert stats["num_swaps"] == 0  # no room: it fell back to recompute
+    swap = llm.scheduler.swap_space
+    assert swap.num_blocks == min(swap_space_blocks, num_blocks - 1)  # never more than the device pool
+    assert stats["blocks_in_use"] == 0 and swap.num_free_blocks == swap.num_blocks
 
 
 def test_swap_without_swap_space_is_a_clear_error(gemma3):
@@ -72,194 +70,156 @@ def test_swap_without_swap_space_is_a_clear_error(gemma3):
         hybridkv.patch(gemma3[0], max_model_len=176, preemption_mode="drop")
 
 
-def test_parallel_greedy_samples_share_the_prompt_blocks(gemma3):
+def test_parallel_greedy_samples_share_the_prompt_blocks(gemma3, patched):
     model, batch, expected = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        (out,) = llm.generate([batch[3]], SamplingParams(n=3, temperature=0, max_tokens=16), use_tqdm=False)
-        assert [c.token_ids for c in out.outputs] == [expected[3]] * 3
-        assert [c.index for c in out.outputs] == [0, 1, 2]
-        # Samples 1 and 2 took the leader's 18 full prompt blocks (144 tokens) from the prefix cache.
-        assert llm.stats()["prefix_cache_hits"] == 2 * 144
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    (out,) = llm.generate([batch[3]], SamplingParams(n=3, temperature=0, max_tokens=16), use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [expected[3]] * 3
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    # Samples 1 and 2 took the leader's 18 full prompt blocks (144 tokens) from the prefix cache.
+    assert llm.stats()["prefix_cache_hits"] == 2 * 144
 
 
-def test_parallel_seeded_samples_differ_and_repeat(gemma3):
+def test_parallel_seeded_samples_differ_and_repeat(gemma3, patched):
     model, batch, _ = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    llm = patched(model, block_size=8, max_model_len=256)
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12)
-    try:
-        first = llm.generate([batch[1]], params, use_tqdm=False)[0]
-        again = llm.generate([batch[1]], params, use_tqdm=False)[0]
-        samples = [c.token_ids for c in first.outputs]
-        assert len({tuple(s) for s in samples}) == 3
-        assert [c.token_ids for c in again.outputs] == samples
-    finally:
-        hybridkv.unpatch(model)
+    first = llm.generate([batch[1]], params, use_tqdm=False)[0]
+    again = llm.generate([batch[1]], params, use_tqdm=False)[0]
+    samples = [c.token_ids for c in first.outputs]
+    assert len({tuple(s) for s in samples}) == 3
+    assert [c.token_ids for c in again.outputs] == samples
 
 
-def test_seeded_request_is_batch_invariant(gemma3):
+def test_seeded_request_is_batch_invariant(gemma3, patched):
     model, batch, _ = gemma3
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        alone = tokens(llm.generate([batch[2]], seeded, use_tqdm=False))[0]
-        others = SamplingParams(temperature=1.0, max_tokens=16)
-        mixed = llm.generate([batch[0], batch[2], batch[3]], [others, seeded, others], use_tqdm=False)
-        assert tokens(mixed)[1] == alone
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    alone = tokens(llm.generate([batch[2]], seeded, use_tqdm=False))[0]
+    others = SamplingParams(temperature=1.0, max_tokens=16)
+    mixed = llm.generate([batch[0], batch[2], batch[3]], [others, seeded, others], use_tqdm=False)
+    assert tokens(mixed)[1] == alone
 
 
-def test_stop_string_cuts_the_text_exactly(text_model):
+def test_stop_string_cuts_the_text_exactly(text_model, patched):
     model, tokenizer = text_model
-    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=128)
-    try:
-        prompt = "Once upon a time"
-        full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
-        assert full.text == tokenizer.decode(full.token_ids)
-        stop = full.text[10:13]
-        cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)
-        completion = cut[0].outputs[0]
-        assert completion.text == full.text[: full.text.index(stop)]
-        assert completion.finish_reason == "stop" and completion.stop_reason == stop
-        assert completion.token_ids == full.token_ids[: len(completion.token_ids)]
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    prompt = "Once upon a time"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert full.text == tokenizer.decode(full.token_ids)
+    stop = full.text[10:13]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)
+    completion = cut[0].outputs[0]
+    assert completion.text == full.text[: full.text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.token_ids == full.token_ids[: len(completion.token_ids)]
 
 
-def test_stream_yields_the_same_tokens_and_text_as_generate(text_model):
+def test_stream_yields_the_same_tokens_and_text_as_generate(text_model, patched):
     model, tokenizer = text_model
-    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=128)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=20)
-        expected = llm.generate("The quick brown", params, use_tqdm=False)[0].outputs[0]
-        deltas = list(llm.stream("The quick brown", params))
-        assert [t for d in deltas for t in d.token_ids] == expected.token_ids
-        assert "".join(d.text for d in deltas) == expected.text
-        assert deltas[-1].finish_reason == "length" and len(deltas) > 5
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = llm.generate("The quick brown", params, use_tqdm=False)[0].outputs[0]
+    deltas = list(llm.stream("The quick brown", params))
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert deltas[-1].finish_reason == "length" and len(deltas) > 5
 
 
-def test_stream_keeps_other_requests_results(text_model):
+def test_stream_keeps_other_requests_results(text_model, patched):
     model, tokenizer = text_model
-    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=128)
-    try:
-        other = llm.add_request("lazy dog", SamplingParams(temperature=0, max_tokens=3))
-        list(llm.stream("The quick", SamplingParams(temperature=0, max_tokens=10)))
-        finished = [o for o in llm.step() if o.finished]
-        assert [o.request_id for o in finished] == [other]
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    other = llm.add_request("lazy dog", SamplingParams(temperature=0, max_tokens=3))
+    list(llm.stream("The quick", SamplingParams(temperature=0, max_tokens=10)))
+    finished = [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in finished] == [other]
 
 
-def test_logprobs_are_the_models_own(gemma3):
+def test_logprobs_are_the_models_own(gemma3, patched):
     model, batch, _ = gemma3
     expected_tokens, hf_logits = hf_greedy(model, batch[1], 8)
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        out = llm.generate([batch[1]], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)
-        completion = out[0].outputs[0]
-        assert completion.token_ids == expected_tokens
-        for step, logprobs in enumerate(completion.logprobs):
-            reference = torch.log_softmax(hf_logits[step], dim=-1)
-            assert logprobs.logprob == pytest.approx(reference[expected_tokens[step]].item(), abs=1e-4)
-            assert [t for t, _ in logprobs.top] == reference.topk(3).indices.tolist()
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    out = llm.generate([batch[1]], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.token_ids == expected_tokens
+    for step, logprobs in enumerate(completion.logprobs):
+        reference = torch.log_softmax(hf_logits[step], dim=-1)
+        assert logprobs.logprob == pytest.approx(reference[expected_tokens[step]].item(), abs=1e-4)
+        assert [t for t, _ in logprobs.top] == reference.topk(3).indices.tolist()
 
 
-def test_abort_returns_every_block_and_the_rest_finish(gemma3):
+def test_abort_returns_every_block_and_the_rest_finish(gemma3, patched):
     model, batch, expected = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_batched_tokens=32)
-    try:
-        ids = [llm.add_request(p, GREEDY) for p in batch]
-        for _ in range(4):
-            llm.step()
-        aborted = llm.abort(ids[3])
-        assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
-        done = {}
-        while llm.has_unfinished_requests():
-            done.update((o.request_id, o) for o in llm.step() if o.finished)
-        assert [done[i].outputs[0].token_ids for i in ids[:3]] == expected[:3]
-        assert llm.stats()["blocks_in_use"] == 0
-        assert llm.abort("no-such-request") is None
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32)
+    ids = [llm.add_request(p, GREEDY) for p in batch]
+    for _ in range(4):
+        llm.step()
+    aborted = llm.abort(ids[3])
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert [done[i].outputs[0].token_ids for i in ids[:3]] == expected[:3]
+    assert llm.stats()["blocks_in_use"] == 0
+    assert llm.abort("no-such-request") is None
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(gemma3, monkeypatch):
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(gemma3, monkeypatch, patched):
     model, batch, expected = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_seqs=2)
-    try:
-        execute = llm.runner.execute
-        calls = {"n": 0}
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=2)
+    execute = llm.runner.execute
+    calls = {"n": 0}
 
-        def flaky(*args, **kwargs):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise RuntimeError("injected fault")
-            return execute(*args, **kwargs)
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected fault")
+        return execute(*args, **kwargs)
 
-        monkeypatch.setattr(llm.runner, "execute", flaky)
-        outputs = llm.generate(batch, GREEDY, use_tqdm=False)
-        failed = [o for o in outputs if o.error]
-        assert len(failed) == 2 and all("injected fault" in o.error for o in failed)
-        assert all(o.outputs[0].finish_reason == "error" for o in failed)
-        survivors = [o.outputs[0].token_ids for o in outputs if not o.error]
-        assert survivors == expected[2:]
-        assert llm.stats()["blocks_in_use"] == 0
-        assert tokens(llm.generate(batch[:1], GREEDY, use_tqdm=False)) == expected[:1]
-    finally:
-        hybridkv.unpatch(model)
+    monkeypatch.setattr(llm.runner, "execute", flaky)
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    failed = [o for o in outputs if o.error]
+    assert len(failed) == 2 and all("injected fault" in o.error for o in failed)
+    assert all(o.outputs[0].finish_reason == "error" for o in failed)
+    survivors = [o.outputs[0].token_ids for o in outputs if not o.error]
+    assert survivors == expected[2:]
+    assert llm.stats()["blocks_in_use"] == 0
+    assert tokens(llm.generate(batch[:1], GREEDY, use_tqdm=False)) == expected[:1]
 
 
-def test_bad_input_gets_errors_that_name_the_fix(gemma3, text_model):
+def test_bad_input_gets_errors_that_name_the_fix(gemma3, text_model, patched):
     model, _, _ = gemma3
-    llm = hybridkv.patch(model, max_model_len=256)
-    try:
-        with pytest.raises(ValueError, match="needs a tokenizer"):
-            llm.add_request("hello")
-        with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
-            llm.add_request([1, 999])
-        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-            llm.add_request([1, 2], SamplingParams(stop=["x"]))
-        llm.add_request([1, 2], request_id="same")
-        with pytest.raises(ValueError, match="already in use"):
-            llm.add_request([3], request_id="same")
-        with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
-            llm.generate([[1], [2]], [GREEDY] * 3)
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, max_model_len=256)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        llm.add_request("hello")
+    with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
+        llm.add_request([1, 999])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.add_request([1, 2], SamplingParams(stop=["x"]))
+    llm.add_request([1, 2], request_id="same")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([3], request_id="same")
+    with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
+        llm.generate([[1], [2]], [GREEDY] * 3)
 
 
-def test_generate_accepts_text_and_single_prompts(text_model):
+def test_generate_accepts_text_and_single_prompts(text_model, patched):
     model, tokenizer = text_model
-    llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=128)
-    try:
-        (single,) = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert single.prompt == "The quick" and single.prompt_token_ids == tokenizer.encode("The quick")
-        (ids,) = llm.generate(
-            tokenizer.encode("The quick"), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
-        )
-        assert ids.outputs[0].token_ids == single.outputs[0].token_ids
-        assert single.metrics.time_to_first_token is not None and single.metrics.finished_time is not None
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    (single,) = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert single.prompt == "The quick" and single.prompt_token_ids == tokenizer.encode("The quick")
+    (ids,) = llm.generate(tokenizer.encode("The quick"), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert ids.outputs[0].token_ids == single.outputs[0].token_ids
+    assert single.metrics.time_to_first_token is not None and single.metrics.finished_time is not None
 
 
-def test_metrics_count_the_prompt_tokens_taken_from_the_prefix_cache(gemma3):
+def test_metrics_count_the_prompt_tokens_taken_from_the_prefix_cache(gemma3, patched):
     model, batch, _ = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        first = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
-        again = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
-        assert first.metrics.num_cached_tokens == 0
-        assert again.metrics.num_cached_tokens == 144  # 18 full blocks; the last prompt token is computed
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    first = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
+    again = llm.generate([batch[3]], GREEDY, use_tqdm=False)[0]
+    assert first.metrics.num_cached_tokens == 0
+    assert again.metrics.num_cached_tokens == 144  # 18 full blocks; the last prompt token is computed
 
 
 def test_unpatch_closes_the_engine_and_frees_its_blocks_without_the_cycle_collector(gemma3):

@@ -5,33 +5,25 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from transformers import MinistralConfig, MinistralForCausalLM
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
 
-torch.manual_seed(0)
-MODEL = MinistralForCausalLM(
-    MinistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=6,
-        max_position_embeddings=128,
-        layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.3,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-).eval()
+MODEL = tiny_model(
+    "ministral",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    sliding_window=6,
+    max_position_embeddings=128,
+    layer_types=["sliding_attention", "full_attention"],
+)
 
 
 class EngineMachine(RuleBasedStateMachine):

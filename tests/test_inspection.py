@@ -122,19 +122,16 @@ def test_the_window_a_model_really_uses_is_served_exactly():
     assert greedy(model, batch) == [hf_greedy(model, p, 12)[0] for p in batch]
 
 
-def test_a_window_changed_after_patching_fails_the_step_loudly():
+def test_a_window_changed_after_patching_fails_the_step_loudly(patched):
     model = FAMILIES["gemma3_text"]()
-    llm = hybridkv.patch(model, max_model_len=256)
-    try:
-        for module in model.modules():
-            if getattr(module, "sliding_window", None):
-                module.sliding_window = 8
-        (output,) = llm.generate([prompts((30,))[0]], GREEDY, use_tqdm=False)
-        assert output.outputs[0].finish_reason == "error"
-        assert "passes sliding_window=8 to attention, but hybridkv's layout gives it 16" in output.error
-        assert llm.stats()["blocks_in_use"] == 0
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, max_model_len=256)
+    for module in model.modules():
+        if getattr(module, "sliding_window", None):
+            module.sliding_window = 8
+    (output,) = llm.generate([prompts((30,))[0]], GREEDY, use_tqdm=False)
+    assert output.outputs[0].finish_reason == "error"
+    assert "passes sliding_window=8 to attention, but hybridkv's layout gives it 16" in output.error
+    assert llm.stats()["blocks_in_use"] == 0
 
 
 # ---- layers that do not go through the attention interface -------------------------------------
@@ -191,7 +188,7 @@ def test_the_probe_leaves_an_unpatched_model_as_it_was():
 # ---- multimodal wrappers -----------------------------------------------------------------------
 
 
-def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was():
+def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was(patched):
     from model_zoo import ZOO
 
     model = ZOO["gemma3"]()
@@ -202,23 +199,18 @@ def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was(
     with torch.inference_mode():
         before = model.model.get_image_features(pixel_values=pixels).pooler_output
     model.config.image_token_index = 200  # the tiny vocabulary (256) does not hold Gemma 3's own id
-    llm = hybridkv.patch(model, max_model_len=256)
-    try:
-        with torch.inference_mode():
-            after = model.model.get_image_features(pixel_values=pixels).pooler_output
-        assert torch.equal(before, after)
-        placeholder = (
-            r"holds token 200, the model's image placeholder \(config.image_token_index\); .*text prompts only"
-        )
-        with pytest.raises(ValueError, match=placeholder):
-            llm.add_request([5, 200, 7])
-        batch = [[token for token in prompt if token != 200] for prompt in prompts((30, 120))]
-        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
-            hf_greedy(model, p, 12)[0] for p in batch
-        ]
-        assert llm.stats()["blocks_in_use"] == 0
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, max_model_len=256)
+    with torch.inference_mode():
+        after = model.model.get_image_features(pixel_values=pixels).pooler_output
+    assert torch.equal(before, after)
+    placeholder = r"holds token 200, the model's image placeholder \(config.image_token_index\); .*text prompts only"
+    with pytest.raises(ValueError, match=placeholder):
+        llm.add_request([5, 200, 7])
+    batch = [[token for token in prompt if token != 200] for prompt in prompts((30, 120))]
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
+        hf_greedy(model, p, 12)[0] for p in batch
+    ]
+    assert llm.stats()["blocks_in_use"] == 0
 
 
 def test_a_sliding_layer_that_no_mask_reaches_is_refused(monkeypatch):
@@ -236,27 +228,24 @@ def test_a_sliding_layer_that_no_mask_reaches_is_refused(monkeypatch):
 # ---- KV-sharing layers -------------------------------------------------------------------------
 
 
-def test_kv_sharing_layers_read_their_source_pages_and_hold_none():
+def test_kv_sharing_layers_read_their_source_pages_and_hold_none(patched):
     from model_zoo import ZOO
 
     model = ZOO["gemma3n_text"]()  # 6 layers; the last 3 reuse the K/V of the last layer of their kind
     specs = inspect_model(model, torch.float32).specs
     assert [spec.kv_source for spec in specs] == [None, None, None, 1, 1, 2]
-    llm = hybridkv.patch(model, max_model_len=256, block_size=8)
-    try:
-        stats = llm.stats()
-        assert stats["shared_kv_layers"] == {3: 1, 4: 1, 5: 2}
-        assert sorted(layer for g in llm.kv_config.groups for layer in g.layer_indices) == [0, 1, 2]
-        # 3 of 6 layers hold pages: 2 kv heads x (16 + 16) dims x 4 bytes each.
-        assert stats["kv_bytes_per_token"] == 3 * 2 * 32 * 4
-        shared, source = llm.runner.layers[4], llm.runner.layers[1]
-        assert shared.key_cache.data_ptr() == source.key_cache.data_ptr() and not shared.writes_kv
-        batch = prompts((40, 150))
-        assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
-            hf_greedy(model, p, 12)[0] for p in batch
-        ]
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, max_model_len=256, block_size=8)
+    stats = llm.stats()
+    assert stats["shared_kv_layers"] == {3: 1, 4: 1, 5: 2}
+    assert sorted(layer for g in llm.kv_config.groups for layer in g.layer_indices) == [0, 1, 2]
+    # 3 of 6 layers hold pages: 2 kv heads x (16 + 16) dims x 4 bytes each.
+    assert stats["kv_bytes_per_token"] == 3 * 2 * 32 * 4
+    shared, source = llm.runner.layers[4], llm.runner.layers[1]
+    assert shared.key_cache.data_ptr() == source.key_cache.data_ptr() and not shared.writes_kv
+    batch = prompts((40, 150))
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
+        hf_greedy(model, p, 12)[0] for p in batch
+    ]
 
 
 # ---- chunked local attention -------------------------------------------------------------------
@@ -312,7 +301,7 @@ def llama4_with_temperature_from(floor_scale: int):
     return Llama4ForCausalLM(config).eval()
 
 
-def test_llama4_temperature_tuning_bounds_max_model_len_and_the_step_rows():
+def test_llama4_temperature_tuning_bounds_max_model_len_and_the_step_rows(patched):
     """Its no-RoPE layers count positions from their own cache: past floor_scale - 1 tokens (or step rows)
     a step would give other tokens than generate (measured), so hybridkv caps or refuses."""
     model = llama4_with_temperature_from(64)
@@ -322,11 +311,8 @@ def test_llama4_temperature_tuning_bounds_max_model_len_and_the_step_rows():
         hybridkv.patch(model, max_model_len=63)
     assert not hybridkv.is_patched(model)
     with pytest.warns(UserWarning, match="up to 63 tokens"):
-        llm = hybridkv.patch(model, max_num_batched_tokens=32, block_size=8)
-    try:
-        assert llm.max_model_len == 63
-        batch = prompts((20, 40))
-        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12)[0] for p in batch]
-    finally:
-        hybridkv.unpatch(model)
+        llm = patched(model, max_num_batched_tokens=32, block_size=8)
+    assert llm.max_model_len == 63
+    batch = prompts((20, 40))
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12)[0] for p in batch]

@@ -81,7 +81,7 @@ def test_families_hybridkv_cannot_serve_exactly_are_refused_with_the_reason(name
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name):
+def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name, patched):
     """stats()' bytes per token against transformers' DynamicCache after a prompt shorter than every
     window: each layer that stores K/V counts once, KV-sharing layers (which store nothing) not at all."""
     model = ZOO[name]()
@@ -94,10 +94,7 @@ def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name):
         if isinstance(keys, torch.Tensor) and keys.numel():
             stored += keys.numel() * keys.element_size() + values.numel() * values.element_size()
     assert stored > 0, f"{name}: no K/V in the model's own cache"
-    llm = hybridkv.patch(model, max_model_len=64, block_size=8)
-    try:
-        stats = llm.stats()
-        assert stats["kv_bytes_per_token"] * prompt.shape[1] == stored
-        assert stats["blocks_in_use"] == 0
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, max_model_len=64, block_size=8)
+    stats = llm.stats()
+    assert stats["kv_bytes_per_token"] * prompt.shape[1] == stored
+    assert stats["blocks_in_use"] == 0

@@ -56,17 +56,14 @@ def test_unpatch_restores_the_model_exactly(gemma3):
     hybridkv.unpatch(gemma3)  # a second unpatch is harmless
 
 
-def test_patched_model_called_directly_behaves_like_the_original(gemma3):
+def test_patched_model_called_directly_behaves_like_the_original(gemma3, patched):
     batch = prompts((20, 90))
     expected = [hf_greedy(gemma3, p, 12) for p in batch]
-    hybridkv.patch(gemma3, max_model_len=256)
-    try:
-        for prompt, (tokens, logits) in zip(batch, expected, strict=True):
-            got_tokens, got_logits = hf_greedy(gemma3, prompt, 12)
-            assert got_tokens == tokens
-            assert torch.allclose(torch.stack(got_logits), torch.stack(logits), atol=1e-6)
-    finally:
-        hybridkv.unpatch(gemma3)
+    patched(gemma3, max_model_len=256)
+    for prompt, (tokens, logits) in zip(batch, expected, strict=True):
+        got_tokens, got_logits = hf_greedy(gemma3, prompt, 12)
+        assert got_tokens == tokens
+        assert torch.allclose(torch.stack(got_logits), torch.stack(logits), atol=1e-6)
 
 
 def test_patching_twice_returns_the_same_engine_and_new_settings_rebuild_it(gemma3):
@@ -87,13 +84,12 @@ def test_budget_too_small_for_one_request_is_a_clear_error(gemma3):
     assert not hybridkv.is_patched(gemma3)
 
 
-def test_prompt_over_max_model_len_returns_an_error_output(gemma3):
-    llm = hybridkv.patch(gemma3, max_model_len=64)
+def test_prompt_over_max_model_len_returns_an_error_output(gemma3, patched):
+    llm = patched(gemma3, max_model_len=64)
     out = llm.generate([list(range(65)), list(range(10))], SamplingParams(temperature=0, max_tokens=3))
     assert out[0].outputs[0].finish_reason == "error" and "max_model_len is 64" in out[0].error
     assert out[1].outputs[0].finish_reason == "length" and len(out[1].outputs[0].token_ids) == 3
     assert llm.stats()["blocks_in_use"] == 0
-    hybridkv.unpatch(gemma3)
 
 
 def test_unpatch_leaves_no_attribute_and_a_dropped_model_is_collected():

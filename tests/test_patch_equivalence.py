@@ -56,60 +56,48 @@ def name(request):
     return request.param
 
 
-def test_default_settings_match_generate(name):
+def test_default_settings_match_generate(name, patched):
     model, batch, references = family(name)
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
 
 
-def test_chunked_prefill_matches_generate(name):
+def test_chunked_prefill_matches_generate(name, patched):
     model, batch, references = family(name)
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_batched_tokens=24)
-    try:
-        assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
-        assert llm.stats()["num_steps"] >= 150 // 24 + MAX_NEW
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+    assert_same_greedy(llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+    assert llm.stats()["num_steps"] >= 150 // 24 + MAX_NEW
 
 
-def test_prefix_cache_hits_change_nothing(name):
+def test_prefix_cache_hits_change_nothing(name, patched):
     model, _, _ = family(name)
     shared = prompts((9, 30, 45), seed=2, shared_prefix=100)
     references = [hf_greedy(model, p, MAX_NEW) for p in shared]
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256, max_num_batched_tokens=64)
-    try:
-        assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
-        first_hits = llm.stats()["prefix_cache_hits"]
-        assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
-        assert llm.stats()["prefix_cache_hits"] - first_hits >= 3 * 96
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=64)
+    assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+    first_hits = llm.stats()["prefix_cache_hits"]
+    assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
+    assert llm.stats()["prefix_cache_hits"] - first_hits >= 3 * 96
 
 
-def test_tiny_pools_wait_and_preempt_without_changing_output(name):
+def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
     model, batch, references = family(name)
     settings = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
     min_blocks = hybridkv.min_num_blocks(model, **settings)
     waited = preempted = 0
-    try:
-        # From room for the longest request alone upwards: the others must wait, and decodes that
-        # cross a block boundary must preempt.
-        for extra in (0, 1, 2, 4):
-            llm = hybridkv.patch(model, **settings, num_blocks=min_blocks + extra)
-            ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for p in batch]
-            done = {}
-            while llm.has_unfinished_requests():
-                for output in llm.step():
-                    done[output.request_id] = output
-                waited += bool(llm.scheduler.waiting and llm.scheduler.running)
-            assert_same_greedy([done[i] for i in ids], references)
-            preempted += llm.stats()["num_preemptions"]
-            assert llm.stats()["blocks_in_use"] == 0
-    finally:
-        hybridkv.unpatch(model)
+    # From room for the longest request alone upwards: the others must wait, and decodes that
+    # cross a block boundary must preempt.
+    for extra in (0, 1, 2, 4):
+        llm = patched(model, **settings, num_blocks=min_blocks + extra)
+        ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for p in batch]
+        done = {}
+        while llm.has_unfinished_requests():
+            for output in llm.step():
+                done[output.request_id] = output
+            waited += bool(llm.scheduler.waiting and llm.scheduler.running)
+        assert_same_greedy([done[i] for i in ids], references)
+        preempted += llm.stats()["num_preemptions"]
+        assert llm.stats()["blocks_in_use"] == 0
     assert waited and preempted
 
 

@@ -1,129 +1,32 @@
-"""Tiny random models of the ten families the other tests use, built from configs (no downloads);
+"""The ten families the other tests use, as tiny random models from `hybridkv.tiny` (no downloads);
 tests/model_zoo.py extends them to every family the README lists.
 
-Windows are smaller than the test prompts so that windows really slide. Initializer ranges are chosen
-so that greedy output depends on early prompt tokens (tests/test_model_zoo.py checks it): 0.2-0.3 for
-most families; 0.03 for Gemma 2, which scales embeddings by sqrt(hidden), with untied embeddings.
+`hybridkv.tiny`'s windows are smaller than the test prompts, so windows really slide, and its initializer
+ranges make greedy output depend on early prompt tokens (tests/test_model_zoo.py checks it). Gemma 3 is
+the exception: at its 0.03 a 150-token prompt's first token has no effect, so its tests use 0.2.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-from transformers import (
-    Cohere2Config,
-    Cohere2ForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MinistralConfig,
-    MinistralForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
-VOCAB = 256
-WINDOW = 16
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
+from hybridkv.tiny import COMMON, VOCAB, WINDOW, tiny_model
 
-
-def _build(model_cls, config_cls, **kwargs):
-    config = config_cls(**{**COMMON, **kwargs})
-    torch.manual_seed(0)
-    return model_cls(config).eval()
-
+__all__ = ["COMMON", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "prompts"]
 
 FAMILIES = {
-    "llama": lambda: _build(LlamaForCausalLM, LlamaConfig, num_hidden_layers=2, initializer_range=0.3),
-    # All-sliding families need 3 layers for a 40-token prompt's first token to reach the output.
-    "mistral": lambda: _build(
-        MistralForCausalLM, MistralConfig, num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2
-    ),
-    "ministral": lambda: _build(
-        MinistralForCausalLM,
-        MinistralConfig,
-        num_hidden_layers=3,
-        head_dim=16,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        initializer_range=0.3,
-    ),
-    "qwen2": lambda: _build(
-        Qwen2ForCausalLM,
-        Qwen2Config,
-        num_hidden_layers=3,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-        initializer_range=0.2,
-    ),
-    "qwen3": lambda: _build(
-        Qwen3ForCausalLM,
-        Qwen3Config,
-        num_hidden_layers=3,
-        head_dim=16,
-        use_sliding_window=True,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-        initializer_range=0.3,
-    ),
-    "gemma2": lambda: _build(
-        Gemma2ForCausalLM,
-        Gemma2Config,
-        num_hidden_layers=4,
-        head_dim=16,
-        sliding_window=WINDOW,
-        attn_logit_softcapping=5.0,
-        initializer_range=0.03,
-        tie_word_embeddings=False,
-    ),
-    "gemma3_text": lambda: _build(
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        num_hidden_layers=6,
-        head_dim=16,
-        sliding_window=WINDOW,
-        initializer_range=0.2,  # 0.03 left a 150-token prompt's first token without effect
-        tie_word_embeddings=False,
-    ),
-    "gpt_oss": lambda: _build(
-        GptOssForCausalLM,
-        GptOssConfig,
-        num_hidden_layers=2,
-        head_dim=16,
-        sliding_window=WINDOW,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        intermediate_size=64,
-        initializer_range=0.3,
-        max_position_embeddings=131072,  # its yarn rope scaling expects 32 x 4,096
-    ),
-    "cohere2": lambda: _build(
-        Cohere2ForCausalLM, Cohere2Config, num_hidden_layers=4, sliding_window=WINDOW, initializer_range=0.3
-    ),
-    "phi3": lambda: _build(
-        Phi3ForCausalLM, Phi3Config, num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2
-    ),
+    "llama": partial(tiny_model, "llama"),
+    "mistral": partial(tiny_model, "mistral"),
+    "ministral": partial(tiny_model, "ministral"),
+    "qwen2": partial(tiny_model, "qwen2"),
+    "qwen3": partial(tiny_model, "qwen3"),
+    "gemma2": partial(tiny_model, "gemma2"),
+    "gemma3_text": partial(tiny_model, "gemma3", initializer_range=0.2),
+    "gpt_oss": partial(tiny_model, "gpt_oss"),
+    "cohere2": partial(tiny_model, "cohere2"),
+    "phi3": partial(tiny_model, "phi3"),
 }
 
 
@@ -144,10 +47,3 @@ def hf_greedy(model, prompt, max_new_tokens):
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), [logits[0].float() for logits in out.logits]
-
-
-def text_llama(vocab_size: int):
-    """A tiny Llama whose vocabulary matches a tokenizer's, for tests that go through text."""
-    config = LlamaConfig(**{**COMMON, "vocab_size": vocab_size, "num_hidden_layers": 2, "initializer_range": 0.3})
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()

@@ -1,0 +1,148 @@
+"""Tiny random models built from configs, for demos, notebooks, tests and benchmarks; no download.
+
+`tiny_model("gemma3")` is a random 6-layer Gemma 3 (5 sliding-window layers, then 1 full-attention
+layer) with hidden size 64 and a 256-token vocabulary, in eval() mode, its weights drawn after
+`torch.manual_seed(0)`. Keyword arguments override any config value, so a call names only what differs:
+`tiny_model("gemma3", num_hidden_layers=12, vocab_size=len(tokenizer))`.
+
+Every family starts from `COMMON` and adds its layout. Windows (`WINDOW`) are shorter than a demo's
+prompts, so they really slide. Initializer ranges make greedy output change with the first token of a
+40-token prompt: 0.2-0.3 for most families, 0.03 for the Gemmas, which scale embeddings by
+sqrt(hidden_size). There are no special token ids: `generate` masks out every prompt token equal to the
+pad id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+VOCAB = 256
+WINDOW = 16
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyFamily:
+    """A transformers config class and causal-LM class, by name (resolved on use, so importing this
+    module loads no model code), and the config values a tiny model of the family sets beyond `COMMON`."""
+
+    config_class: str
+    model_class: str
+    config_values: dict[str, Any]
+
+
+FAMILIES: dict[str, TinyFamily] = {
+    "llama": TinyFamily("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, initializer_range=0.3)),
+    # All-sliding families need 3 layers for a 40-token prompt's first token to reach the output.
+    "mistral": TinyFamily(
+        "MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2)
+    ),
+    "ministral": TinyFamily(
+        "MinistralConfig",
+        "MinistralForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            initializer_range=0.3,
+        ),
+    ),
+    "qwen2": TinyFamily(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            initializer_range=0.2,
+        ),
+    ),
+    "qwen3": TinyFamily(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=1,
+            initializer_range=0.3,
+        ),
+    ),
+    "gemma2": TinyFamily(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=5.0,
+            initializer_range=0.03,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma3": TinyFamily(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=6,
+            head_dim=16,
+            sliding_window=WINDOW,
+            initializer_range=0.03,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gpt_oss": TinyFamily(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=16,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=64,
+            initializer_range=0.3,
+            max_position_embeddings=131072,  # its yarn rope scaling expects 32 x 4,096
+        ),
+    ),
+    "cohere2": TinyFamily(
+        "Cohere2Config", "Cohere2ForCausalLM", dict(num_hidden_layers=4, sliding_window=WINDOW, initializer_range=0.3)
+    ),
+    "phi3": TinyFamily(
+        "Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2)
+    ),
+}
+
+
+def tiny_config(family: str = "gemma3", **overrides: Any) -> transformers.PretrainedConfig:
+    """The config of a tiny `family` model: `COMMON`, then the family's values, then `overrides`.
+    Raises ValueError for a family not in `FAMILIES`."""
+    if family not in FAMILIES:
+        raise ValueError(f"no tiny model family {family!r}; choose one of: {', '.join(FAMILIES)}")
+    config_class = getattr(transformers, FAMILIES[family].config_class)
+    return config_class(**{**COMMON, **FAMILIES[family].config_values, **overrides})
+
+
+def tiny_model(family: str = "gemma3", *, seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+    """A random model of `tiny_config(family, **overrides)` in torch's default dtype and eval() mode, its
+    weights drawn after `torch.manual_seed(seed)`: the same arguments give the same weights."""
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    return getattr(transformers, FAMILIES[family].model_class)(config).eval()
