@@ -254,18 +254,15 @@ def test_an_engine_closed_by_unpatch_says_how_to_get_a_new_one(gemma3):
         llm.generate([batch[0]], GREEDY, use_tqdm=False)
 
 
-def test_a_request_output_is_its_live_record_extended_by_each_step(gemma3):
+def test_a_request_output_is_its_live_record_extended_by_each_step(gemma3, patched):
     model, batch, expected = gemma3
-    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
-    try:
-        request_id = llm.add_request(batch[0], GREEDY)
-        (first,) = llm.step()
-        tokens_list = first.outputs[0].token_ids
-        assert tokens_list == expected[0][:1] and not first.finished
-        while llm.has_unfinished_requests():
-            for output in llm.step():
-                assert output is first  # the same record, not a copy per step
-        assert first.finished and first.request_id == request_id
-        assert first.outputs[0].token_ids is tokens_list and tokens_list == expected[0]
-    finally:
-        hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256)
+    request_id = llm.add_request(batch[0], GREEDY)
+    (first,) = llm.step()
+    tokens_list = first.outputs[0].token_ids
+    assert tokens_list == expected[0][:1] and not first.finished
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            assert output is first  # the same record, not a copy per step
+    assert first.finished and first.request_id == request_id
+    assert first.outputs[0].token_ids is tokens_list and tokens_list == expected[0]
