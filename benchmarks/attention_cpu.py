@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridkv.kernels import PagedAttentionMetadata, paged_attention
+from hybridkv.utils import cdiv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -35,7 +36,7 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
     """A paged cache (both layouts) holding the sequences in shuffled blocks, the query, the dense cache."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
+    blocks_per_seq = [cdiv(seq_len, BLOCK_SIZE) for seq_len in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
     block_ids = list(range(1, num_blocks))
     rng.shuffle(block_ids)

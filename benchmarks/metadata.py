@@ -17,6 +17,7 @@ import time
 import torch
 
 from hybridkv.kernels import PagedAttentionMetadata
+from hybridkv.utils import cdiv
 
 BLOCK_SIZE = 16
 WINDOW = 512
@@ -33,7 +34,7 @@ def step(kind: str) -> tuple[list[int], list[int]]:
 def tables(seq_lens: list[int], num_groups: int) -> list[list[list[int]]]:
     rng = random.Random(1)
     return [
-        [[rng.randrange(1, 1 << 20) for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens] for _ in range(num_groups)
+        [[rng.randrange(1, 1 << 20) for _ in range(cdiv(n, BLOCK_SIZE))] for n in seq_lens] for _ in range(num_groups)
     ]
 
 

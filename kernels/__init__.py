@@ -7,8 +7,9 @@ layers), ``dispatch`` (the public entry points and backend choice), ``torch_atte
 
 from __future__ import annotations
 
+from hybridkv.utils import NULL_BLOCK_ID
+
 from .cache import (
-    NULL_BLOCK_ID,
     allocate_kv_cache,
     allocate_kv_pages,
     kv_page_views,

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-NULL_BLOCK_ID = 0
-
 
 def num_blocks_for_budget(kv_cache_bytes: int, bytes_per_block: int, min_num_blocks: int = 2) -> int:
     """How many blocks fit in ``kv_cache_bytes``; the count includes the null block (id 0).
