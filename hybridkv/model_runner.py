@@ -9,7 +9,7 @@ import torch
 
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_pages, kv_page_views
+from hybridkv.kernels import allocate_kv_pages, build_step_metadata, check_layer_cache, kv_page_views
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
 from hybridkv.patches.inspection import execution_device, input_device
 from hybridkv.request import Request
@@ -58,6 +58,7 @@ class ModelRunner:
                     spec.head_dim,
                     spec.value_head_dim,
                 )
+                check_layer_cache(keys, values)
                 index = self.devices.index(device) * num_groups + group.group_id
                 self.layers[layer_idx] = LayerKV(
                     index, keys, values, group.sliding_window, attention_chunk_size=group.attention_chunk_size
@@ -125,19 +126,12 @@ class ModelRunner:
             query_lens.append(num_new)
             seq_lens.append(start + num_new)
         tables = [coordinator.block_ids(request.request_id) for request, _ in scheduled]
-        metadata: list[PagedAttentionMetadata] = []
-        for device in self.devices:
-            # Groups of one block size share length tensors and per-window layouts.
-            first: dict[int, PagedAttentionMetadata] = {}
-            for group in self.kv_config.groups:
-                rows = [table[group.group_id] for table in tables]
-                group_metadata = PagedAttentionMetadata.build(
-                    query_lens, seq_lens, rows, group.block_size, device, share_with=first.get(group.block_size)
-                )
-                first.setdefault(group.block_size, group_metadata)
-                metadata.append(group_metadata)
+        groups = self.kv_config.groups
+        group_tables = [[table[group.group_id] for table in tables] for group in groups]
+        block_sizes = [group.block_size for group in groups]
+        metadata = build_step_metadata(query_lens, seq_lens, group_tables, block_sizes, self.devices, self.backend)
         device = self.input_device
-        step = StepContext(self.layers, metadata, self.backend)
+        step = StepContext(self.layers, metadata)
         forward_time = time.perf_counter()
         self.prepare_seconds += forward_time - start_time
         with torch.inference_mode(), step_running():

@@ -1,14 +1,17 @@
 """Paged attention: KV tensors, cache write, Triton kernels (CUDA) and the torch path (CPU).
 
-Module map: ``cache`` (layout, sizing, allocation), ``metadata`` (per-step data shared by a group's
-layers), ``dispatch`` (the public entry points and backend choice), ``torch_attention`` (CPU path),
-``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on first use).
+Module map: ``cache`` (layout, sizing, allocation), ``metadata`` (per-step data: a step's lengths,
+shared by its groups, and each group's block table), ``backend`` (backend choice), ``dispatch`` (the
+entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and ``torch_attention``
+(the CPU path), ``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on
+first use).
 """
 
 from __future__ import annotations
 
 from hybridkv.utils import NULL_BLOCK_ID
 
+from .backend import resolve_backend
 from .cache import (
     allocate_kv_cache,
     allocate_kv_pages,
@@ -16,18 +19,23 @@ from .cache import (
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
 )
-from .dispatch import paged_attention, resolve_backend, write_kv
-from .metadata import PagedAttentionMetadata
+from .dispatch import attend, check_layer_cache, paged_attention, store_kv, write_kv
+from .metadata import PagedAttentionMetadata, StepMetadata, build_step_metadata
 
 __all__ = [
     "NULL_BLOCK_ID",
     "PagedAttentionMetadata",
+    "StepMetadata",
     "allocate_kv_cache",
     "allocate_kv_pages",
+    "attend",
+    "build_step_metadata",
+    "check_layer_cache",
     "kv_page_views",
     "num_blocks_for_budget",
     "num_blocks_for_memory_utilization",
     "paged_attention",
     "resolve_backend",
+    "store_kv",
     "write_kv",
 ]

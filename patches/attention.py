@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
+from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
 
 ATTN_IMPLEMENTATION = "hybridkv"
 STEP_KWARG = "hybridkv_step"
@@ -64,11 +64,10 @@ class LayerKV:
 @dataclass(slots=True)
 class StepContext:
     """What every attention layer needs for one step: its tensors and its group's metadata
-    (one entry per (device, group))."""
+    (one entry per (device, group); each carries its step's backend, resolved once per device)."""
 
     layers: dict[int, LayerKV]
     metadata: list[PagedAttentionMetadata]
-    backend: str | None = None
 
 
 @contextlib.contextmanager
@@ -125,18 +124,13 @@ def hybridkv_attention(
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     query_rows = query[0].transpose(0, 1)
+    # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
+    # when the runner built its views, and its shapes and window by the probe at patch time.
     if layer.writes_kv:
-        write_kv(
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            layer.key_cache,
-            layer.value_cache,
-            metadata.slot_mapping,
-            backend=step.backend,
-        )
+        store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer.key_cache, layer.value_cache, metadata)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = paged_attention(
+    out = attend(
         query_rows,
         layer.key_cache,
         layer.value_cache,
@@ -145,7 +139,6 @@ def hybridkv_attention(
         sliding_window=layer.sliding_window,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
-        backend=step.backend,
         attention_chunk_size=layer.attention_chunk_size,
     )
     return out.unsqueeze(0), None
