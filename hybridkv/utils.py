@@ -1,7 +1,7 @@
-"""Block arithmetic shared by the block pool and the kernels, free of torch.
+"""Block arithmetic for hybridkv's modules and the benchmarks, free of torch (the pool imports it).
 
-The pool must import without torch and the kernels must not import the pool, so the one definition
-of the null block id and of ceiling division lives here, below both.
+`hybridkv.kernels` cannot import it (nothing in kernels/ imports hybridkv; its __init__ says why), so
+kernels/cache.py states the null block id again and tests/test_kernels_backend.py pins the two equal.
 """
 
 from __future__ import annotations

@@ -5,14 +5,18 @@ shared by its groups, and each group's block table), ``backend`` (backend choice
 entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and ``torch_attention``
 (the CPU path), ``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on
 first use).
+
+Nothing here imports ``hybridkv``: only relative imports, torch and triton. From the repository root
+(``python -m``, ``python -c``, a REPL) this directory is also importable as a top-level ``kernels``,
+the name of Hugging Face's kernels package, which transformers imports while it initializes; an
+import of ``hybridkv`` from there would import transformers again, half-initialized, and fail.
 """
 
 from __future__ import annotations
 
-from hybridkv.utils import NULL_BLOCK_ID
-
 from .backend import resolve_backend
 from .cache import (
+    NULL_BLOCK_ID,
     allocate_kv_cache,
     allocate_kv_pages,
     kv_page_views,

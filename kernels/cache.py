@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+# The pool's null block (hybridkv.utils.NULL_BLOCK_ID, pinned equal by tests/test_kernels_backend.py):
+# never allocated, it may fill table entries no query reads. Not imported from there: nothing in
+# kernels/ imports hybridkv (see __init__.py).
+NULL_BLOCK_ID = 0
+
 
 def num_blocks_for_budget(kv_cache_bytes: int, bytes_per_block: int, min_num_blocks: int = 2) -> int:
     """How many blocks fit in ``kv_cache_bytes``; the count includes the null block (id 0).

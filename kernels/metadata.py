@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridkv.utils import NULL_BLOCK_ID
-
 from .backend import Backend, resolve_backend
+from .cache import NULL_BLOCK_ID
 
 if TYPE_CHECKING:
     from .torch_plan import TorchAttentionPlan, TorchLayout

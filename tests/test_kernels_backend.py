@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
+import hybridkv.kernels
+import hybridkv.utils
 from hybridkv.kernels import (
     PagedAttentionMetadata,
     StepMetadata,
@@ -144,3 +149,15 @@ def test_a_layer_cache_from_page_views_passes_the_layer_check():
 def test_the_layer_check_names_what_the_unchecked_calls_would_get_wrong(key_cache, value_cache, num_q_heads, error):
     with pytest.raises(ValueError, match=error):
         check_layer_cache(key_cache, value_cache, num_q_heads)
+
+
+def test_the_kernels_import_nothing_from_hybridkv_and_agree_on_the_null_block():
+    # transformers imports the repository's kernels/ as a top-level "kernels" when the root is on
+    # sys.path; an import of hybridkv from there would be circular (see kernels/__init__.py).
+    for path in Path(hybridkv.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("hybridkv") for alias in node.names), path.name
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("hybridkv"), path.name
+    assert hybridkv.kernels.NULL_BLOCK_ID == hybridkv.utils.NULL_BLOCK_ID == 0
