@@ -33,14 +33,14 @@ STEP_KWARG = "hybridkv_step"
 
 # Keyword arguments transformers' attention modules pass that the paged path reads, and the ones it
 # may ignore (bookkeeping). Any other argument with a value could change the result: the probe at patch
-# time (patches/inspection.py) refuses a model whose layers pass one.
+# time (patches/inspection.py, patches/layer_checks.py) refuses a model whose layers pass one.
 READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
 IGNORED_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
 )
 
 _step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
-# The recorder of patches/inspection.py while its probe forward runs.
+# The recorder of patches/probe.py while its probe forward runs.
 _probe: ContextVar[Any] = ContextVar("hybridkv_probe", default=None)
 # id(config) -> the attention implementation the model had before it was patched.
 _original_implementation: dict[int, str] = {}
@@ -72,7 +72,7 @@ class StepContext:
 
 @contextlib.contextmanager
 def probing(probe: Any) -> Iterator[None]:
-    """Marks the probe forward of patches/inspection.py: both functions report to `probe`."""
+    """Marks the probe forward of patches/probe.py: both functions report to `probe`."""
     token = _probe.set(probe)
     try:
         yield
