@@ -20,6 +20,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -114,7 +115,7 @@ def main() -> None:
         for windows in ([None], [WINDOW] * 6 + [None]):
             group_tables = tables(seq_lens, len(windows))
             timings = [
-                best_ms(lambda shared=shared: build_step(query_lens, seq_lens, group_tables, windows, shared))
+                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, shared))
                 for shared in (False, True)
             ]
             print(f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}")
