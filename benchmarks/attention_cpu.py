@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridkv.kernels import PagedAttentionMetadata, paged_attention
+from hybridkv.kernels.torch_plan import torch_plan
+from hybridkv.utils import cdiv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS
@@ -35,7 +37,7 @@ def make_step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, se
     """A paged cache (both layouts) holding the sequences in shuffled blocks, the query, the dense cache."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // BLOCK_SIZE) for seq_len in seq_lens]
+    blocks_per_seq = [cdiv(seq_len, BLOCK_SIZE) for seq_len in seq_lens]
     num_blocks = sum(blocks_per_seq) + 1
     block_ids = list(range(1, num_blocks))
     rng.shuffle(block_ids)
@@ -102,7 +104,7 @@ def dense_rows(step, dense_out: torch.Tensor) -> torch.Tensor:
 
 def per_sequence(step, attend: Callable, head_major: bool = False, fresh_gather: bool = False) -> torch.Tensor:
     """Gather the step's blocks, then ``attend(query_rows, keys, values, hidden)`` per sequence."""
-    plan = step.metadata.torch_plan(None)
+    plan = torch_plan(step.metadata, None)
     out = torch.empty(step.query.shape, dtype=step.query.dtype)
     caches = (step.key_cache_hnd, step.value_cache_hnd) if head_major else (step.key_cache, step.value_cache)
     gathered = []
@@ -214,12 +216,15 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
     print(f"  ratio dense / paged             {dense_ms / paged_ms:8.2f}x")
 
     (metadata_ms,) = median_ms(
-        lambda: PagedAttentionMetadata.build(
-            step.metadata.query_lens_list,
-            step.metadata.seq_lens_list,
-            step.metadata.block_table_rows,
-            BLOCK_SIZE,
-        ).torch_plan(None),
+        lambda: torch_plan(
+            PagedAttentionMetadata.build(
+                step.metadata.query_lens_list,
+                step.metadata.seq_lens_list,
+                step.metadata.block_table_rows,
+                BLOCK_SIZE,
+            ),
+            None,
+        ),
         repeats=repeats,
     )
     print(f"  per step, once for all layers: metadata + gather plan {metadata_ms:.2f} ms")

@@ -66,7 +66,7 @@ def run_step(name: str, step, query_rows: int, repeats: int, device: torch.devic
     print(f"  ratio dense / paged             {dense_ms / paged_ms:8.2f}x")
 
     slots = step.metadata.slot_mapping
-    new_keys = torch.randn(slots.numel(), *step.key_cache.shape[1:2], step.key_cache.shape[3], device=device)
+    new_keys = torch.randn(slots.numel(), *step.key_cache.shape[2:], device=device)  # [tokens, kv heads, dim]
     new_keys = new_keys.to(step.key_cache.dtype)
     write = lambda: write_kv(new_keys, new_keys, step.key_cache, step.value_cache, slots, backend="triton")  # noqa: E731
     print(f"  cache write of {slots.numel()} tokens      {time_ms(write, repeats, device):8.3f} ms")

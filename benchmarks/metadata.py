@@ -1,10 +1,15 @@
-"""Metadata micro-benchmark: building one step's attention metadata for every KV cache group.
+"""Metadata micro-benchmark: one step's attention metadata for every KV cache group, and the per-layer
+cost of the checked and unchecked attention calls.
 
 A decode step of 32 sequences (contexts 100..2,000) and a mixed step (4 prefill chunks of 256 + 28
 decodes), block size 16, for a model with 1 group and one with 7 (Gemma-3-1B's layout: 6 sliding
-groups + 1 full). Each group gets its own block table; "shared" builds the later groups with
-`share_with=` the first (one layout per window per step), "separate" builds every group from scratch.
-It also times the torch path's gather plan, which the first layer of each group builds.
+groups + 1 full). Each group gets its own block table and its torch gather plan (which the first layer
+of each group builds). "shared" builds one `StepMetadata` and every group from it (`for_group`: one
+layout per window per step, as the engine does); "separate" builds a step per group.
+
+Per layer: a tiny decode step (4 sequences, contexts 20..50, 4 q heads, 2 kv heads, head dim 16) on
+the torch path, timing `paged_attention` / `write_kv` (every input checked, backend picked per call)
+against `attend` / `store_kv` (what the engine calls); the difference is the checks' cost per layer.
 
     python benchmarks/metadata.py
 """
@@ -12,11 +17,24 @@ It also times the torch path's gather plan, which the first layer of each group 
 from __future__ import annotations
 
 import random
+import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from hybridkv.kernels import PagedAttentionMetadata
+from hybridkv.kernels import (
+    PagedAttentionMetadata,
+    StepMetadata,
+    allocate_kv_cache,
+    attend,
+    paged_attention,
+    store_kv,
+    write_kv,
+)
+from hybridkv.kernels.torch_plan import torch_plan
+from hybridkv.utils import cdiv
 
 BLOCK_SIZE = 16
 WINDOW = 512
@@ -33,17 +51,60 @@ def step(kind: str) -> tuple[list[int], list[int]]:
 def tables(seq_lens: list[int], num_groups: int) -> list[list[list[int]]]:
     rng = random.Random(1)
     return [
-        [[rng.randrange(1, 1 << 20) for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens] for _ in range(num_groups)
+        [[rng.randrange(1, 1 << 20) for _ in range(cdiv(n, BLOCK_SIZE))] for n in seq_lens] for _ in range(num_groups)
     ]
 
 
 def build_step(query_lens, seq_lens, group_tables, windows, shared: bool) -> None:
-    first = None
+    step_metadata = StepMetadata.build(query_lens, seq_lens)
     for rows, window in zip(group_tables, windows, strict=True):
-        metadata = PagedAttentionMetadata.build(query_lens, seq_lens, rows, BLOCK_SIZE, share_with=first)
-        if shared:
-            first = first or metadata
-        metadata.torch_plan(window)
+        if not shared:
+            step_metadata = StepMetadata.build(query_lens, seq_lens)
+        torch_plan(step_metadata.for_group(rows, BLOCK_SIZE), window)
+
+
+def best_ms(function: Callable[[], object], runs: int = 20) -> float:
+    function()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def median_us(function: Callable[[], object], calls: int = 200, runs: int = 15) -> float:
+    for _ in range(calls):
+        function()
+    per_call = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            function()
+        per_call.append((time.perf_counter() - start) / calls)
+    return statistics.median(per_call) * 1e6
+
+
+def per_layer_calls() -> None:
+    query_lens, seq_lens = [1] * 4, [20, 30, 40, 50]
+    rows = [list(range(1 + 4 * seq, 1 + 4 * seq + cdiv(n, BLOCK_SIZE))) for seq, n in enumerate(seq_lens)]
+    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, rows, BLOCK_SIZE)
+    key_cache, value_cache = allocate_kv_cache(1, 20, BLOCK_SIZE, 2, 16, torch.float32, "cpu")[0]
+    generator = torch.Generator().manual_seed(0)
+    key_cache.normal_(generator=generator)
+    value_cache.normal_(generator=generator)
+    query = torch.randn(4, 4, 16, generator=generator)
+    key, value = torch.randn(4, 2, 16, generator=generator), torch.randn(4, 2, 16, generator=generator)
+    options = dict(scale=0.25, sliding_window=32)
+    calls = {
+        "paged_attention (checked)": lambda: paged_attention(query, key_cache, value_cache, metadata, **options),
+        "attend (unchecked)": lambda: attend(query, key_cache, value_cache, metadata, **options),
+        "write_kv (checked)": lambda: write_kv(key, value, key_cache, value_cache, metadata.slot_mapping),
+        "store_kv (unchecked)": lambda: store_kv(key, value, key_cache, value_cache, metadata),
+    }
+    print("\nper layer, tiny decode step (4 sequences), torch path")
+    for name, function in calls.items():
+        print(f"  {name:<28}{median_us(function):>8.1f} us")
 
 
 def main() -> None:
@@ -53,16 +114,12 @@ def main() -> None:
         query_lens, seq_lens = step(kind)
         for windows in ([None], [WINDOW] * 6 + [None]):
             group_tables = tables(seq_lens, len(windows))
-            timings = []
-            for shared in (False, True):
-                build_step(query_lens, seq_lens, group_tables, windows, shared)
-                runs = []
-                for _ in range(20):
-                    start = time.perf_counter()
-                    build_step(query_lens, seq_lens, group_tables, windows, shared)
-                    runs.append(time.perf_counter() - start)
-                timings.append(min(runs) * 1e3)
+            timings = [
+                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, shared))
+                for shared in (False, True)
+            ]
             print(f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}")
+    per_layer_calls()
 
 
 if __name__ == "__main__":

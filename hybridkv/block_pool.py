@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-NULL_BLOCK_ID = 0
+from hybridkv.utils import NULL_BLOCK_ID
 
 
 class KVBlock:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.kernels import PagedAttentionMetadata, allocate_kv_pages, kv_page_views
+from hybridkv.kernels import allocate_kv_pages, build_step_metadata, check_layer_cache, kv_page_views
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
-from hybridkv.patches.inspection import execution_device, input_device
+from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.scheduler import SchedulerOutput
 
 
@@ -57,6 +57,7 @@ class ModelRunner:
                     spec.head_dim,
                     spec.value_head_dim,
                 )
+                check_layer_cache(keys, values)
                 index = self.devices.index(device) * num_groups + group.group_id
                 self.layers[layer_idx] = LayerKV(
                     index, keys, values, group.sliding_window, attention_chunk_size=group.attention_chunk_size
@@ -123,18 +124,10 @@ class ModelRunner:
             seq_lens.append(end)
             if samples:
                 sample_rows.append(len(input_ids) - 1)
-        metadata: list[PagedAttentionMetadata] = []
-        for device in self.devices:
-            # Groups of one block size share length tensors and per-window layouts.
-            first: dict[int, PagedAttentionMetadata] = {}
-            for group, rows in zip(self.kv_config.groups, plan.block_tables, strict=True):
-                group_metadata = PagedAttentionMetadata.build(
-                    query_lens, seq_lens, rows, group.block_size, device, share_with=first.get(group.block_size)
-                )
-                first.setdefault(group.block_size, group_metadata)
-                metadata.append(group_metadata)
+        block_sizes = [group.block_size for group in self.kv_config.groups]
+        metadata = build_step_metadata(query_lens, seq_lens, plan.block_tables, block_sizes, self.devices, self.backend)
         device = self.input_device
-        step = StepContext(self.layers, metadata, self.backend)
+        step = StepContext(self.layers, metadata)
         rows = sample_rows if logits_rows is None else list(logits_rows)
         forward_time = time.perf_counter()
         self.prepare_seconds += forward_time - start_time

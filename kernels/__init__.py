@@ -1,12 +1,20 @@
 """Paged attention: KV tensors, cache write, Triton kernels (CUDA) and the torch path (CPU).
 
-Module map: ``cache`` (layout, sizing, allocation), ``metadata`` (per-step data shared by a group's
-layers), ``dispatch`` (the public entry points and backend choice), ``torch_attention`` (CPU path),
-``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on first use).
+Module map: ``cache`` (layout, sizing, allocation), ``metadata`` (per-step data: a step's lengths,
+shared by its groups, and each group's block table), ``backend`` (backend choice), ``dispatch`` (the
+entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and ``torch_attention``
+(the CPU path), ``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on
+first use).
+
+Nothing here imports ``hybridkv``: only relative imports, torch and triton. From the repository root
+(``python -m``, ``python -c``, a REPL) this directory is also importable as a top-level ``kernels``,
+the name of Hugging Face's kernels package, which transformers imports while it initializes; an
+import of ``hybridkv`` from there would import transformers again, half-initialized, and fail.
 """
 
 from __future__ import annotations
 
+from .backend import resolve_backend
 from .cache import (
     NULL_BLOCK_ID,
     allocate_kv_cache,
@@ -15,18 +23,23 @@ from .cache import (
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
 )
-from .dispatch import paged_attention, resolve_backend, write_kv
-from .metadata import PagedAttentionMetadata
+from .dispatch import attend, check_layer_cache, paged_attention, store_kv, write_kv
+from .metadata import PagedAttentionMetadata, StepMetadata, build_step_metadata
 
 __all__ = [
     "NULL_BLOCK_ID",
     "PagedAttentionMetadata",
+    "StepMetadata",
     "allocate_kv_cache",
     "allocate_kv_pages",
+    "attend",
+    "build_step_metadata",
+    "check_layer_cache",
     "kv_page_views",
     "num_blocks_for_budget",
     "num_blocks_for_memory_utilization",
     "paged_attention",
     "resolve_backend",
+    "store_kv",
     "write_kv",
 ]

@@ -1,38 +1,21 @@
-"""The public entry points: validate once, pick a backend by device, call the torch or Triton path."""
+"""The public entry points: checked calls for direct callers, unchecked ones for an engine's hot path.
+
+`write_kv` and `paged_attention` check every input and pick the backend on every call. An engine
+checks once instead: the lengths when it builds a step's metadata (`StepMetadata.build`, which also
+resolves the backend for the step's device), each layer's cache when it builds the layer's views
+(`check_layer_cache`); then every layer calls `store_kv` and `attend`, which check nothing a step or
+a layer fixes.
+"""
 
 from __future__ import annotations
 
-import os
-from typing import Literal
-
 import torch
 
+from .backend import Backend, resolve_backend
 from .metadata import PagedAttentionMetadata
 from .torch_attention import torch_paged_attention, torch_write_kv
 
-Backend = Literal["torch", "triton"]
-
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def resolve_backend(backend: str | None, device: torch.device) -> Backend:
-    """``backend`` if given, else "triton" for CUDA tensors and "torch" for everything else.
-
-    Triton on a non-CUDA device needs the interpreter (``TRITON_INTERPRET=1`` set before
-    ``hybridkv.kernels`` runs its first Triton call); anything else raises a ValueError naming the fix.
-    """
-    if backend is None:
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "torch":
-        return "torch"
-    if backend != "triton":
-        raise ValueError(f"backend must be 'torch', 'triton' or None, got {backend!r}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' on a {device.type} tensor needs the Triton interpreter: "
-            "set TRITON_INTERPRET=1 before importing hybridkv.kernels, or use backend='torch'"
-        )
-    return "triton"
 
 
 def write_kv(
@@ -58,12 +41,7 @@ def write_kv(
     _check_cache(key_cache, value_cache, key.shape[1], key.shape[2], value.shape[2])
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if resolve_backend(backend, key.device) == "triton":
-        from .triton_cache_write import triton_write_kv
-
-        triton_write_kv(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        torch_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    _write(resolve_backend(backend, key.device), key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(
@@ -89,6 +67,7 @@ def paged_attention(
     (``[num_q_heads]``) adds one logit per q head to the softmax denominator with no value (GPT-OSS).
     q head h reads kv head ``h // (num_q_heads // num_kv_heads)``. Accumulates in fp32; returns
     ``[num_tokens, num_q_heads, v_head_dim]`` in query's dtype (V rows may be narrower than K rows).
+    ``backend`` None: the one the metadata's step resolved for its device.
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
@@ -120,7 +99,106 @@ def paged_attention(
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
     if sinks is not None and sinks.shape != (num_q_heads,):
         raise ValueError(f"sinks must be [num_q_heads={num_q_heads}], got {tuple(sinks.shape)}")
-    if resolve_backend(backend, query.device) == "triton":
+    backend = metadata.step.backend if backend is None else resolve_backend(backend, query.device)
+    return _attention(
+        backend, query, key_cache, value_cache, metadata, scale, sliding_window, softcap, sinks, attention_chunk_size
+    )
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+) -> None:
+    """``write_kv`` at ``metadata.slot_mapping`` with the step's backend, unchecked: for an engine that
+    checked the layer's cache once (``check_layer_cache``) and passes the step's own K/V rows."""
+    _write(metadata.step.backend, key, value, key_cache, value_cache, metadata.slot_mapping)
+
+
+def attend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with the step's backend, for an engine's hot path: it checks only the query's
+    dtype against the cache's (autocast may change it from call to call).
+
+    The caller guarantees what ``paged_attention`` would check: the cache passed ``check_layer_cache``
+    with the query's head count, the query holds the step's rows (``[>= num_query_tokens, num_q_heads,
+    head_dim]``) on the metadata's device, the metadata was built with the cache's block size, and the
+    window, chunk size, softcap and sinks are valid.
+    """
+    if query.dtype != key_cache.dtype:
+        raise ValueError(f"query and cache must share one of fp32/fp16/bf16, got {query.dtype} and {key_cache.dtype}")
+    return _attention(
+        metadata.step.backend,
+        query,
+        key_cache,
+        value_cache,
+        metadata,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
+        attention_chunk_size,
+    )
+
+
+def check_layer_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_q_heads: int | None = None) -> None:
+    """Check what ``attend`` and ``store_kv`` take for granted about one layer's cache, once, where an
+    engine builds the layer's views: ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V (V's
+    head dim may differ) with a contiguous last dimension, one dtype of fp32/fp16/bf16, and, given the
+    layer's query head count, a whole number of q heads per kv head. Raises a ValueError naming the fix.
+    """
+    _check_cache_shapes(key_cache, value_cache)
+    _check_cache_strides(key_cache, value_cache)
+    if key_cache.dtype not in _SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"key_cache and value_cache must share one of fp32/fp16/bf16, got {key_cache.dtype} and {value_cache.dtype}"
+        )
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads is not None and num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+
+
+def _write(
+    backend: Backend,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if backend == "triton":
+        from .triton_cache_write import triton_write_kv
+
+        triton_write_kv(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        torch_write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _attention(
+    backend: Backend,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    attention_chunk_size: int | None,
+) -> torch.Tensor:
+    if backend == "triton":
         from .triton_attention import triton_paged_attention
 
         return triton_paged_attention(
@@ -134,15 +212,23 @@ def paged_attention(
 def _check_cache(
     key_cache: torch.Tensor, value_cache: torch.Tensor, num_kv_heads: int, head_dim: int, value_head_dim: int
 ) -> None:
-    if key_cache.dim() != 4 or value_cache.dim() != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
-        raise ValueError(
-            "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
-            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
+    _check_cache_shapes(key_cache, value_cache)
     if key_cache.shape[2] != num_kv_heads or key_cache.shape[3] != head_dim or value_cache.shape[3] != value_head_dim:
         raise ValueError(
             f"the cache holds {key_cache.shape[2]} kv heads of dims {key_cache.shape[3]} (K) and "
             f"{value_cache.shape[3]} (V), the inputs {num_kv_heads} of dims {head_dim} and {value_head_dim}"
         )
+    _check_cache_strides(key_cache, value_cache)
+
+
+def _check_cache_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.dim() != 4 or value_cache.dim() != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
+        raise ValueError(
+            "key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+
+
+def _check_cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key_cache and value_cache need a contiguous last dimension (allocate_kv_cache gives one)")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import PagedAttentionMetadata
+from .torch_plan import torch_plan
 
 # Bounds the fp32 score matrix of one chunk of query rows (64 MiB), so long prefills stay in memory.
 _SCORE_BUDGET_ELEMENTS = 1 << 24
@@ -81,7 +82,7 @@ def torch_paged_attention(
     attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
-    plan = metadata.torch_plan(sliding_window, attention_chunk_size)
+    plan = torch_plan(metadata, sliding_window, attention_chunk_size)
     num_tokens, num_q_heads, head_dim = query.shape
     value_head_dim = value_cache.shape[-1]
     num_query_tokens = metadata.num_query_tokens

@@ -197,7 +197,7 @@ def triton_paged_attention(
     value_head_dim = value_cache.shape[-1]
     queries_per_kv = num_q_heads // num_kv_heads
     block_m, block_q, tile_n = launch_config(queries_per_kv, INTERPRETED)
-    tiles = metadata.triton_tiles(block_q)
+    tiles = metadata.step.triton_tiles(block_q)
     query = _last_dim_contiguous(query)
     key_cache = _last_dim_contiguous(key_cache)
     value_cache = _last_dim_contiguous(value_cache)

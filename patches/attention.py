@@ -26,21 +26,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
+from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
 
 ATTN_IMPLEMENTATION = "hybridkv"
 STEP_KWARG = "hybridkv_step"
 
 # Keyword arguments transformers' attention modules pass that the paged path reads, and the ones it
 # may ignore (bookkeeping). Any other argument with a value could change the result: the probe at patch
-# time (patches/inspection.py) refuses a model whose layers pass one.
+# time (patches/inspection.py, patches/layer_checks.py) refuses a model whose layers pass one.
 READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
 IGNORED_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
 )
 
 _step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
-# The recorder of patches/inspection.py while its probe forward runs.
+# The recorder of patches/probe.py while its probe forward runs.
 _probe: ContextVar[Any] = ContextVar("hybridkv_probe", default=None)
 # id(config) -> the attention implementation the model had before it was patched.
 _original_implementation: dict[int, str] = {}
@@ -64,16 +64,15 @@ class LayerKV:
 @dataclass(slots=True)
 class StepContext:
     """What every attention layer needs for one step: its tensors and its group's metadata
-    (one entry per (device, group))."""
+    (one entry per (device, group); each carries its step's backend, resolved once per device)."""
 
     layers: dict[int, LayerKV]
     metadata: list[PagedAttentionMetadata]
-    backend: str | None = None
 
 
 @contextlib.contextmanager
 def probing(probe: Any) -> Iterator[None]:
-    """Marks the probe forward of patches/inspection.py: both functions report to `probe`."""
+    """Marks the probe forward of patches/probe.py: both functions report to `probe`."""
     token = _probe.set(probe)
     try:
         yield
@@ -125,18 +124,13 @@ def hybridkv_attention(
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     query_rows = query[0].transpose(0, 1)
+    # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
+    # when the runner built its views, and its shapes and window by the probe at patch time.
     if layer.writes_kv:
-        write_kv(
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            layer.key_cache,
-            layer.value_cache,
-            metadata.slot_mapping,
-            backend=step.backend,
-        )
+        store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer.key_cache, layer.value_cache, metadata)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = paged_attention(
+    out = attend(
         query_rows,
         layer.key_cache,
         layer.value_cache,
@@ -145,7 +139,6 @@ def hybridkv_attention(
         sliding_window=layer.sliding_window,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
-        backend=step.backend,
         attention_chunk_size=layer.attention_chunk_size,
     )
     return out.unsqueeze(0), None

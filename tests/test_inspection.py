@@ -169,6 +169,20 @@ def test_an_attention_input_the_kernels_do_not_implement_is_refused_at_patch_tim
         hybridkv.patch(model)
 
 
+def test_a_layer_whose_query_heads_are_not_a_multiple_of_its_kv_heads_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # The kernels give q head h kv head h // (q_heads // kv_heads): with 4 q heads for 3 kv heads, q head 3
+    # would read a fourth kv head that does not exist, which the Triton kernel does without an error.
+    config = LlamaConfig(**{**COMMON, "num_key_value_heads": 3}, num_hidden_layers=2)
+    torch.manual_seed(0)
+    with pytest.raises(
+        ValueError,
+        match=r"layers 0, 1: 4 query heads for 3 kv heads; the kernels need a whole number of queries per kv head",
+    ):
+        inspect_model(LlamaForCausalLM(config).eval(), torch.float32)
+
+
 def test_a_model_that_cannot_run_the_probe_says_what_a_model_needs():
     model = FAMILIES["llama"]()
     model.model.embed_tokens.forward = lambda ids: (_ for _ in ()).throw(RuntimeError("broken embedding"))

@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
-from hybridkv.kernels import paged_attention, resolve_backend, write_kv
+import hybridkv.kernels
+import hybridkv.utils
+from hybridkv.kernels import (
+    PagedAttentionMetadata,
+    StepMetadata,
+    attend,
+    check_layer_cache,
+    kv_page_views,
+    paged_attention,
+    resolve_backend,
+    store_kv,
+    write_kv,
+)
 
 from kernel_reference import make_paged_batch
 
@@ -27,6 +42,14 @@ def test_forcing_triton_on_cpu_without_the_interpreter_names_the_fix(monkeypatch
 def test_forcing_triton_on_cpu_under_the_interpreter_is_allowed(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", torch.device("cpu")) == "triton"
+
+
+def test_a_step_resolves_its_backend_once_for_its_device(monkeypatch):
+    assert StepMetadata.build([1], [10]).backend == "torch"
+    assert StepMetadata.build([1], [10], backend="triton").backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"set TRITON_INTERPRET=1 .* or use backend='torch'"):
+        StepMetadata.build([1], [10], backend="triton")
 
 
 def test_unknown_backend_is_rejected():
@@ -80,3 +103,61 @@ def test_torch_path_works_outside_inference_mode_after_running_inside_it():
         inside = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **kwargs)
     outside = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **kwargs)
     assert torch.equal(inside, outside)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_unchecked_calls_compute_what_the_checked_ones_do(backend):
+    batch = make_paged_batch([1, 7, 1], [33, 40, 90], num_q_heads=8, num_kv_heads=2, sliding_window=24, seed=4)
+    metadata = PagedAttentionMetadata.build(
+        batch.metadata.query_lens_list, batch.metadata.seq_lens_list, batch.metadata.block_table_rows, 16,
+        backend=backend,
+    )  # fmt: skip
+    options = dict(scale=0.125, sliding_window=24, softcap=30.0)
+    expected = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, backend=backend, **options)
+    assert torch.equal(attend(batch.query, batch.key_cache, batch.value_cache, metadata, **options), expected)
+    key, value = torch.randn(9, 2, 64), torch.randn(9, 2, 64)
+    checked = batch.key_cache.clone(), batch.value_cache.clone()
+    write_kv(key, value, *checked, metadata.slot_mapping, backend=backend)
+    store_kv(key, value, batch.key_cache, batch.value_cache, metadata)
+    assert torch.equal(batch.key_cache.nan_to_num(), checked[0].nan_to_num())
+    assert torch.equal(batch.value_cache.nan_to_num(), checked[1].nan_to_num())
+
+
+def test_the_unchecked_attention_still_refuses_a_query_dtype_other_than_the_cache():
+    batch = make_paged_batch([1], [10])
+    with pytest.raises(ValueError, match="must share one of fp32/fp16/bf16"):
+        attend(batch.query.half(), batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+
+
+def test_a_layer_cache_from_page_views_passes_the_layer_check():
+    pages = torch.zeros(4, 2 * 8 * 2 * (16 + 8), dtype=torch.bfloat16)
+    check_layer_cache(*kv_page_views(pages, 0, 8, 2, 16, 8), num_q_heads=6)
+
+
+@pytest.mark.parametrize(
+    ("key_cache", "value_cache", "num_q_heads", "error"),
+    [
+        (torch.zeros(4, 8, 2), torch.zeros(4, 8, 2), None, r"must be \[num_blocks, block_size, num_kv_heads"),
+        (torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 3, 64), None, r"must be \[num_blocks, block_size, num_kv_heads"),
+        (torch.zeros(4, 8, 2, 64)[..., ::2], torch.zeros(4, 8, 2, 32), None, "need a contiguous last dimension"),
+        (torch.zeros(4, 8, 2, 64, dtype=torch.float64), torch.zeros(4, 8, 2, 64), None, "must share one of fp32"),
+        (torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 2, 64, dtype=torch.float16), None, "must share one of fp32"),
+        (torch.zeros(4, 8, 2, 64), torch.zeros(4, 8, 2, 64), 3, r"num_q_heads \(3\) must be a multiple of num_kv"),
+    ],
+    ids=["not-4d", "heads-differ", "strided-dims", "float64", "k-v-dtypes-differ", "q-heads"],
+)
+def test_the_layer_check_names_what_the_unchecked_calls_would_get_wrong(key_cache, value_cache, num_q_heads, error):
+    with pytest.raises(ValueError, match=error):
+        check_layer_cache(key_cache, value_cache, num_q_heads)
+
+
+def test_the_kernels_import_nothing_from_hybridkv_and_agree_on_the_null_block():
+    # transformers imports the repository's kernels/ as a top-level "kernels" when the root is on
+    # sys.path; an import of hybridkv from there would be circular (see kernels/__init__.py).
+    for path in Path(hybridkv.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith("hybridkv") for alias in node.names), path.name
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("hybridkv"), path.name
+    assert hybridkv.kernels.NULL_BLOCK_ID == hybridkv.utils.NULL_BLOCK_ID == 0

@@ -7,6 +7,7 @@ import torch
 
 from hybridkv.kernels import (
     PagedAttentionMetadata,
+    StepMetadata,
     allocate_kv_cache,
     allocate_kv_pages,
     kv_page_views,
@@ -15,6 +16,7 @@ from hybridkv.kernels import (
     paged_attention,
     write_kv,
 )
+from hybridkv.kernels.torch_plan import torch_plan
 
 from kernel_reference import make_paged_batch
 
@@ -172,26 +174,37 @@ def test_write_kv_of_only_padding_changes_nothing(backend):
     assert torch.equal(value_cache, torch.full((2, 4, 1, 64), 3.0))
 
 
-def test_metadata_sharing_a_steps_layout_gives_identical_attention():
+def test_groups_of_one_step_share_its_lengths_and_layouts_and_attend_as_if_built_alone():
     first = make_paged_batch([1, 5, 1], [40, 64, 90], num_q_heads=4, num_kv_heads=2, sliding_window=24, seed=5)
     other = make_paged_batch([1, 5, 1], [40, 64, 90], num_q_heads=4, num_kv_heads=2, sliding_window=24, seed=6)
-    shared = PagedAttentionMetadata.build(
-        other.metadata.query_lens_list,
-        other.metadata.seq_lens_list,
-        other.metadata.block_table_rows,
-        other.metadata.block_size,
-        share_with=first.metadata,
-    )
+    step = StepMetadata.build([1, 5, 1], [40, 64, 90])
+    first_group = step.for_group(first.metadata.block_table_rows, 16)
+    shared = step.for_group(other.metadata.block_table_rows, 16)
     kwargs = dict(scale=0.125, sliding_window=24, backend="torch")
-    first_out = paged_attention(first.query, first.key_cache, first.value_cache, first.metadata, **kwargs)
+    first_out = paged_attention(first.query, first.key_cache, first.value_cache, first_group, **kwargs)
     expected = paged_attention(other.query, other.key_cache, other.value_cache, other.metadata, **kwargs)
     got = paged_attention(other.query, other.key_cache, other.value_cache, shared, **kwargs)
     assert torch.equal(got, expected)
-    assert shared._layouts is first.metadata._layouts and first_out.shape == got.shape
+    assert torch.equal(
+        first_out, paged_attention(first.query, first.key_cache, first.value_cache, first.metadata, **kwargs)
+    )
+    assert shared.cu_seqlens_q is first_group.cu_seqlens_q and shared.seq_lens is first_group.seq_lens
+    assert torch_plan(shared, 24).sequences is torch_plan(first_group, 24).sequences
 
 
-def test_sharing_metadata_of_another_step_is_refused():
-    a = make_paged_batch([1, 1], [40, 64], seed=1)
-    b = make_paged_batch([1, 1], [41, 64], seed=1)
-    with pytest.raises(ValueError, match="same step"):
-        PagedAttentionMetadata.build([1, 1], [41, 64], b.metadata.block_table_rows, 16, share_with=a.metadata)
+def test_groups_of_other_block_sizes_get_their_own_layouts():
+    step = StepMetadata.build([1, 1], [40, 64])
+    small = step.for_group([[1, 2, 3], [4, 5, 6, 7]], 16)
+    large = step.for_group([[8, 9], [10, 11]], 32)
+    assert torch_plan(small, None).gather_block_ids.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert torch_plan(large, None).gather_block_ids.tolist() == [8, 9, 10, 11]
+    assert torch_plan(small, None).sequences is not torch_plan(large, None).sequences
+    assert large.slot_mapping.tolist() == [9 * 32 + 7, 11 * 32 + 31]
+
+
+def test_a_group_table_for_another_steps_sequences_is_refused():
+    step = StepMetadata.build([1, 1], [40, 64])
+    with pytest.raises(ValueError, match="the block table has 3 rows for the step's 2 sequences"):
+        step.for_group([[1, 2, 3], [4, 5, 6, 7], [8]], 16)
+    with pytest.raises(ValueError, match="sequence 0: 2 blocks of 16 cannot hold 41 tokens"):
+        StepMetadata.build([1, 1], [41, 64]).for_group([[1, 2], [4, 5, 6, 7]], 16)

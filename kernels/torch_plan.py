@@ -1,0 +1,157 @@
+"""The torch path's gather plan: which blocks a layer gathers, and where each sequence's query rows
+and visible keys sit in the gathered workspace.
+
+A `TorchLayout` depends only on the step's lengths, the block size and what a query sees (a sliding
+window, an attention chunk size, or neither), so the KV cache groups of one block size share it: it
+is cached on their `StepMetadata`. A `TorchAttentionPlan` adds one group's block ids and is cached on
+the group's `PagedAttentionMetadata`. Both are built by the first layer that asks; the others only
+look them up. Only blocks that hold a visible key are gathered, so null blocks are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import PagedAttentionMetadata, StepMetadata, int_tensor
+
+
+@dataclass(slots=True)
+class SequencePlan:
+    """Where one sequence's query rows and visible keys sit for the torch path.
+
+    Keys ``key_start:key_end`` of the gather workspace are the absolute positions
+    ``first_key_position .. seq_len - 1``; ``hidden`` (bool ``[num_queries, 1, num_keys]``, True =
+    not visible) is None when every query row sees every gathered key (decode rows).
+    """
+
+    query_start: int
+    query_end: int
+    key_start: int
+    key_end: int
+    hidden: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class TorchLayout:
+    """The sequences' plans for one (block size, visibility) of a step, and the block table entries
+    the workspace holds, in order: entry ``(gather_seqs[i], gather_blocks[i])`` is gathered block i."""
+
+    sequences: list[SequencePlan]
+    gather_seqs: torch.Tensor
+    gather_blocks: torch.Tensor
+
+
+@dataclass(slots=True)
+class TorchAttentionPlan:
+    """The block ids one layer of a group gathers (``TorchLayout``'s entries of the group's table)."""
+
+    gather_block_ids: torch.Tensor
+    sequences: list[SequencePlan]
+
+    @property
+    def num_gathered_blocks(self) -> int:
+        return self.gather_block_ids.numel()
+
+
+def torch_plan(
+    metadata: PagedAttentionMetadata, sliding_window: int | None, attention_chunk_size: int | None = None
+) -> TorchAttentionPlan:
+    """The gather plan of a group for a window or a chunk size (neither: full attention)."""
+    visibility = (sliding_window, attention_chunk_size)
+    plan = metadata.torch_plans.get(visibility)
+    if plan is None:
+        layout = torch_layout(metadata.step, metadata.block_size, sliding_window, attention_chunk_size)
+        table = metadata.block_table
+        flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
+        block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
+        plan = TorchAttentionPlan(gather_block_ids=block_ids, sequences=layout.sequences)
+        metadata.torch_plans[visibility] = plan
+    return plan
+
+
+def torch_layout(
+    step: StepMetadata, block_size: int, sliding_window: int | None, attention_chunk_size: int | None
+) -> TorchLayout:
+    """The step's layout for a block size and visibility, built on first use and kept on the step."""
+    key = (block_size, sliding_window, attention_chunk_size)
+    layout = step.torch_layouts.get(key)
+    if layout is None:
+        layout = _build_layout(step, block_size, sliding_window, attention_chunk_size)
+        step.torch_layouts[key] = layout
+    return layout
+
+
+def _build_layout(
+    step: StepMetadata, block_size: int, sliding_window: int | None, attention_chunk_size: int | None
+) -> TorchLayout:
+    device = step.device
+    sequences: list[SequencePlan] = []
+    block_counts: list[int] = []
+    # Per sequence: its first gathered block's index in its table row minus its index in the workspace.
+    block_shifts: list[int] = []
+    num_gathered = 0
+    query_start = 0
+    for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
+        first_query_position = seq_len - query_len
+        first_key_position = 0
+        if sliding_window is not None:
+            first_key_position = max(0, first_query_position - sliding_window + 1)
+        elif attention_chunk_size is not None:
+            first_key_position = first_query_position // attention_chunk_size * attention_chunk_size
+        first_block = first_key_position // block_size
+        end_block = (seq_len - 1) // block_size + 1
+        workspace_start = (num_gathered - first_block) * block_size
+        block_counts.append(end_block - first_block)
+        block_shifts.append(first_block - num_gathered)
+        num_gathered += end_block - first_block
+        sequences.append(
+            SequencePlan(
+                query_start=query_start,
+                query_end=query_start + query_len,
+                key_start=workspace_start + first_key_position,
+                key_end=workspace_start + seq_len,
+                hidden=_hidden_keys(
+                    first_query_position,
+                    query_len,
+                    first_key_position,
+                    seq_len,
+                    sliding_window,
+                    attention_chunk_size,
+                    device,
+                ),
+            )
+        )
+        query_start += query_len
+    counts = int_tensor(block_counts, torch.int64, device)
+    gather_seqs = torch.repeat_interleave(torch.arange(len(sequences), device=device), counts, output_size=num_gathered)
+    shifts = torch.repeat_interleave(int_tensor(block_shifts, torch.int64, device), counts, output_size=num_gathered)
+    return TorchLayout(sequences, gather_seqs, torch.arange(num_gathered, device=device) + shifts)
+
+
+def _hidden_keys(
+    first_query_position: int,
+    query_len: int,
+    first_key_position: int,
+    seq_len: int,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """True where query row i (position ``first_query_position + i``) must not see gathered key j
+    (position ``first_key_position + j``); None for a decode row."""
+    if query_len == 1:
+        # The gathered range is exactly what the single row sees: (p - W, p] clipped at 0, or p's chunk.
+        return None
+    # Key j is row i's own position at j - i == offset: causal keeps j - i <= offset, a window W keeps
+    # j - i > offset - W. Diagonal bands built in place measured 4-6x faster than comparing positions.
+    offset = first_query_position - first_key_position
+    visible = torch.ones(query_len, seq_len - first_key_position, dtype=torch.bool, device=device).tril_(offset)
+    if sliding_window is not None:
+        visible.triu_(offset - sliding_window + 1)
+    if attention_chunk_size is not None:
+        query_positions = torch.arange(first_query_position, seq_len, device=device)[:, None]
+        key_positions = torch.arange(first_key_position, seq_len, device=device)[None, :]
+        visible &= key_positions >= query_positions // attention_chunk_size * attention_chunk_size
+    return visible.logical_not_().unsqueeze(1)
