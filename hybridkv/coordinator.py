@@ -19,6 +19,7 @@ from hybridkv.managers import (
     num_window_blocks,
 )
 from hybridkv.request import KVRequest
+from hybridkv.utils import cdiv
 
 
 @dataclass(slots=True)
@@ -58,13 +59,13 @@ def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens:
     total = 0
     for group in config.groups:
         block_size = group.block_size
-        all_blocks = -(-num_tokens // block_size)
+        all_blocks = cdiv(num_tokens, block_size)
         if group.is_full_attention:
             total += all_blocks
         else:
             reach = group.sliding_window or group.attention_chunk_size
             window_blocks = num_window_blocks(reach, block_size)
-            total += min(all_blocks, window_blocks + 1 + -(-max_chunk_tokens // block_size))
+            total += min(all_blocks, window_blocks + 1 + cdiv(max_chunk_tokens, block_size))
     return total
 
 
@@ -280,7 +281,7 @@ class KVCacheCoordinator:
                             f"{block} at position {i} of {request_id} carries another chain's hash"
                         )
                 first_needed = manager.first_needed_block(request.num_computed_tokens)
-                computed_blocks = -(-request.num_computed_tokens // manager.block_size)
+                computed_blocks = cdiv(request.num_computed_tokens, manager.block_size)
                 assert len(blocks) >= computed_blocks, f"{request_id} lost blocks of computed tokens"
                 assert not any(b.is_null for b in blocks[first_needed:]), (
                     f"{request_id} has a null block where group {manager.group_id} still attends"

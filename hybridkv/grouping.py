@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from hybridkv.kv_spec import LayerSpec
+from hybridkv.utils import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +131,10 @@ def choose_group_size(full_counts: list[int], sliding_counts: list[int]) -> int:
     counts = full_counts + sliding_counts
 
     def num_groups(size: int) -> int:
-        return sum(-(-n // size) for n in counts)
+        return sum(cdiv(n, size) for n in counts)
 
     def padding(size: int, kinds: list[int]) -> int:
-        return sum(-(-n // size) * size - n for n in kinds)
+        return sum(cdiv(n, size) * size - n for n in kinds)
 
     max_groups = num_groups(min(counts))
     candidates = [size for size in range(1, max(counts) + 1) if num_groups(size) <= max_groups]

@@ -16,12 +16,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from hybridkv.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from hybridkv.block_pool import BlockPool, KVBlock
+from hybridkv.utils import NULL_BLOCK_ID, cdiv
 
 
 def num_window_blocks(sliding_window: int, block_size: int) -> int:
     """Blocks that hold the W - 1 keys before a block-aligned position: ceil((W - 1) / block_size)."""
-    return -(-(sliding_window - 1) // block_size)
+    return cdiv(sliding_window - 1, block_size)
 
 
 class SingleTypeManager(ABC):
@@ -77,7 +78,7 @@ class SingleTypeManager(ABC):
         null block; a hit block with ref count 0 counts too, since taking it leaves the free queue.
         """
         num_held = len(self.req_to_blocks.get(request_id, ())) + len(hit_blocks)
-        num_required = -(-num_total_tokens // self.block_size)
+        num_required = cdiv(num_total_tokens, self.block_size)
         start = max(num_held, self.first_needed_block(num_computed_tokens))
         num_new = max(0, num_required - start)
         return num_new + sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
@@ -99,7 +100,7 @@ class SingleTypeManager(ABC):
         blocks = self.req_to_blocks.setdefault(request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request_id, [])
         self.num_cached_blocks.setdefault(request_id, 0)
-        num_required = -(-num_total_tokens // self.block_size)
+        num_required = cdiv(num_total_tokens, self.block_size)
         if num_required <= len(blocks):
             return []
         num_null = max(0, self.first_needed_block(num_computed_tokens) - len(blocks))
