@@ -218,8 +218,9 @@ class KVCacheCoordinator:
         return [m.block_table(request_id) for m in self.managers]
 
     def block_tables(self, request_ids: list[str]) -> list[list[list[int]]]:
-        """Per group, the block-table row of each request (the managers' live lists: read, never change)."""
-        return [[m.block_table(request_id) for request_id in request_ids] for m in self.managers]
+        """Per group, the block-table row of each request, which must hold blocks (the managers' live
+        lists: read, never change)."""
+        return [[m.req_to_block_ids[request_id] for request_id in request_ids] for m in self.managers]
 
     def stats(self) -> KVCacheStats:
         per_group = [

@@ -176,7 +176,7 @@ class SampleGroup:
     def release_followers(self, leader: Request) -> list[Request]:
         """The followers still waiting for `leader`, now WAITING, in sample order (none unless
         `leader` leads the group and has just produced its first token)."""
-        if len(self.members) == 1 or leader is not self.members[0] or leader.num_output_tokens != 1:
+        if leader is not self.members[0] or leader.num_output_tokens != 1:
             return []
         released = [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]
         for member in released:

@@ -258,7 +258,8 @@ class Scheduler:
             request.num_computed_tokens += num_new
             if samples:
                 request.append_token_ids([next(tokens)])
-                self.waiting.extendleft(reversed(request.group.release_followers(request)))
+                if len(request.group.members) > 1:
+                    self.waiting.extendleft(reversed(request.group.release_followers(request)))
             self.coordinator.update_computed(request)
 
     def finish_group(self, group: SampleGroup, status: RequestStatus, error: str | None = None) -> list[Request]:
