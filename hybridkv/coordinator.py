@@ -242,7 +242,7 @@ class KVCacheCoordinator:
         )
 
     def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
-        """Assert every memory-manager invariant (ARCHITECTURE.md); tests call it after each change.
+        """Assert every memory-manager invariant (docs/design.md lists them); tests call it after each change.
 
         With requests given, also checks each held hashed block against the request's own hashes
         and the sliding-window bound on real blocks per request.
