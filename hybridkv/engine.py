@@ -2,30 +2,40 @@
 step loop: schedule -> swap copies -> one forward -> sample -> update -> outputs.
 
 What comes before and after a step lives beside it: `inputs.py` (prompts into checked ids),
-`output_processor.py` (text, logprobs, stop decisions, outputs), `sizing.py` (the pool's size).
+`output_processor.py` (text, logprobs, stop decisions, outputs), `stream.py` (a streamed request),
+`sizing.py` (the pool's size).
+
+Every public call is `exclusive` (one thread at a time; none after `unpatch`). Nothing is lost on the
+way out: a request whose call fails or is interrupted (KeyboardInterrupt) is aborted, and every block it
+held returns to the pool.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
+from hybridkv.exclusive import exclusive
+from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids, prompt_list
 from hybridkv.model_runner import ModelRunner
 from hybridkv.output_processor import OutputProcessor, RequestState
 from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampler import sample
+from hybridkv.sampler import sample_each
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
+from hybridkv.stats import engine_stats
 from hybridkv.stopping import StopRules
+from hybridkv.stream import RequestStream
 
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
@@ -59,9 +69,15 @@ class LLMEngine:
         self.inputs = InputProcessor(model, tokenizer)
         stop_rules = StopRules(eos_token_ids(model, tokenizer), self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
-        self._rejected: list[RequestState] = []
+        # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
+        # the next step reports them.
+        self._unreported: list[RequestState] = []
         self._unclaimed: list[RequestOutput] = []
+        # Streams dropped while the engine was busy (mid-step, or in another thread): aborted next step.
+        self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._in_step = False
         self._closed = False
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -71,32 +87,74 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
 
+    @exclusive
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request (text needs the tokenizer given to patch); returns its id. A request that
         can never run finishes at once with an error, reported by the next step."""
-        if self._closed:
-            raise RuntimeError("this engine was closed by hybridkv.unpatch(model); call hybridkv.patch(model) again")
-        params = params or SamplingParams()
-        request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.outputs.states:
+        return self._enqueue(*self._checked_request(prompt, params, request_id))
+
+    def _checked_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
+    ) -> tuple[str, str | None, list[int], SamplingParams]:
+        """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a hybridkv.SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.outputs.states)
+        elif not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}: pass str(...)")
+        elif request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         prompt_text, prompt_ids = self.inputs.tokenize(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
+        vocab_size = self.inputs.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise ValueError(
+                f"logprobs={params.logprobs} asks for more tokens than the vocabulary has ({vocab_size}); "
+                f"ask for at most {vocab_size}"
+            )
+        return request_id, prompt_text, prompt_ids, params
+
+    def _enqueue(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
         block_size = self.config.block_size if self.config.enable_prefix_caching else None
         group = SampleGroup.of(request_id, prompt_ids, params, block_size)
         state = self.outputs.add(group, prompt_text)
         if not self.scheduler.add_request(group.leader):
-            self._rejected.append(state)
+            self._unreported.append(state)
         return request_id
 
+    @exclusive
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; every block it held, on the device or in swap space, is returned."""
+        return self._abort(request_id)
+
+    @exclusive
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request (e.g. after an interrupted loop of your own); returns their outputs."""
+        return [self._abort(request_id) for request_id in list(self.outputs.states)]
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
         state = self.outputs.states.get(request_id)
         if state is None:
             return None
         self.scheduler.finish_group(state.group, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
+
+    def _release_stream(self, request_id: str) -> None:
+        """A stream was closed or dropped before its request finished: abort the request, now if the
+        engine is idle in this thread, else at the start of the next step (a stream can be collected
+        mid-step, or in another thread)."""
+        if self._closed:
+            return
+        if self._in_step or not self._lock.acquire(blocking=False):
+            self._pending_aborts.append(request_id)
+            return
+        try:
+            self._abort(request_id)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
@@ -109,25 +167,37 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------------
 
+    @exclusive
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns the state of every request that produced tokens or
-        finished in it (finished ones for the last time)."""
+        finished in it (finished ones for the last time): each request's live record, updated in place
+        by later steps."""
+        while self._pending_aborts:
+            self._abort(self._pending_aborts.popleft())
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        touched = {state.group.request_id: state for state in self._rejected}
-        self._rejected = []
+        touched = {state.group.request_id: state for state in self._unreported}
+        self._unreported = []
         plan = self.scheduler.schedule()
         self.schedule_seconds += time.perf_counter() - start
-        sampling = plan.sampling
         try:
-            tokens, logprobs = self._execute(plan, sampling)
+            tokens, logprobs = self._execute(plan)
         except Exception as exc:  # the model or a kernel failed: fail this step's requests, keep serving
-            error = f"the step failed: {type(exc).__name__}: {exc}"
-            for scheduled in plan.scheduled:
-                plan.failed.extend(
-                    self.scheduler.finish_group(scheduled.request.group, RequestStatus.FINISHED_ERROR, error)
-                )
-            plan.scheduled, sampling, tokens, logprobs = [], [], [], []
+            self._fail(plan, f"the step failed: {type(exc).__name__}: {exc}")
+            tokens, logprobs = [], []
+        except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done
+            self._fail(plan, f"the step was interrupted ({type(exc).__name__})", with_swaps=True)
+            self._unreported.extend(touched.values())
+            self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
+            raise
         update_start = time.perf_counter()
+        sampling = plan.sampling
         self.scheduler.update(plan, tokens)
         for request, status in self.outputs.process(sampling, tokens, logprobs):
             self.scheduler.finish(request, status)
@@ -140,58 +210,101 @@ class LLMEngine:
         unclaimed, self._unclaimed = self._unclaimed, []
         return unclaimed + [self.outputs.output(state) for state in touched.values()]
 
-    def _execute(
-        self, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
-        """Swap copies, the forward and sampling: the sampled tokens align with `sampling`."""
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
+        """Swap copies, the forward and sampling: the sampled tokens align with `plan.sampling` (a
+        request whose sampling fails is failed and leaves the plan)."""
         self.runner.swap(plan.swap_out, plan.swap_in)
         if not plan.scheduled:
             return [], []
         logits = self.runner.execute(plan)
         self.num_steps += 1
+        sampling = plan.sampling
         if not sampling:
             return [], []
-        tokens, logprobs = sample(logits, self.outputs.sampling_rows(sampling))
+        tokens, logprobs = self._sample(logits, plan, sampling)
         self.num_generated_tokens += len(tokens)
         return tokens, logprobs
 
+    def _sample(
+        self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
+    ) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
+        """Tokens for `sampling`; one request's parameters never fail the others: a request whose row
+        fails is failed and leaves the plan."""
+        tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
+        for request, error in zip(sampling, errors, strict=True):
+            if error is not None:
+                message = f"sampling failed: {type(error).__name__}: {error}"
+                failed = self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, message)
+                plan.failed.extend(failed)
+                plan.drop(failed)
+        kept = [i for i, error in enumerate(errors) if error is None]
+        return [tokens[i] for i in kept], [logprobs[i] for i in kept]
+
+    def _fail(self, plan: SchedulerOutput, error: str, with_swaps: bool = False) -> None:
+        """Fail the plan's requests (with_swaps: also those whose swap copies this step made) and take
+        them out of the plan."""
+        requests = [s.request for s in plan.scheduled]
+        if with_swaps:
+            requests += [*plan.swapped_in, *(r for r in plan.preempted if r.status is RequestStatus.SWAPPED)]
+        for request in requests:
+            plan.failed.extend(self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
+        plan.scheduled = []
+        plan.num_tokens = 0
+
     # ---- convenience loops --------------------------------------------------------------------
 
+    @exclusive
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Run every prompt to completion; outputs come back in input order. A prompt is text, token ids
+        or a 1-D tensor; a [B, N] tensor is B prompts. Every prompt and params are checked before any is
+        queued; if the call fails or is interrupted, the requests it queued are aborted."""
+        prompts = prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one or one each")
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
-        wanted = set(ids)
-        done: dict[str, RequestOutput] = {}
-        progress = _progress(len(ids), use_tqdm)
-        while len(done) < len(ids):
-            for output in self._step_claiming(wanted):
-                if output.finished:
-                    done[output.request_id] = output
-                    progress.update(1)
-        progress.close()
+        checked = [self._checked_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
+        ids: list[str] = []
+        try:
+            ids.extend(self._enqueue(*request) for request in checked)
+            wanted = set(ids)
+            done: dict[str, RequestOutput] = {}
+            progress = _progress(len(ids), use_tqdm)
+            while len(done) < len(ids):
+                for output in self._step_claiming(wanted):
+                    if output.finished:
+                        done[output.request_id] = output
+                        progress.update(1)
+            progress.close()
+        except BaseException:
+            for request_id in ids:
+                self._abort(request_id)
+            raise
         return [done[request_id] for request_id in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Yield each sample's new tokens and text as the engine produces them, until the request ends.
-        Other queued requests keep running meanwhile; their results wait for the next step() call."""
-        request_id = self.add_request(prompt, params)
-        state = self.outputs.states[request_id]
-        while True:
-            if any(o.request_id == request_id for o in self._step_claiming({request_id})):
-                yield from self.outputs.stream_deltas(state)
-                if state.output.finished:
-                    return
+    @exclusive
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and return its stream: iterating it yields each sample's new tokens and text
+        (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
+        dropping it, aborts the request. Other queued requests keep running meanwhile; their results
+        wait for the next step() call."""
+        request_id = self._enqueue(*self._checked_request(prompt, params, request_id))
+        return RequestStream(self, self.outputs.states[request_id])
+
+    @exclusive
+    def _advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]:
+        """Step until the stream's request has news (unless it ended elsewhere, e.g. aborted); its deltas
+        and whether it finished."""
+        if not state.output.finished:
+            self._step_claiming({state.group.request_id})
+        return self.outputs.stream_deltas(state), state.output.finished
 
     def _step_claiming(self, wanted: set[str]) -> list[RequestOutput]:
         """One step; finished outputs of requests not in `wanted` are kept for the caller of step()."""
@@ -204,46 +317,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
-        kv = self.coordinator.stats()
-        return {
-            "num_blocks": kv.num_blocks,
-            "block_size": self.config.block_size,
-            "blocks_in_use": kv.blocks_in_use,
-            "blocks_in_use_per_group": kv.blocks_in_use_per_group,
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "kv_bytes_in_use": kv.blocks_in_use * self.bytes_per_block,
-            "num_groups": len(self.kv_config.groups),
-            "group_size": kv.group_size,
-            # Tokens per block in each group: a kind of fewer K/V bytes per token gets larger blocks
-            # (hybridkv/grouping.py); prefix-cache hits are multiples of every one.
-            "group_block_sizes": kv.group_block_sizes,
-            "padding_layers": kv.padding_layers,
-            # Share of the pages' bytes no layer writes (padding slots and page tails).
-            "padding_fraction": kv.padding_fraction,
-            # K and V bytes a token costs across the layers that hold pages; KV-sharing layers hold none.
-            "kv_bytes_per_token": self.kv_config.kv_bytes_per_token,
-            "shared_kv_layers": self.kv_config.shared_layers,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
-            "num_evictions": kv.num_evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swaps": self.scheduler.num_swaps,
-            "num_running": len(self.scheduler.running),
-            "max_num_running": self.scheduler.max_num_running,
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "num_steps": self.num_steps,
-            "num_generated_tokens": self.num_generated_tokens,
-            "tokens_per_second": self.num_generated_tokens / self.step_seconds if self.step_seconds else 0.0,
-            "step_seconds": self.step_seconds,
-            "forward_seconds": self.runner.forward_seconds,
-            # Host work around the forward: scheduling, inputs and metadata, sampling, update.
-            "overhead_seconds": self.step_seconds - self.runner.forward_seconds,
-            "schedule_seconds": self.schedule_seconds,
-            "prepare_seconds": self.runner.prepare_seconds,
-            "update_seconds": self.update_seconds,
-        }
+        return engine_stats(self)
 
 
 class _NoProgress:

@@ -3,12 +3,61 @@ model's end-of-sequence ids."""
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | torch.Tensor
+
+
+def token_ids(prompt: Any) -> list[int]:
+    """One prompt's token ids as Python ints: from a sequence of ints, or a 1-D or [1, N] tensor or
+    array of integers. Anything else is a TypeError that says what a prompt can be."""
+    if hasattr(prompt, "tolist") and hasattr(prompt, "shape"):  # a tensor or an array
+        if len(prompt.shape) == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if len(prompt.shape) != 1:
+            raise TypeError(
+                f"a prompt tensor or array must be 1-D or [1, N], got shape {tuple(prompt.shape)}; "
+                "pass a [B, N] batch to generate(), which takes each row as a prompt"
+            )
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise TypeError(
+            f"a prompt is a string, a list of token ids or a 1-D tensor of them, got {type(prompt).__name__}"
+        )
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):  # numpy integers are Integral
+            raise TypeError(
+                f"token ids must be integers, got {token!r} ({type(token).__name__}); tokenize text with the "
+                "tokenizer given to hybridkv.patch, or pass a string"
+            )
+    return [int(t) for t in prompt]
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """generate()'s prompts as a list of single prompts: one string or token-id list, a list of them, or
+    a [B, N] tensor or array (each row a prompt, taken whole: padding is not removed)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and hasattr(prompts, "shape"):
+        if len(prompts.shape) == 1:
+            return [prompts]
+        if len(prompts.shape) == 2:
+            return list(prompts)
+        raise TypeError(f"a prompt tensor or array must be 1-D or [B, N], got shape {tuple(prompts.shape)}")
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts must be a string, a list of token ids, a list of those, or a [B, N] tensor; got "
+            f"{type(prompts).__name__}"
+        )
+    if not prompts:
+        raise ValueError("generate() got no prompts; give at least one")
+    if all(isinstance(p, numbers.Integral) for p in prompts):
+        return [prompts]
+    return list(prompts)
 
 
 class InputProcessor:
@@ -21,13 +70,14 @@ class InputProcessor:
         self.media_token_ids = _media_token_ids(model.config)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for token ids) and its checked token ids; a ValueError naming the fix."""
+        """The prompt's text (None for token ids) and its checked token ids; a ValueError (TypeError for a
+        wrong type) naming the fix. Token ids may be a list, a 1-D or [1, N] tensor or array."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= to hybridkv.patch or give token ids")
             text, ids = prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:
-            text, ids = None, [int(t) for t in prompt]
+            text, ids = None, token_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

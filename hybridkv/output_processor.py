@@ -143,5 +143,6 @@ class OutputProcessor:
             sample.num_streamed_tokens = len(completion.token_ids)
             text = sample.detokenizer.stream_delta(completion.finished) if sample.detokenizer is not None else ""
             if new_tokens or text or completion.finished:
-                deltas.append(StreamDelta(completion.index, new_tokens, text, completion.finish_reason))
+                error = sample.request.error if completion.finished else None
+                deltas.append(StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error))
         return deltas

@@ -59,9 +59,11 @@ class RequestOutput:
 
 @dataclass
 class StreamDelta:
-    """What one sample produced since the last delta: new token ids and new text."""
+    """What one sample produced since the last delta: new token ids and new text; the last delta has the
+    finish reason, and the error when the request failed."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None

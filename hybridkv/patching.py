@@ -20,13 +20,20 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEn
 
     The model stays an ordinary transformers model: called directly it behaves exactly as before.
     Patching an already patched model returns its engine when the settings are the same, and
-    rebuilds it (freeing the old KV cache) when they differ. Settings: see `EngineConfig`.
+    rebuilds it (freeing the old KV cache) when they differ, which an engine with unfinished requests
+    refuses. Settings: see `EngineConfig`.
     """
     engine_config = EngineConfig(**config)
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is not None:
         if engine.config == engine_config and engine.tokenizer is tokenizer:
             return engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError(
+                f"the model's engine has {len(engine.outputs.states)} unfinished requests, which patching with "
+                "other settings would drop; finish them (engine.generate / engine.step) or abort them "
+                "(engine.abort_all()) first"
+            )
         unpatch(model)
     engine = LLMEngine(model, tokenizer, engine_config)
     attention.install(model)

@@ -63,6 +63,31 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
     return token_list, logprobs
 
 
+def sample_each(
+    logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[list[int | None], list[TokenLogprobs | None], list[Exception | None]]:
+    """`sample`, but a row that fails fails alone: its token is None and its error says why, and every
+    other row gets the token `sample` would have given it (seeded generators are rewound before the
+    rows are sampled one by one)."""
+    seeded = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
+    try:
+        tokens, logprobs = sample(logits, rows)
+        return list(tokens), logprobs, [None] * len(rows)
+    except Exception:
+        for generator, state in seeded:
+            generator.set_state(state)
+    results: tuple[list[int | None], list[TokenLogprobs | None], list[Exception | None]] = ([], [], [])
+    for index, row in enumerate(rows):
+        try:
+            (token,), (token_logprobs,) = sample(logits[index : index + 1], [row])
+            error = None
+        except Exception as exc:
+            token, token_logprobs, error = None, None, exc
+        for values, value in zip(results, (token, token_logprobs, error), strict=True):
+            values.append(value)
+    return results
+
+
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition penalty over prompt and output tokens (transformers' rule: positive logits are
     divided, negative ones multiplied); presence and frequency penalties over output tokens (OpenAI's

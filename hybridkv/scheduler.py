@@ -68,7 +68,7 @@ class SchedulerOutput:
     block-table rows per group (`block_tables[group][i]` for `scheduled[i]`: the managers' own integer
     tables, read before the step's update and never changed by the runner), and the block copies to
     make before the forward: swap_out (device block, CPU block) pairs first, then swap_in (CPU block,
-    device block) pairs. `preempted` and `failed` say what else changed."""
+    device block) pairs. `preempted`, `swapped_in` and `failed` say what else changed."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_tables: list[list[list[int]]] = field(default_factory=list)
@@ -76,6 +76,7 @@ class SchedulerOutput:
     failed: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
     num_tokens: int = 0
 
     def add(self, request: Request, num_new_tokens: int) -> None:
@@ -208,6 +209,7 @@ class Scheduler:
             self.swapped.popleft()
             del self.swap_records[request.request_id]
             out.swap_in.extend(zip(record.cpu_block_ids, restored, strict=True))
+            out.swapped_in.append(request)
             self.swap_space.free(record.cpu_block_ids)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -42,8 +42,11 @@ IGNORED_KWARGS = frozenset(
 _step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
 # The recorder of patches/probe.py while its probe forward runs.
 _probe: ContextVar[Any] = ContextVar("hybridkv_probe", default=None)
-# id(config) -> the attention implementation the model had before it was patched.
+# id(config) -> the attention implementation the model had before it was patched, and how many patched
+# models read that config object (two models built from one config share it: the first one's original
+# is kept, and the config switches back only when the last of them is unpatched).
 _original_implementation: dict[int, str] = {}
+_num_patched_models: dict[int, int] = {}
 
 
 @dataclass(slots=True)
@@ -168,16 +171,25 @@ def install(model: torch.nn.Module) -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, hybridkv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hybridkv_mask)
     for config in _configs(model):
-        _original_implementation[id(config)] = config._attn_implementation or "eager"
+        key = id(config)
+        if config._attn_implementation != ATTN_IMPLEMENTATION:  # else a patched model's original stays
+            _original_implementation[key] = config._attn_implementation or "eager"
+        _num_patched_models[key] = _num_patched_models.get(key, 0) + 1
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def uninstall(model: torch.nn.Module) -> None:
-    """Switch the model back to the implementation it had before install()."""
+    """Switch the model back to the implementation it had before install(), unless another patched model
+    shares a config with it (then hybridkv's functions stay, and outside a step they call the original)."""
     configs = _configs(model)
     original = _original_implementation.get(id(configs[0]), "sdpa")
+    for config in configs:
+        _num_patched_models[id(config)] = max(0, _num_patched_models.get(id(config), 1) - 1)
+    if any(_num_patched_models[id(config)] for config in configs):
+        return
     model.set_attn_implementation(original)
     for config in configs:
+        _num_patched_models.pop(id(config), None)
         _original_implementation.pop(id(config), None)
 
 

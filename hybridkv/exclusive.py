@@ -1,0 +1,38 @@
+"""`exclusive`: the guard on every public engine call.
+
+An engine's queues and step state are not thread-safe. Each public call takes the engine's re-entrant
+lock without waiting, so a second thread gets a clear error instead of corrupting them (the engine's own
+calls nest), and a closed engine (after `hybridkv.unpatch`) refuses every call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+CLOSED_MESSAGE = "this engine was closed by hybridkv.unpatch(model); call hybridkv.patch(model) again"
+BUSY_MESSAGE = (
+    "this engine is in use by another thread; an LLMEngine serves one thread at a time: call it from one "
+    "thread (give each thread its own model and engine, or let one thread serve the others' requests)"
+)
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def exclusive(method: Method) -> Method:
+    """A public entry point: refuses a closed engine and a second thread (the lock is re-entrant, so the
+    engine's own calls nest)."""
+
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError(CLOSED_MESSAGE)
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(BUSY_MESSAGE)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._lock.release()
+
+    return guarded  # type: ignore[return-value]

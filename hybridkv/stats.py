@@ -1,0 +1,52 @@
+"""`LLMEngine.stats()`: one flat dict of the engine's counters, for people and dashboards."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridkv.engine import LLMEngine
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, Any]:
+    """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
+    kv = engine.coordinator.stats()
+    return {
+        "num_blocks": kv.num_blocks,
+        "block_size": engine.config.block_size,
+        "blocks_in_use": kv.blocks_in_use,
+        "blocks_in_use_per_group": kv.blocks_in_use_per_group,
+        "kv_cache_bytes": engine.runner.kv_cache_bytes,
+        "kv_bytes_in_use": kv.blocks_in_use * engine.bytes_per_block,
+        "num_groups": len(engine.kv_config.groups),
+        "group_size": kv.group_size,
+        # Tokens per block in each group: a kind of fewer K/V bytes per token gets larger blocks
+        # (hybridkv/grouping.py); prefix-cache hits are multiples of every one.
+        "group_block_sizes": kv.group_block_sizes,
+        "padding_layers": kv.padding_layers,
+        # Share of the pages' bytes no layer writes (padding slots and page tails).
+        "padding_fraction": kv.padding_fraction,
+        # K and V bytes a token costs across the layers that hold pages; KV-sharing layers hold none.
+        "kv_bytes_per_token": engine.kv_config.kv_bytes_per_token,
+        "shared_kv_layers": engine.kv_config.shared_layers,
+        "prefix_cache_queries": kv.prefix_cache_queries,
+        "prefix_cache_hits": kv.prefix_cache_hits,
+        "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
+        "num_evictions": kv.num_evictions,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_swaps": engine.scheduler.num_swaps,
+        "num_running": len(engine.scheduler.running),
+        "max_num_running": engine.scheduler.max_num_running,
+        "num_waiting": len(engine.scheduler.waiting),
+        "num_swapped": len(engine.scheduler.swapped),
+        "num_steps": engine.num_steps,
+        "num_generated_tokens": engine.num_generated_tokens,
+        "tokens_per_second": engine.num_generated_tokens / engine.step_seconds if engine.step_seconds else 0.0,
+        "step_seconds": engine.step_seconds,
+        "forward_seconds": engine.runner.forward_seconds,
+        # Host work around the forward: scheduling, inputs and metadata, sampling, update.
+        "overhead_seconds": engine.step_seconds - engine.runner.forward_seconds,
+        "schedule_seconds": engine.schedule_seconds,
+        "prepare_seconds": engine.runner.prepare_seconds,
+        "update_seconds": engine.update_seconds,
+    }
