@@ -208,7 +208,8 @@ class LLMEngine:
         self.update_seconds += end - update_start
         self.step_seconds += end - start
         unclaimed, self._unclaimed = self._unclaimed, []
-        return unclaimed + [self.outputs.output(state) for state in touched.values()]
+        # A request reported finished already (e.g. aborted while waiting to be reported) is not reported again.
+        return unclaimed + [self.outputs.output(state) for state in touched.values() if not state.output.finished]
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
         """Swap copies, the forward and sampling: the sampled tokens align with `plan.sampling` (a

@@ -1,7 +1,11 @@
-"""Stateful property test: random add / step / abort against a tiny hybrid model, in both
-preemption modes and tiny pools, checking the memory manager's integrity after every rule."""
+"""Stateful property test: random add / step / abort / stream and close / bad input / Ctrl-C inside a
+step against a tiny hybrid model, in both preemption modes and tiny pools, checking after every rule the
+memory manager's integrity, that no block leaks and that no output is orphaned: every request is
+reported finished exactly once."""
 
 from __future__ import annotations
+
+import gc
 
 import hypothesis.strategies as st
 import pytest
@@ -31,6 +35,7 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine = None
         self.ids: list[str] = []
+        self.finished: dict[str, int] = {}  # request id -> times reported finished (by step or abort)
 
     @precondition(lambda self: self.engine is None)
     @rule(mode=st.sampled_from(["recompute", "swap"]), extra_blocks=st.integers(0, 12), caching=st.booleans())
@@ -57,12 +62,58 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine is not None)
     @rule()
     def step(self):
-        self.engine.step()
+        self.report(self.engine.step())
 
     @precondition(lambda self: self.engine is not None and self.ids)
     @rule(index=st.integers(0, 50))
     def abort(self, index):
-        self.engine.abort(self.ids[index % len(self.ids)])
+        self.report([self.engine.abort(self.ids[index % len(self.ids)])])
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(length=st.integers(1, 30), reads=st.integers(0, 3), drop=st.booleans())
+    def stream_then_close_or_drop(self, length, reads, drop):
+        stream = self.engine.stream([(5 * i + 1) % 64 for i in range(length)], SamplingParams(max_tokens=6))
+        request_id = stream.request_id
+        for _ in zip(range(reads), stream, strict=False):
+            pass
+        if drop:
+            del stream
+            gc.collect()
+        else:
+            stream.close()
+        assert request_id not in self.engine.outputs.states
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(bad=st.sampled_from([[], [1, 64], [1, "x"], None, [1.5], "text without a tokenizer"]))
+    def bad_input(self, bad):
+        before = set(self.engine.outputs.states)
+        with pytest.raises((ValueError, TypeError)):
+            self.engine.add_request(bad, SamplingParams(max_tokens=2))
+        with pytest.raises((ValueError, TypeError)):
+            self.engine.generate([[1, 2, 3], bad], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert set(self.engine.outputs.states) == before
+
+    @precondition(lambda self: self.engine is not None)
+    @rule()
+    def ctrl_c_inside_a_step(self):
+        runner = self.engine.runner
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        runner.execute = interrupted
+        try:
+            self.report(self.engine.step())  # nothing to compute: no forward to interrupt
+        except KeyboardInterrupt:
+            pass
+        finally:
+            del runner.execute
+
+    def report(self, outputs):
+        for output in outputs:
+            if output is not None and output.finished:
+                self.finished[output.request_id] = self.finished.get(output.request_id, 0) + 1
+                assert self.finished[output.request_id] == 1, f"{output.request_id} reported finished twice"
 
     @invariant()
     def memory_manager_is_consistent(self):
@@ -75,15 +126,22 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.engine.coordinator.block_ids(request.request_id) == [[], []]
         in_swap = sum(len(record.cpu_block_ids) for record in scheduler.swap_records.values())
         assert scheduler.swap_space.num_free_blocks + in_swap == scheduler.swap_space.num_blocks
+        # No orphan: a request whose samples all ended is either reported already or queued for the next step.
+        unreported = {id(state) for state in self.engine._unreported}
+        for state in self.engine.outputs.states.values():
+            assert not state.group.finished or id(state) in unreported
+        if not self.engine.has_unfinished_requests():
+            assert self.engine.stats()["blocks_in_use"] == 0
 
     def teardown(self):
         if self.engine is None:
             return
         for _ in range(500):
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_unfinished_requests() and not self.engine._unclaimed:
                 break
-            self.engine.step()
+            self.report(self.engine.step())
         assert not self.engine.has_unfinished_requests()
+        assert set(self.finished) == set(self.ids), "a request never reported its end"
         assert self.engine.stats()["blocks_in_use"] == 0
         swap = self.engine.scheduler.swap_space
         assert swap.num_free_blocks == swap.num_blocks
