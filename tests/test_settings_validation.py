@@ -1,0 +1,131 @@
+"""Every bad setting is a clear error when it is given, not later: SamplingParams."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hybridkv import SamplingParams
+from hybridkv.sampler import SamplingRow, sample
+from hybridkv.tiny import tiny_model
+
+from tiny_models import prompts
+
+# ---- SamplingParams: types --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(max_tokens=2.5), r"max_tokens must be an int, got 2\.5 \(float\)$"),
+        (dict(n=2.0), r"n must be an int, got 2\.0 \(float\); pass n=2$"),
+        (dict(min_tokens=1.0), r"min_tokens must be an int, got 1\.0 \(float\); pass min_tokens=1$"),
+        (dict(top_k=5.0), r"top_k must be an int, got 5\.0 \(float\); pass top_k=5$"),
+        (dict(logprobs=1.5), r"logprobs must be an int, got 1\.5 \(float\)$"),
+        (dict(seed=1.5), r"seed must be an int, got 1\.5 \(float\)$"),
+    ],
+)
+def test_a_count_given_as_a_float_is_a_type_error(params, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**params)
+
+
+@pytest.mark.parametrize("name", ["n", "max_tokens", "min_tokens", "top_k", "logprobs", "seed"])
+def test_a_bool_is_not_a_count(name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an int, got True \(bool\)$"):
+        SamplingParams(**{name: True})
+
+
+def test_a_string_seed_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^seed must be an int, got '7' \(str\)$"):
+        SamplingParams(seed="7")
+
+
+def test_a_seed_beyond_64_bits_is_a_value_error():
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - n\].*got 18446744073709551616$"):
+        SamplingParams(seed=2**64)
+
+
+def test_numpy_ints_are_stored_as_ints():
+    params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(5), stop_token_ids=np.array([4, 9]))
+    assert (type(params.seed), params.seed, type(params.max_tokens), params.max_tokens) == (int, 3, int, 5)
+    assert params.stop_token_ids == (4, 9) and all(type(t) is int for t in params.stop_token_ids)
+
+
+def test_cache_salt_must_be_a_string():
+    with pytest.raises(TypeError, match=r"^cache_salt must be a string or None, got 5 \(int\)$"):
+        SamplingParams(cache_salt=5)
+
+
+def test_ignore_eos_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^ignore_eos must be True or False, got 'yes' \(str\)$"):
+        SamplingParams(ignore_eos="yes")
+
+
+def test_a_bare_stop_token_id_names_the_list_to_pass():
+    with pytest.raises(TypeError, match=r"got 5; pass stop_token_ids=\[5\]$"):
+        SamplingParams(stop_token_ids=5)
+
+
+@pytest.mark.parametrize("stop_token_ids", [[1, "x"], [1.0, 2.0], [True], "ab"])
+def test_stop_token_ids_must_be_ints(stop_token_ids):
+    with pytest.raises(TypeError, match=r"^stop_token_ids must be a list of ints, got "):
+        SamplingParams(stop_token_ids=stop_token_ids)
+
+
+def test_a_negative_stop_token_id_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^stop_token_ids must be token ids >= 0, got \[3, -1\]$"):
+        SamplingParams(stop_token_ids=[3, -1])
+
+
+@pytest.mark.parametrize("stop", [5, [1], ["a", None], b"ab"])
+def test_stop_must_be_a_string_or_strings(stop):
+    with pytest.raises(TypeError, match=r"^stop must be a string or a list of strings, got "):
+        SamplingParams(stop=stop)
+
+
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_float_is_a_value_error(name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number, got {value}$"):
+        SamplingParams(**{name: value})
+
+
+def test_a_float_setting_given_as_a_string_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^temperature must be a number, got '0.5' \(str\)$"):
+        SamplingParams(temperature="0.5")
+
+
+# ---- SamplingParams: meanings -----------------------------------------------------------------
+
+
+def test_top_k_zero_turns_top_k_off_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == -1
+    with pytest.raises(ValueError, match=r"^top_k must be -1 or 0 \(off\) or >= 1, got -2$"):
+        SamplingParams(top_k=-2)
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    temperatures = (0, 1e-40, 9.99e-6, 1e-5, 0.5)
+    assert [SamplingParams(temperature=t).greedy for t in temperatures] == [True, True, True, False, False]
+
+
+def test_the_sampler_takes_the_argmax_at_a_tiny_temperature():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 2.9, 1.0]])
+    rows = [SamplingRow(SamplingParams(temperature=1e-40), None, [], 0) for _ in range(2)]
+    rows.append(SamplingRow(SamplingParams(seed=0), torch.Generator().manual_seed(0), [], 0))
+    tokens, _ = sample(torch.cat([logits, logits[:1]]), rows)
+    assert tokens[:2] == [1, 0]
+
+
+def test_a_request_at_a_tiny_temperature_gives_exactly_the_greedy_tokens(patched):
+    llm = patched(tiny_model("llama"), max_model_len=128)
+    batch = prompts((30, 45))
+    greedy = llm.generate(batch, SamplingParams(temperature=0, max_tokens=10))
+    tiny = llm.generate(batch, SamplingParams(temperature=1e-40, max_tokens=10))
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
