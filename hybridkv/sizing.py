@@ -55,7 +55,7 @@ def blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_mode
 
 def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
-    engine_config = EngineConfig(**config)
+    engine_config = EngineConfig.from_kwargs(**config)
     _, _, kv_config, max_model_len = kv_layout(model, engine_config)
     return blocks_for_requests(kv_config, engine_config, max_model_len, 1)
 

@@ -1,4 +1,4 @@
-"""Checks of user-given settings (`SamplingParams`). Each names the
+"""Checks of user-given settings (`SamplingParams`, `EngineConfig`, `SchedulerConfig`). Each names the
 setting, the rule and the value it got: a TypeError for a wrong type, a ValueError for a value out of
 range. A bool is never a count here (`max_tokens=True` is a mistake, not 1)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 
 
 def is_int(value: object) -> bool:
@@ -36,3 +37,8 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

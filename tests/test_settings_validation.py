@@ -1,4 +1,4 @@
-"""Every bad setting is a clear error when it is given, not later: SamplingParams."""
+"""Every bad setting is a clear error when it is given, not later: SamplingParams and EngineConfig."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridkv import SamplingParams
+import hybridkv
+from hybridkv import EngineConfig, SamplingParams
 from hybridkv.sampler import SamplingRow, sample
 from hybridkv.tiny import tiny_model
 
@@ -129,3 +130,77 @@ def test_a_request_at_a_tiny_temperature_gives_exactly_the_greedy_tokens(patched
     greedy = llm.generate(batch, SamplingParams(temperature=0, max_tokens=10))
     tiny = llm.generate(batch, SamplingParams(temperature=1e-40, max_tokens=10))
     assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+
+
+# ---- EngineConfig -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        (dict(block_size=0), ValueError, r"^block_size must be >= 1, got 0$"),
+        (dict(block_size=16.0), TypeError, r"^block_size must be an int, got 16\.0 \(float\); pass block_size=16$"),
+        (dict(num_blocks=100.0), TypeError, r"^num_blocks must be an int, got 100\.0 \(float\); pass num_blocks=100$"),
+        (dict(num_blocks=1), ValueError, r"^num_blocks must be >= 2 \(block 0 is the null block, never used\), got 1$"),
+        (dict(kv_cache_memory=0), ValueError, r"^kv_cache_memory must be >= 1 \(bytes\), got 0$"),
+        (dict(kv_cache_memory=1.5e9), TypeError, r"^kv_cache_memory must be an int, got 1500000000\.0 \(float\)"),
+        (dict(max_model_len=0), ValueError, r"^max_model_len must be >= 1, got 0$"),
+        (dict(max_model_len=-5), ValueError, r"^max_model_len must be >= 1, got -5$"),
+        (dict(max_num_seqs=0), ValueError, r"^max_num_seqs must be >= 1, got 0$"),
+        (dict(max_num_batched_tokens=0), ValueError, r"^max_num_batched_tokens must be >= 1, got 0$"),
+        (
+            dict(long_prefill_token_threshold=-1),
+            ValueError,
+            r"^long_prefill_token_threshold must be >= 0 \(0 turns the cap off\), got -1$",
+        ),
+        (dict(swap_space=-1), ValueError, r"^swap_space must be >= 0 \(bytes; 0 = no swap space\), got -1$"),
+        (dict(swap_space=True), TypeError, r"^swap_space must be an int, got True \(bool\)$"),
+    ],
+)
+def test_a_count_setting_out_of_range_or_of_the_wrong_type_names_the_rule(settings, error, message):
+    with pytest.raises(error, match=message):
+        EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("utilization", [0, -0.1, 1.01, 2])
+def test_gpu_memory_utilization_must_be_a_share(utilization):
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=utilization)
+
+
+def test_gpu_memory_utilization_must_be_finite():
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be a finite number, got nan$"):
+        EngineConfig(gpu_memory_utilization=math.nan)
+
+
+def test_preemption_mode_must_be_recompute_or_swap():
+    with pytest.raises(ValueError, match=r"^preemption_mode must be one of \('recompute', 'swap'\), got 'Swap'$"):
+        EngineConfig(preemption_mode="Swap")
+
+
+def test_attention_backend_must_be_none_torch_or_triton():
+    with pytest.raises(ValueError, match=r"^attention_backend must be one of \(None, 'torch', 'triton'\), got 'cuda'$"):
+        EngineConfig(attention_backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8])
+def test_kv_cache_dtype_must_be_a_torch_floating_dtype(dtype):
+    with pytest.raises(
+        TypeError, match=r"^kv_cache_dtype must be None \(the model's dtype\) or a torch floating dtype"
+    ):
+        EngineConfig(kv_cache_dtype=dtype)
+
+
+def test_enable_prefix_caching_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^enable_prefix_caching must be True or False, got 1 \(int\)$"):
+        EngineConfig(enable_prefix_caching=1)
+
+
+def test_an_unknown_setting_names_the_closest_valid_ones():
+    with pytest.raises(TypeError, match=r"^unknown hybridkv setting 'blok_size' \(did you mean block_size\?\); the "):
+        EngineConfig.from_kwargs(blok_size=8)
+
+
+def test_min_num_blocks_names_the_closest_setting_to_an_unknown_one():
+    with pytest.raises(TypeError, match=r"'max_len' \(did you mean max_model_len\?\)"):
+        hybridkv.min_num_blocks(tiny_model("llama"), max_len=64)
