@@ -1,4 +1,5 @@
-"""Every bad setting is a clear error when it is given, not later: SamplingParams and EngineConfig."""
+"""Every bad setting is a clear error when it is given, not later: SamplingParams, EngineConfig and the
+model-dependent checks at patch time (max_model_len against the model's context)."""
 
 from __future__ import annotations
 
@@ -204,3 +205,24 @@ def test_an_unknown_setting_names_the_closest_valid_ones():
 def test_min_num_blocks_names_the_closest_setting_to_an_unknown_one():
     with pytest.raises(TypeError, match=r"'max_len' \(did you mean max_model_len\?\)"):
         hybridkv.min_num_blocks(tiny_model("llama"), max_len=64)
+
+
+# ---- at patch time ----------------------------------------------------------------------------
+
+
+def test_max_model_len_beyond_max_position_embeddings_is_refused():
+    model = tiny_model("llama", max_position_embeddings=256)
+    with pytest.raises(
+        ValueError,
+        match=r"^max_model_len=257 is beyond the model's max_position_embeddings=256; pass max_model_len <= 256$",
+    ):
+        hybridkv.patch(model, max_model_len=257)
+    assert not hybridkv.is_patched(model)
+
+
+def test_yarn_rope_scaling_stretches_the_context_beyond_max_position_embeddings(patched):
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}
+    model = tiny_model("llama", max_position_embeddings=128, rope_parameters=rope)
+    assert patched(model, max_model_len=256, num_blocks=64).max_model_len == 256
+    with pytest.raises(ValueError, match=r"beyond the model's YaRN context of factor 2\.0 x original_max_position"):
+        hybridkv.patch(model, max_model_len=257, num_blocks=64)
