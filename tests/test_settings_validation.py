@@ -220,6 +220,16 @@ def test_max_model_len_beyond_max_position_embeddings_is_refused():
     assert not hybridkv.is_patched(model)
 
 
+def test_a_config_without_max_position_embeddings_needs_max_model_len(monkeypatch, patched):
+    model = tiny_model("llama")
+    # As a remote-code config that never declares it (transformers' own configs always do).
+    monkeypatch.delattr(model.config, "max_position_embeddings")
+    monkeypatch.delattr(type(model.config), "max_position_embeddings")
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM's config has no max_position_embeddings; pass max_model"):
+        hybridkv.patch(model)
+    assert patched(model, max_model_len=96).max_model_len == 96
+
+
 def test_yarn_rope_scaling_stretches_the_context_beyond_max_position_embeddings(patched):
     rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}
     model = tiny_model("llama", max_position_embeddings=128, rope_parameters=rope)
