@@ -1,5 +1,5 @@
 """Every bad setting is a clear error when it is given, not later: SamplingParams, EngineConfig and the
-model-dependent checks at patch time (max_model_len against the model's context)."""
+model-dependent checks at patch time (max_model_len against the model's context, weights not loaded)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from accelerate import init_empty_weights
 
 import hybridkv
 from hybridkv import EngineConfig, SamplingParams
@@ -236,3 +237,29 @@ def test_yarn_rope_scaling_stretches_the_context_beyond_max_position_embeddings(
     assert patched(model, max_model_len=256, num_blocks=64).max_model_len == 256
     with pytest.raises(ValueError, match=r"beyond the model's YaRN context of factor 2\.0 x original_max_position"):
         hybridkv.patch(model, max_model_len=257, num_blocks=64)
+
+
+def test_a_model_built_on_the_meta_device_is_refused_at_patch_time():
+    with torch.device("meta"):
+        model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"weights on the meta device.*Load the weights first, or use accelerate's"):
+        hybridkv.patch(model, max_model_len=128)
+
+
+def test_a_model_built_under_init_empty_weights_is_refused_at_patch_time():
+    with init_empty_weights():
+        model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"weights on the meta device that nothing loads \(model\.embed_tokens, "):
+        hybridkv.patch(model, max_model_len=128)
+
+
+def test_one_layer_left_on_the_meta_device_is_refused_at_patch_time():
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.to("meta")
+    message = (
+        r"^LlamaForCausalLM has weights on the meta device that nothing loads \(model\.layers\.1\.mlp\.gate_proj, "
+        r"model\.layers\.1\.mlp\.up_proj, model\.layers\.1\.mlp\.down_proj\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        hybridkv.patch(model, max_model_len=128)
+    assert not hybridkv.is_patched(model)
