@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import functools
+from dataclasses import dataclass, fields
+from typing import Any, get_args
 
 import torch
+
+from hybridkv.kernels.backend import Backend
+from hybridkv.scheduler import PREEMPTION_MODES
+from hybridkv.validation import check_bool, check_choice, check_float, check_int
+
+ATTENTION_BACKENDS = (None, *get_args(Backend))
 
 
 @dataclass(frozen=True)
@@ -14,6 +23,10 @@ class EngineConfig:
     KV memory: `num_blocks` if given, else `kv_cache_memory` bytes, else on CUDA
     `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `swap_space` bytes of CPU memory
     hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool).
+
+    Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
+    count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
+    rule. `from_kwargs` also names the closest settings to an unknown one.
     """
 
     block_size: int = 16
@@ -29,3 +42,56 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: int = 0
     attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        set_field = functools.partial(object.__setattr__, self)
+        counts = (
+            ("block_size", 1, ""),
+            ("max_num_seqs", 1, ""),
+            ("max_num_batched_tokens", 1, ""),
+            ("long_prefill_token_threshold", 0, " (0 turns the cap off)"),
+            ("swap_space", 0, " (bytes; 0 = no swap space)"),
+        )
+        for name, minimum, rule in counts:
+            set_field(name, check_int(name, getattr(self, name), minimum, rule))
+        optional_counts = (
+            ("num_blocks", 2, " (block 0 is the null block, never used)"),
+            ("kv_cache_memory", 1, " (bytes)"),
+            ("max_model_len", 1, ""),
+        )
+        for name, minimum, rule in optional_counts:
+            if getattr(self, name) is not None:
+                set_field(name, check_int(name, getattr(self, name), minimum, rule))
+        utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1] (the share of the device's memory hybridkv may use), "
+                f"got {utilization}"
+            )
+        set_field("gpu_memory_utilization", utilization)
+        dtype = self.kv_cache_dtype
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(
+                "kv_cache_dtype must be None (the model's dtype) or a torch floating dtype such as "
+                f"torch.bfloat16, got {dtype!r}"
+            )
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+    @classmethod
+    def from_kwargs(cls, **config: Any) -> EngineConfig:
+        """`EngineConfig(**config)`, where an unknown setting is a TypeError naming the closest valid
+        ones (a typo such as `blok_size=8` would otherwise be the dataclass's bare complaint)."""
+        names = [field.name for field in fields(cls)]
+        unknown = [name for name in config if name not in names]
+        if unknown:
+            guesses = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, names)
+                guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
+            plural = "s" if len(unknown) > 1 else ""
+            raise TypeError(
+                f"unknown hybridkv setting{plural} {', '.join(guesses)}; the settings are {', '.join(names)}"
+            )
+        return cls(**config)

@@ -23,7 +23,7 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEn
     rebuilds it (freeing the old KV cache) when they differ, which an engine with unfinished requests
     refuses. Settings: see `EngineConfig`.
     """
-    engine_config = EngineConfig(**config)
+    engine_config = EngineConfig.from_kwargs(**config)
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is not None:
         if engine.config == engine_config and engine.tokenizer is tokenizer:

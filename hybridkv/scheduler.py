@@ -27,6 +27,7 @@ from typing import NamedTuple
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.swap import SwapRecord, SwapSpace
+from hybridkv.validation import check_choice, check_int
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -41,14 +42,10 @@ class SchedulerConfig:
     num_swap_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 turns the cap off)")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, " (0 turns the cap off)")
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.num_swap_blocks < 1:
             raise ValueError("preemption_mode='swap' needs swap space: set swap_space (bytes) to hold blocks")
 

@@ -19,11 +19,11 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, ModelLayout, KVCacheConfig, int]:
     """The KV dtype, the model's attention layout (measured by a probe forward), its KV cache groups and
-    max_model_len that `config` gives for `model`."""
+    max_model_len that `config` gives for `model` (never beyond the model's context: a ValueError)."""
+    max_model_len = _max_model_len(model, config)
     kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
     layout = inspect_model(model, kv_dtype)
     kv_config = group_layers(layout.specs, config.block_size)
-    max_model_len = config.max_model_len or model.config.get_text_config().max_position_embeddings
     limit = layout.max_exact_tokens
     if limit is not None and max_model_len > limit:
         if config.max_model_len:
@@ -47,6 +47,41 @@ def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype
     return kv_dtype, layout, kv_config, max_model_len
 
 
+def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
+    """`config.max_model_len`, else the model's context length; a ValueError beyond that length."""
+    context = _context_length(model.config.get_text_config())
+    if context is None:
+        if config.max_model_len is None:
+            raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings; pass max_model_len")
+        return config.max_model_len
+    length, source = context
+    if config.max_model_len is None:
+        return length
+    if config.max_model_len > length:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is beyond the model's {source}; pass max_model_len <= {length}"
+        )
+    return config.max_model_len
+
+
+def _context_length(text_config: Any) -> tuple[int, str] | None:
+    """The longest context a model is made for, and where that number comes from: max_position_embeddings,
+    or YaRN rope scaling's factor x original_max_position_embeddings where that is longer (vLLM's rule:
+    Qwen's YaRN recipe leaves max_position_embeddings at the original length). None if neither is set."""
+    positions = getattr(text_config, "max_position_embeddings", None)
+    context = None if positions is None else (positions, f"max_position_embeddings={positions}")
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    # One dict, or one per layer type (Gemma 3's sliding and full layers).
+    for params in [rope] if "rope_type" in rope else rope.values():
+        if not isinstance(params, dict) or params.get("rope_type") != "yarn":
+            continue
+        factor, original = params.get("factor"), params.get("original_max_position_embeddings")
+        if factor and original and (context is None or factor * original > context[0]):
+            source = f"YaRN context of factor {factor} x original_max_position_embeddings={original}"
+            context = (int(factor * original), source)
+    return context
+
+
 def blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_model_len: int, count: int) -> int:
     """The null block plus `count` requests at max_model_len, prefilled in chunks of the token budget."""
     chunk = min(max_model_len, config.max_num_batched_tokens)
@@ -55,7 +90,7 @@ def blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_mode
 
 def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
-    engine_config = EngineConfig(**config)
+    engine_config = EngineConfig.from_kwargs(**config)
     _, _, kv_config, max_model_len = kv_layout(model, engine_config)
     return blocks_for_requests(kv_config, engine_config, max_model_len, 1)
 

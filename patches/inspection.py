@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.kv_spec import LayerSpec
-from hybridkv.patches.devices import execution_device, input_device
+from hybridkv.patches.devices import check_weights_loaded, execution_device, input_device
 from hybridkv.patches.layer_checks import layer_problem
 from hybridkv.patches.layer_kinds import config_layers, text_config
 from hybridkv.patches.position_limit import position_limit
@@ -53,7 +53,8 @@ class ModelLayout:
 
 def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     """Run the probe forward and return the layout hybridkv serves, or raise a ValueError that lists
-    every layer hybridkv cannot serve exactly and why."""
+    every layer hybridkv cannot serve exactly and why (or why no forward can run: weights not loaded)."""
+    check_weights_loaded(model)
     config = text_config(model.config)
     declared = config_layers(config)
     recorded = record_attention_calls(model)

@@ -98,7 +98,7 @@ def test_logprobs_zero_returns_only_the_sampled_token():
     [
         (dict(temperature=-1), "temperature must be >= 0"),
         (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=0), "top_k must be -1"),
+        (dict(top_k=-2), r"top_k must be -1 or 0 \(off\) or >= 1"),
         (dict(n=0), "n must be >= 1"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens must be in"),

@@ -1,0 +1,272 @@
+"""Every bad setting is a clear error when it is given, not later: SamplingParams, EngineConfig and the
+model-dependent checks at patch time (max_model_len against the model's context, weights not loaded)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from accelerate import init_empty_weights
+
+import hybridkv
+from hybridkv import EngineConfig, SamplingParams
+from hybridkv.sampler import SamplingRow, sample
+from hybridkv.tiny import tiny_model
+
+from tiny_models import prompts
+
+# ---- SamplingParams: types --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (dict(max_tokens=2.5), r"max_tokens must be an int, got 2\.5 \(float\)$"),
+        (dict(n=2.0), r"n must be an int, got 2\.0 \(float\); pass n=2$"),
+        (dict(min_tokens=1.0), r"min_tokens must be an int, got 1\.0 \(float\); pass min_tokens=1$"),
+        (dict(top_k=5.0), r"top_k must be an int, got 5\.0 \(float\); pass top_k=5$"),
+        (dict(logprobs=1.5), r"logprobs must be an int, got 1\.5 \(float\)$"),
+        (dict(seed=1.5), r"seed must be an int, got 1\.5 \(float\)$"),
+    ],
+)
+def test_a_count_given_as_a_float_is_a_type_error(params, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**params)
+
+
+@pytest.mark.parametrize("name", ["n", "max_tokens", "min_tokens", "top_k", "logprobs", "seed"])
+def test_a_bool_is_not_a_count(name):
+    with pytest.raises(TypeError, match=rf"^{name} must be an int, got True \(bool\)$"):
+        SamplingParams(**{name: True})
+
+
+def test_a_string_seed_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^seed must be an int, got '7' \(str\)$"):
+        SamplingParams(seed="7")
+
+
+def test_a_seed_beyond_64_bits_is_a_value_error():
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - n\].*got 18446744073709551616$"):
+        SamplingParams(seed=2**64)
+
+
+def test_numpy_ints_are_stored_as_ints():
+    params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(5), stop_token_ids=np.array([4, 9]))
+    assert (type(params.seed), params.seed, type(params.max_tokens), params.max_tokens) == (int, 3, int, 5)
+    assert params.stop_token_ids == (4, 9) and all(type(t) is int for t in params.stop_token_ids)
+
+
+def test_cache_salt_must_be_a_string():
+    with pytest.raises(TypeError, match=r"^cache_salt must be a string or None, got 5 \(int\)$"):
+        SamplingParams(cache_salt=5)
+
+
+def test_ignore_eos_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^ignore_eos must be True or False, got 'yes' \(str\)$"):
+        SamplingParams(ignore_eos="yes")
+
+
+def test_a_bare_stop_token_id_names_the_list_to_pass():
+    with pytest.raises(TypeError, match=r"got 5; pass stop_token_ids=\[5\]$"):
+        SamplingParams(stop_token_ids=5)
+
+
+@pytest.mark.parametrize("stop_token_ids", [[1, "x"], [1.0, 2.0], [True], "ab"])
+def test_stop_token_ids_must_be_ints(stop_token_ids):
+    with pytest.raises(TypeError, match=r"^stop_token_ids must be a list of ints, got "):
+        SamplingParams(stop_token_ids=stop_token_ids)
+
+
+def test_a_negative_stop_token_id_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^stop_token_ids must be token ids >= 0, got \[3, -1\]$"):
+        SamplingParams(stop_token_ids=[3, -1])
+
+
+@pytest.mark.parametrize("stop", [5, [1], ["a", None], b"ab"])
+def test_stop_must_be_a_string_or_strings(stop):
+    with pytest.raises(TypeError, match=r"^stop must be a string or a list of strings, got "):
+        SamplingParams(stop=stop)
+
+
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+)
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_float_is_a_value_error(name, value):
+    with pytest.raises(ValueError, match=rf"^{name} must be a finite number, got {value}$"):
+        SamplingParams(**{name: value})
+
+
+def test_a_float_setting_given_as_a_string_is_a_type_error():
+    with pytest.raises(TypeError, match=r"^temperature must be a number, got '0.5' \(str\)$"):
+        SamplingParams(temperature="0.5")
+
+
+# ---- SamplingParams: meanings -----------------------------------------------------------------
+
+
+def test_top_k_zero_turns_top_k_off_as_in_vllm():
+    assert SamplingParams(top_k=0).top_k == -1
+    with pytest.raises(ValueError, match=r"^top_k must be -1 or 0 \(off\) or >= 1, got -2$"):
+        SamplingParams(top_k=-2)
+
+
+def test_a_temperature_below_1e_5_is_greedy():
+    temperatures = (0, 1e-40, 9.99e-6, 1e-5, 0.5)
+    assert [SamplingParams(temperature=t).greedy for t in temperatures] == [True, True, True, False, False]
+
+
+def test_the_sampler_takes_the_argmax_at_a_tiny_temperature():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 2.9, 1.0]])
+    rows = [SamplingRow(SamplingParams(temperature=1e-40), None, [], 0) for _ in range(2)]
+    rows.append(SamplingRow(SamplingParams(seed=0), torch.Generator().manual_seed(0), [], 0))
+    tokens, _ = sample(torch.cat([logits, logits[:1]]), rows)
+    assert tokens[:2] == [1, 0]
+
+
+def test_a_request_at_a_tiny_temperature_gives_exactly_the_greedy_tokens(patched):
+    llm = patched(tiny_model("llama"), max_model_len=128)
+    batch = prompts((30, 45))
+    greedy = llm.generate(batch, SamplingParams(temperature=0, max_tokens=10))
+    tiny = llm.generate(batch, SamplingParams(temperature=1e-40, max_tokens=10))
+    assert [o.outputs[0].token_ids for o in tiny] == [o.outputs[0].token_ids for o in greedy]
+
+
+# ---- EngineConfig -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        (dict(block_size=0), ValueError, r"^block_size must be >= 1, got 0$"),
+        (dict(block_size=16.0), TypeError, r"^block_size must be an int, got 16\.0 \(float\); pass block_size=16$"),
+        (dict(num_blocks=100.0), TypeError, r"^num_blocks must be an int, got 100\.0 \(float\); pass num_blocks=100$"),
+        (dict(num_blocks=1), ValueError, r"^num_blocks must be >= 2 \(block 0 is the null block, never used\), got 1$"),
+        (dict(kv_cache_memory=0), ValueError, r"^kv_cache_memory must be >= 1 \(bytes\), got 0$"),
+        (dict(kv_cache_memory=1.5e9), TypeError, r"^kv_cache_memory must be an int, got 1500000000\.0 \(float\)"),
+        (dict(max_model_len=0), ValueError, r"^max_model_len must be >= 1, got 0$"),
+        (dict(max_model_len=-5), ValueError, r"^max_model_len must be >= 1, got -5$"),
+        (dict(max_num_seqs=0), ValueError, r"^max_num_seqs must be >= 1, got 0$"),
+        (dict(max_num_batched_tokens=0), ValueError, r"^max_num_batched_tokens must be >= 1, got 0$"),
+        (
+            dict(long_prefill_token_threshold=-1),
+            ValueError,
+            r"^long_prefill_token_threshold must be >= 0 \(0 turns the cap off\), got -1$",
+        ),
+        (dict(swap_space=-1), ValueError, r"^swap_space must be >= 0 \(bytes; 0 = no swap space\), got -1$"),
+        (dict(swap_space=True), TypeError, r"^swap_space must be an int, got True \(bool\)$"),
+    ],
+)
+def test_a_count_setting_out_of_range_or_of_the_wrong_type_names_the_rule(settings, error, message):
+    with pytest.raises(error, match=message):
+        EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("utilization", [0, -0.1, 1.01, 2])
+def test_gpu_memory_utilization_must_be_a_share(utilization):
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=utilization)
+
+
+def test_gpu_memory_utilization_must_be_finite():
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be a finite number, got nan$"):
+        EngineConfig(gpu_memory_utilization=math.nan)
+
+
+def test_preemption_mode_must_be_recompute_or_swap():
+    with pytest.raises(ValueError, match=r"^preemption_mode must be one of \('recompute', 'swap'\), got 'Swap'$"):
+        EngineConfig(preemption_mode="Swap")
+
+
+def test_attention_backend_must_be_none_torch_or_triton():
+    with pytest.raises(ValueError, match=r"^attention_backend must be one of \(None, 'torch', 'triton'\), got 'cuda'$"):
+        EngineConfig(attention_backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8])
+def test_kv_cache_dtype_must_be_a_torch_floating_dtype(dtype):
+    with pytest.raises(
+        TypeError, match=r"^kv_cache_dtype must be None \(the model's dtype\) or a torch floating dtype"
+    ):
+        EngineConfig(kv_cache_dtype=dtype)
+
+
+def test_enable_prefix_caching_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"^enable_prefix_caching must be True or False, got 1 \(int\)$"):
+        EngineConfig(enable_prefix_caching=1)
+
+
+def test_an_unknown_setting_names_the_closest_valid_ones():
+    with pytest.raises(TypeError, match=r"^unknown hybridkv setting 'blok_size' \(did you mean block_size\?\); the "):
+        EngineConfig.from_kwargs(blok_size=8)
+
+
+def test_min_num_blocks_names_the_closest_setting_to_an_unknown_one():
+    with pytest.raises(TypeError, match=r"'max_len' \(did you mean max_model_len\?\)"):
+        hybridkv.min_num_blocks(tiny_model("llama"), max_len=64)
+
+
+def test_patch_names_the_closest_setting_to_an_unknown_one():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"'blok_size' \(did you mean block_size\?\)"):
+        hybridkv.patch(model, blok_size=8)
+    assert not hybridkv.is_patched(model)
+
+
+# ---- at patch time ----------------------------------------------------------------------------
+
+
+def test_max_model_len_beyond_max_position_embeddings_is_refused():
+    model = tiny_model("llama", max_position_embeddings=256)
+    with pytest.raises(
+        ValueError,
+        match=r"^max_model_len=257 is beyond the model's max_position_embeddings=256; pass max_model_len <= 256$",
+    ):
+        hybridkv.patch(model, max_model_len=257)
+    assert not hybridkv.is_patched(model)
+
+
+def test_a_config_without_max_position_embeddings_needs_max_model_len(monkeypatch, patched):
+    model = tiny_model("llama")
+    # As a remote-code config that never declares it (transformers' own configs always do).
+    monkeypatch.delattr(model.config, "max_position_embeddings")
+    monkeypatch.delattr(type(model.config), "max_position_embeddings")
+    with pytest.raises(ValueError, match=r"^LlamaForCausalLM's config has no max_position_embeddings; pass max_model"):
+        hybridkv.patch(model)
+    assert patched(model, max_model_len=96).max_model_len == 96
+
+
+def test_yarn_rope_scaling_stretches_the_context_beyond_max_position_embeddings(patched):
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0}
+    model = tiny_model("llama", max_position_embeddings=128, rope_parameters=rope)
+    assert patched(model, max_model_len=256, num_blocks=64).max_model_len == 256
+    with pytest.raises(ValueError, match=r"beyond the model's YaRN context of factor 2\.0 x original_max_position"):
+        hybridkv.patch(model, max_model_len=257, num_blocks=64)
+
+
+def test_a_model_built_on_the_meta_device_is_refused_at_patch_time():
+    with torch.device("meta"):
+        model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"weights on the meta device.*Load the weights first, or use accelerate's"):
+        hybridkv.patch(model, max_model_len=128)
+
+
+def test_a_model_built_under_init_empty_weights_is_refused_at_patch_time():
+    with init_empty_weights():
+        model = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"weights on the meta device that nothing loads \(model\.embed_tokens, "):
+        hybridkv.patch(model, max_model_len=128)
+
+
+def test_one_layer_left_on_the_meta_device_is_refused_at_patch_time():
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.to("meta")
+    message = (
+        r"^LlamaForCausalLM has weights on the meta device that nothing loads \(model\.layers\.1\.mlp\.gate_proj, "
+        r"model\.layers\.1\.mlp\.up_proj, model\.layers\.1\.mlp\.down_proj\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        hybridkv.patch(model, max_model_len=128)
+    assert not hybridkv.is_patched(model)
