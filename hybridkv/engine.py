@@ -73,11 +73,11 @@ class LLMEngine:
         # the next step reports them.
         self._unreported: list[RequestState] = []
         self._unclaimed: list[RequestOutput] = []
-        # Streams dropped while the engine was busy (mid-step, or in another thread): aborted next step.
+        # Streams dropped while an engine call was under way: aborted when the next call begins.
         self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
         self._lock = threading.RLock()
-        self._in_step = False
+        self._depth = 0  # engine calls under way in the owning thread (they nest)
         self._closed = False
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -143,18 +143,26 @@ class LLMEngine:
         return self.outputs.output(state)
 
     def _release_stream(self, request_id: str) -> None:
-        """A stream was closed or dropped before its request finished: abort the request, now if the
-        engine is idle in this thread, else at the start of the next step (a stream can be collected
-        mid-step, or in another thread)."""
+        """A stream was closed or dropped before its request finished: abort the request now if no engine
+        call is under way, else when the next call begins (a stream can be collected by the garbage
+        collector in the middle of a call, or in another thread)."""
         if self._closed:
             return
-        if self._in_step or not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(blocking=False):
             self._pending_aborts.append(request_id)
             return
         try:
-            self._abort(request_id)
+            if self._depth:
+                self._pending_aborts.append(request_id)
+            else:
+                self._abort(request_id)
         finally:
             self._lock.release()
+
+    def _abort_released_streams(self) -> None:
+        """Called by `exclusive` when a call begins: the aborts `_release_stream` had to put off."""
+        while self._pending_aborts:
+            self._abort(self._pending_aborts.popleft())
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
@@ -172,15 +180,6 @@ class LLMEngine:
         """Run one scheduling step. Returns the state of every request that produced tokens or
         finished in it (finished ones for the last time): each request's live record, updated in place
         by later steps."""
-        while self._pending_aborts:
-            self._abort(self._pending_aborts.popleft())
-        self._in_step = True
-        try:
-            return self._step()
-        finally:
-            self._in_step = False
-
-    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         touched = {state.group.request_id: state for state in self._unreported}
         self._unreported = []

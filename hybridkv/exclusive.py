@@ -22,7 +22,7 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 
 def exclusive(method: Method) -> Method:
     """A public entry point: refuses a closed engine and a second thread (the lock is re-entrant, so the
-    engine's own calls nest)."""
+    engine's own calls nest); the outermost call first aborts the streams dropped during earlier calls."""
 
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -31,7 +31,13 @@ def exclusive(method: Method) -> Method:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(BUSY_MESSAGE)
         try:
-            return method(self, *args, **kwargs)
+            if self._depth == 0:
+                self._abort_released_streams()
+            self._depth += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._depth -= 1
         finally:
             self._lock.release()
 

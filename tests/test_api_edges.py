@@ -277,3 +277,26 @@ def test_patching_again_with_other_settings_refuses_to_drop_unfinished_requests(
     llm.abort_all()
     assert serves_exactly(llm, gemma3)
     assert patched(model, max_model_len=96) is not llm
+
+
+def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_begins(gemma3, patched, monkeypatch):
+    model, batch, expected = gemma3
+    llm = patched(model, max_model_len=128)
+    stream = llm.stream(batch[1], SamplingParams(temperature=0, max_tokens=20))
+    next(stream)
+    other = llm.add_request(batch[0], GREEDY)
+    execute = llm.runner.execute
+
+    def collecting(*args, **kwargs):
+        stream.close()  # as the garbage collector may, in the middle of a step
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "execute", collecting)
+    llm.step()
+    monkeypatch.undo()
+    assert stream.request_id in llm.outputs.states  # never aborted mid-step
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert stream.request_id not in done and done[other].outputs[0].token_ids == expected[0]
+    assert serves_exactly(llm, gemma3)
