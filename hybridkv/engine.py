@@ -270,21 +270,22 @@ class LLMEngine:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one or one each")
         checked = [self._checked_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
         ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        progress = _progress(len(checked), use_tqdm)
         try:
             ids.extend(self._enqueue(*request) for request in checked)
             wanted = set(ids)
-            done: dict[str, RequestOutput] = {}
-            progress = _progress(len(ids), use_tqdm)
             while len(done) < len(ids):
                 for output in self._step_claiming(wanted):
                     if output.finished:
                         done[output.request_id] = output
                         progress.update(1)
-            progress.close()
         except BaseException:
             for request_id in ids:
                 self._abort(request_id)
             raise
+        finally:
+            progress.close()
         return [done[request_id] for request_id in ids]
 
     @exclusive
