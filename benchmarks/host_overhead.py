@@ -1,0 +1,64 @@
+"""Host work per engine step: what hybridkv spends outside the model's forward.
+
+hybridkv alone on `benchmarks/throughput.py`'s hybrid model and its mixed and shared-prefix workloads,
+greedy, repeated; prints the median per step of the host time (scheduling, inputs and metadata,
+sampling, update) with its parts, the forward's time and the share. Machine speed drifts on shared
+cores, so compare two versions by running them back to back, alternated, several times: install the
+other version to a folder (`pip install --no-deps --target DIR <checkout>`) and run this script with
+`PYTHONPATH=DIR` (the model comes from `hybridkv.tiny`, present since the engine-step refactor).
+
+    python benchmarks/host_overhead.py [--threads 1] [--repeats 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import hybridkv
+from hybridkv import SamplingParams
+
+from throughput import hybrid_model, workload
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = hybrid_model()
+    print(f"torch {torch.__version__}, {args.threads} threads; median of {args.repeats - 1} runs after a warm-up")
+    for name in ("mixed", "shared"):
+        prompts, max_new = workload(name)
+        runs = []
+        for _ in range(args.repeats):
+            llm = hybridkv.patch(model, max_model_len=8192)
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
+            stats = llm.stats()
+            hybridkv.unpatch(model)
+            steps = stats["num_steps"]
+            runs.append(
+                [
+                    stats[key] / steps * 1e3
+                    for key in (
+                        "overhead_seconds",
+                        "schedule_seconds",
+                        "prepare_seconds",
+                        "update_seconds",
+                        "forward_seconds",
+                    )
+                ]
+            )
+        host, schedule, prepare, update, forward = (statistics.median(column) for column in zip(*runs[1:], strict=True))
+        print(
+            f"{name:<7} host {host:.3f} ms/step (schedule {schedule:.3f}, inputs+metadata {prepare:.3f}, update "
+            f"{update:.3f}, sampling and the rest {host - schedule - prepare - update:.3f}); forward {forward:.2f} ms; "
+            f"host / forward {host / forward:.1%}; {steps} steps"
+        )
+
+
+if __name__ == "__main__":
+    main()
