@@ -9,6 +9,16 @@ from hybridkv.sizing import min_num_blocks
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # `serve` needs the `serve` extra (FastAPI, uvicorn): imported on first use, not with hybridkv.
+    if name == "serve":
+        from hybridkv.serving import serve
+
+        return serve
+    raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")
+
+
 __all__ = [
     "CompletionOutput",
     "EngineConfig",
@@ -19,5 +29,6 @@ __all__ = [
     "is_patched",
     "min_num_blocks",
     "patch",
+    "serve",
     "unpatch",
 ]

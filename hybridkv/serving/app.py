@@ -1,0 +1,90 @@
+"""`build_app`: the FastAPI app of an OpenAI-compatible server over an `AsyncLLMEngine`.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
+server-sent events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text). Every
+refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
+a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from hybridkv.serving.endpoints import APIError, OpenAIServing
+from hybridkv.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+if TYPE_CHECKING:
+    from hybridkv.async_engine import AsyncLLMEngine
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+    """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
+    down). `app.state.serving` is the `OpenAIServing` behind the routes."""
+    serving = OpenAIServing(engine, model_name)
+    app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def refused(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(serving.metrics.exposition(engine.stats()), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return _respond(await serving.completion(body, request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return _respond(await serving.chat(body, request))
+
+    return app
+
+
+def _respond(result: Any) -> Any:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The first schema error as a sentence and the field it names (pydantic's own wording otherwise)."""
+    error = errors[0]
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "not JSON")
+        return f"the request body is not valid JSON ({reason}); send a JSON object", None
+    if error["type"] == "extra_forbidden":
+        return f"unknown field {param!r}; check its spelling (see the API reference)", param
+    if error["type"] == "missing":
+        return f"the field {param!r} is required", param
+    if param is None:
+        return f"the request body must be a JSON object: {error['msg']}", None
+    return f"{param}: {error['msg']}", param

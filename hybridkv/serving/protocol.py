@@ -1,0 +1,164 @@
+"""OpenAI's request bodies as pydantic models, their `SamplingParams`, and the response bodies.
+
+Only the fields hybridkv honours are accepted: an unknown field is a 400 naming it, so a typo never
+passes silently. Beyond OpenAI's fields a body may carry hybridkv's (vLLM's) extra sampling settings:
+top_k, min_p, min_tokens, ignore_eos, stop_token_ids, repetition_penalty, cache_salt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from hybridkv.outputs import CompletionOutput, TokenLogprobs
+from hybridkv.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share: OpenAI's sampling settings and hybridkv's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    cache_salt: str | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The body's settings as `SamplingParams` (which checks them: its ValueError or TypeError is
+        the 400's message); fields the body leaves out keep hybridkv's defaults."""
+        names = (
+            "temperature",
+            "top_p",
+            "n",
+            "stop",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "top_k",
+            "min_p",
+            "min_tokens",
+            "ignore_eos",
+            "stop_token_ids",
+            "repetition_penalty",
+            "cache_salt",
+        )
+        settings = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **settings)
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: one prompt, text or token ids; `logprobs` is the top count (OpenAI's)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: Literal[False] = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it; content parts are joined into one text."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`: `logprobs` is a flag and `top_logprobs` the top count (OpenAI's)."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class TokenText:
+    """Token ids as the text OpenAI's logprobs show: each token decoded on its own."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, sample: CompletionOutput) -> dict[str, Any] | None:
+        """`/v1/completions`' logprobs: tokens, their logprobs, the top tokens' and text offsets."""
+        if sample.logprobs is None:
+            return None
+        tokens = [self(token_id) for token_id in sample.token_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprob for entry in sample.logprobs],
+            "top_logprobs": [{self(top_id): lp for top_id, lp in entry.top} for entry in sample.logprobs],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, sample: CompletionOutput) -> dict[str, Any] | None:
+        """`/v1/chat/completions`' logprobs: one entry per token with its top alternatives."""
+        if sample.logprobs is None:
+            return None
+        return {
+            "content": [
+                self._chat_entry(token_id, entry)
+                for token_id, entry in zip(sample.token_ids, sample.logprobs, strict=True)
+            ]
+        }
+
+    def _chat_entry(self, token_id: int, entry: TokenLogprobs) -> dict[str, Any]:
+        token = self(token_id)
+        top = [{"token": self(i), "logprob": lp, "bytes": list(self(i).encode())} for i, lp in entry.top]
+        return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top}
