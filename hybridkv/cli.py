@@ -1,10 +1,12 @@
-"""The `hybridkv` command line: `hybridkv demo` and `hybridkv generate --model PATH --prompt ...`."""
+"""The `hybridkv` command line: `hybridkv demo`, `hybridkv generate --model PATH --prompt ...` and
+`hybridkv serve --model PATH` (an OpenAI-compatible server)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -13,6 +15,22 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
 
 SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
+# The flag of every `patch` setting `hybridkv serve` takes: its type, or its choices.
+PATCH_FLAGS: dict[str, Any] = {
+    "block_size": int,
+    "num_blocks": int,
+    "kv_cache_memory": int,
+    "gpu_memory_utilization": float,
+    "kv_cache_dtype": ["float32", "bfloat16", "float16"],
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "long_prefill_token_threshold": int,
+    "enable_prefix_caching": bool,
+    "preemption_mode": ["recompute", "swap"],
+    "swap_space": int,
+    "attention_backend": ["torch", "triton"],
+}
 DEMO_PROMPTS = [
     "Once upon a time",
     "The quick brown fox",
@@ -85,12 +103,9 @@ def demo(max_tokens: int) -> None:
 
 def generate(args: argparse.Namespace) -> None:
     """Load a local checkpoint, patch it, stream the completion of each prompt, print the stats."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if args.threads:
         torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    model, tokenizer = load_checkpoint(args.model, args.dtype)
     llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=args.max_model_len)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
     for prompt in args.prompt:
@@ -104,6 +119,55 @@ def generate(args: argparse.Namespace) -> None:
         f"KV {stats['kv_cache_bytes'] / 2**20:.0f} MiB]",
         file=sys.stderr,
     )
+
+
+def load_checkpoint(path: str, dtype: str) -> tuple[torch.nn.Module, Any]:
+    """A local transformers checkpoint and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return model, tokenizer
+
+
+def add_patch_flags(parser: argparse.ArgumentParser) -> None:
+    """`--block-size`, `--max-model-len`, ...: one flag per `patch` setting, unset by default."""
+    for name, kind in PATCH_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(kind, list):
+            parser.add_argument(flag, choices=kind, default=None)
+        else:
+            parser.add_argument(flag, type=kind, default=None)
+
+
+def patch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The patch settings given on the command line (the rest keep `EngineConfig`'s defaults)."""
+    settings = {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
+    if "kv_cache_dtype" in settings:
+        settings["kv_cache_dtype"] = getattr(torch, settings["kv_cache_dtype"])
+    return settings
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Load a local checkpoint, patch it with the given settings and serve OpenAI's API until Ctrl-C."""
+    import uvicorn
+
+    from hybridkv.async_engine import AsyncLLMEngine
+    from hybridkv.serving import build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_checkpoint(args.model, args.dtype)
+    llm = hybridkv.patch(model, tokenizer=tokenizer, **patch_settings(args))
+    engine = AsyncLLMEngine(llm)
+    name = args.served_model_name or args.model
+    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
+    try:
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,9 +185,20 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    srv = commands.add_parser("serve", help="serve a local checkpoint with OpenAI's API (needs the serve extra)")
+    srv.add_argument("--model", required=True, help="a local folder with a transformers model and tokenizer")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: --model)")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_patch_flags(srv)
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo(args.max_tokens)
-    else:
+    elif args.command == "generate":
         generate(args)
+    else:
+        serve(args)
     return 0
