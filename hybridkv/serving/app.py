@@ -40,6 +40,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         message, param = _validation_message(error.errors())
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        message = f"the server failed: {type(error).__name__}: {error}"
+        return JSONResponse(error_body(message, "server_error"), status_code=500)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
@@ -48,8 +53,10 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    # A plain function: FastAPI runs it in its thread pool, so waiting for the engine's stats never
+    # blocks the event loop.
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    def metrics() -> PlainTextResponse:
         return PlainTextResponse(serving.metrics.exposition(engine.stats()), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/v1/models")

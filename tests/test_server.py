@@ -1,0 +1,329 @@
+"""The OpenAI-compatible server: a real uvicorn server on a loopback port, called with the real `openai`
+client (and httpx where the exact bytes matter), against a tiny checkpoint whose tokenizer has a chat
+template; its answers are compared with the offline engine's for the same prompts and settings."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.chat import render_chat
+from hybridkv.tiny import tiny_model
+
+from tiny_tokenizer import tiny_tokenizer
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 128
+SETTINGS = {"max_model_len": MAX_MODEL_LEN, "block_size": 8, "num_blocks": 256}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The quick brown fox"}]
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+DEADLINE_SECONDS = 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("checkpoint")
+    tiny_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    return path
+
+
+def load(checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return model, hybridkv.patch(model, tokenizer=tokenizer, **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """An engine of its own on the same checkpoint: what the server must answer."""
+    model, llm = load(checkpoint)
+    yield llm
+    hybridkv.unpatch(model)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    model, llm = load(checkpoint)
+    handle = hybridkv.serve(llm, port=0, model_name=MODEL)
+    yield handle
+    handle.stop()
+    hybridkv.unpatch(model)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_SECONDS)
+
+
+def wait_until_idle(server):
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while (stats := server.engine.stats())["blocks_in_use"] or stats["num_running"] or stats["num_waiting"]:
+        assert time.monotonic() < deadline, f"still in use after {DEADLINE_SECONDS} s: {stats}"
+        time.sleep(0.05)
+    return stats
+
+
+def test_models_lists_the_served_name(client):
+    (card,) = client.models.list().data
+    assert (card.id, card.owned_by) == (MODEL, "hybridkv")
+
+
+def test_a_completion_equals_the_offline_engines_output(client, offline):
+    expected = offline.generate("The quick", GREEDY, use_tqdm=False)[0]
+    response = client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0)
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason) == (expected.outputs[0].text, expected.outputs[0].finish_reason)
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_a_streamed_completion_is_the_completion_in_pieces(client, offline):
+    expected = offline.generate("Once upon", GREEDY, use_tqdm=False)[0].outputs[0]
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_extra_sampling_fields_reach_the_engine(client, offline):
+    params = SamplingParams(temperature=0.8, top_k=5, min_p=0.05, seed=3, max_tokens=10, ignore_eos=True)
+    expected = offline.generate("The quick", params, use_tqdm=False)[0].outputs[0]
+    response = client.completions.create(
+        model=MODEL,
+        prompt="The quick",
+        max_tokens=10,
+        temperature=0.8,
+        seed=3,
+        extra_body={"top_k": 5, "min_p": 0.05, "ignore_eos": True},
+    )
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == 10
+
+
+def test_a_chat_renders_the_template_and_streams_the_same_text(client, offline):
+    prompt = render_chat(offline.tokenizer, MESSAGES)
+    prompt_ids = offline.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    expected = offline.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True)
+    )
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert response.choices[0].message.content == expected.outputs[0].text == streamed
+    assert (response.choices[0].message.role, chunks[0].choices[0].delta.role) == ("assistant", "assistant")
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+
+def test_a_chat_with_include_usage_ends_with_a_usage_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
+def test_n_samples_and_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt="The quick", max_tokens=4, n=3, seed=1, logprobs=2)
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    for choice in response.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == 4
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert response.usage.completion_tokens == 12
+
+
+def test_32_concurrent_clients_all_get_the_offline_answer(server, client, offline):
+    prompts = [f"The quick brown fox {i}" for i in range(32)]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]
+
+    def ask(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(ask, prompts, timeout=120))
+    assert answers == expected
+    wait_until_idle(server)
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=DEADLINE_SECONDS) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: ") :])["choices"][0]["finish_reason"] is None
+        assert server.engine.stats()["num_running"] == 1
+    stats = wait_until_idle(server)
+    assert stats["blocks_in_use"] == 0
+    assert 'hybridkv_request_finished_total{finish_reason="abort"}' in httpx.get(server.url + "/metrics").text
+
+
+BAD_REQUESTS = [
+    pytest.param(
+        {"temperature": -1},
+        400,
+        "temperature must be >= 0 (0 = greedy), got -1.0",
+        "temperature",
+        id="invalid-temperature",
+    ),
+    pytest.param({"top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p", id="invalid-top-p"),
+    pytest.param({"top_k": -5}, 400, "top_k must be -1 or 0 (off) or >= 1, got -5", "top_k", id="invalid-top-k"),
+    pytest.param(
+        {"model": "gpt-4"},
+        404,
+        "model 'gpt-4' does not exist; this server serves 'tiny-llama'",
+        "model",
+        id="unknown-model",
+    ),
+    pytest.param(
+        {"prompt": [5] * 200},
+        400,
+        "prompt has 200 tokens but max_model_len is 128; shorten the prompt (or serve with a larger --max-model-len)",
+        "prompt",
+        id="prompt-too-long",
+    ),
+    pytest.param(
+        {"temprature": 0.5},
+        400,
+        "unknown field 'temprature'; check its spelling (see the API reference)",
+        "temprature",
+        id="unknown-field",
+    ),
+    pytest.param({"max_tokens": "many"}, 400, None, "max_tokens", id="wrong-type"),
+]
+
+
+@pytest.mark.parametrize(("change", "status", "message", "param"), BAD_REQUESTS)
+def test_a_bad_request_gets_its_4xx_and_the_server_keeps_answering(
+    server, client, offline, change, status, message, param
+):
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 8, **change}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    if message is not None:
+        assert error["message"] == message
+    test_a_completion_equals_the_offline_engines_output(client, offline)
+
+
+def test_malformed_json_is_a_400(server, client, offline):
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b'{"model": "tiny-llama", "messages": [',
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("the request body is not valid JSON")
+    test_a_completion_equals_the_offline_engines_output(client, offline)
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be in"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, presence_penalty=3)
+
+
+def test_a_bad_request_does_not_disturb_a_running_stream(server, client, offline):
+    expected = offline.generate(
+        "Once upon", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )[0]
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=30, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    text = next(iter(stream)).choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Once upon", temperature=-1)
+    text += "".join(chunk.choices[0].text for chunk in stream)
+    assert text == expected.outputs[0].text
+
+
+def test_health_and_metrics_answer(server, client):
+    client.completions.create(model=MODEL, prompt="The quick", max_tokens=4)
+    wait_until_idle(server)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    response = httpx.get(server.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = response.text.splitlines()
+    for line in (
+        "hybridkv_kv_blocks_in_use 0",
+        "hybridkv_num_requests_running 0",
+        "hybridkv_num_requests_waiting 0",
+        "hybridkv_num_requests_swapped 0",
+        'hybridkv_kv_blocks_in_use_per_group{group="0"} 0',
+        "# TYPE hybridkv_time_to_first_token_seconds histogram",
+        "# TYPE hybridkv_time_per_output_token_seconds histogram",
+        "# TYPE hybridkv_prefix_cache_hits_total counter",
+    ):
+        assert line in lines
+    stats = server.engine.stats()
+    assert f"hybridkv_generation_tokens_total {stats['num_generated_tokens']}" in lines
+    assert f"hybridkv_prefix_cache_queries_total {stats['prefix_cache_queries']}" in lines
+    ttft_count = next(line for line in lines if line.startswith("hybridkv_time_to_first_token_seconds_count"))
+    assert int(ttft_count.split()[1]) >= 1
+
+
+def test_importing_hybridkv_does_not_import_fastapi():
+    code = "import sys, hybridkv; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serve_refuses_a_port_in_use(server, offline):
+    port = int(server.url.rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=f"could not start the server on 127.0.0.1:{port}"):
+        hybridkv.serve(offline, port=port)
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
+    port = free_port()
+    command = [sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint), "--port", str(port)]
+    command += ["--served-model-name", MODEL, "--max-model-len", "128", "--block-size", "8", "--threads", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "the server did not start within 60 s"
+                time.sleep(0.2)
+        expected = offline.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert (
+            client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0).choices[0].text
+            == expected
+        )
+        assert client.models.list().data[0].max_model_len == 128
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
