@@ -1,9 +1,9 @@
-"""The engine: the public API (`add_request`, `step`, `abort`, `generate`, `stream`, `stats`) and the
-step loop: schedule -> swap copies -> one forward -> sample -> update -> outputs.
+"""The engine: requests in (`add_request`, `abort`, `abort_all`), the step loop (schedule -> swap copies ->
+one forward -> sample -> update -> outputs) and `stats`.
 
 What comes before and after a step lives beside it: `inputs.py` (prompts into checked ids),
-`output_processor.py` (text, logprobs, stop decisions, outputs), `stream.py` (a streamed request),
-`sizing.py` (the pool's size).
+`output_processor.py` (text, logprobs, stop decisions, outputs), `loops.py` (`generate`, `chat`,
+`stream`: loops over steps), `stream.py` (a streamed request), `sizing.py` (the pool's size).
 
 Every public call is `exclusive` (one thread at a time; none after `unpatch`). Nothing is lost on the
 way out: a request whose call fails or is interrupted (KeyboardInterrupt) is aborted, and every block it
@@ -24,10 +24,11 @@ import torch
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.exclusive import exclusive
-from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids, prompt_list
+from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
+from hybridkv.loops import RunLoops
 from hybridkv.model_runner import ModelRunner
 from hybridkv.output_processor import OutputProcessor, RequestState
-from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
+from hybridkv.outputs import RequestOutput, TokenLogprobs
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampler import sample_each
 from hybridkv.sampling_params import SamplingParams
@@ -35,13 +36,13 @@ from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.stats import engine_stats
 from hybridkv.stopping import StopRules
-from hybridkv.stream import RequestStream
 
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
 
-class LLMEngine:
-    """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`)."""
+class LLMEngine(RunLoops):
+    """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`); `generate`,
+    `chat` and `stream` come from `RunLoops` (hybridkv/loops.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig()
@@ -251,87 +252,8 @@ class LLMEngine:
         plan.scheduled = []
         plan.num_tokens = 0
 
-    # ---- convenience loops --------------------------------------------------------------------
-
-    @exclusive
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. A prompt is text, token ids
-        or a 1-D tensor; a [B, N] tensor is B prompts. Every prompt and params are checked before any is
-        queued; if the call fails or is interrupted, the requests it queued are aborted."""
-        prompts = prompt_list(prompts)
-        if isinstance(params, SamplingParams) or params is None:
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams; give one or one each")
-        checked = [self._checked_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
-        ids: list[str] = []
-        done: dict[str, RequestOutput] = {}
-        progress = _progress(len(checked), use_tqdm)
-        try:
-            ids.extend(self._enqueue(*request) for request in checked)
-            wanted = set(ids)
-            while len(done) < len(ids):
-                for output in self._step_claiming(wanted):
-                    if output.finished:
-                        done[output.request_id] = output
-                        progress.update(1)
-        except BaseException:
-            for request_id in ids:
-                self._abort(request_id)
-            raise
-        finally:
-            progress.close()
-        return [done[request_id] for request_id in ids]
-
-    @exclusive
-    def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
-    ) -> RequestStream:
-        """Queue a request and return its stream: iterating it yields each sample's new tokens and text
-        (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
-        dropping it, aborts the request. Other queued requests keep running meanwhile; their results
-        wait for the next step() call."""
-        request_id = self._enqueue(*self._checked_request(prompt, params, request_id))
-        return RequestStream(self, self.outputs.states[request_id])
-
-    @exclusive
-    def _advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]:
-        """Step until the stream's request has news (unless it ended elsewhere, e.g. aborted); its deltas
-        and whether it finished."""
-        if not state.output.finished:
-            self._step_claiming({state.group.request_id})
-        return self.outputs.stream_deltas(state), state.output.finished
-
-    def _step_claiming(self, wanted: set[str]) -> list[RequestOutput]:
-        """One step; finished outputs of requests not in `wanted` are kept for the caller of step()."""
-        outputs = self.step()
-        mine = [o for o in outputs if o.request_id in wanted]
-        self._unclaimed.extend(o for o in outputs if o.request_id not in wanted and o.finished)
-        return mine
-
     # ---- stats --------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
         return engine_stats(self)
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    from tqdm.auto import tqdm  # only when asked: in Jupyter without ipywidgets tqdm.auto warns on import
-
-    return tqdm(total=total, desc="hybridkv", unit="req")

@@ -1,0 +1,237 @@
+"""`AsyncLLMEngine`: one `LLMEngine` served to any number of callers, from threads or asyncio loops.
+
+One background thread owns the engine and runs its step loop while there is work. Callers never touch
+the engine: `submit` checks a request in the caller's thread (bad input raises there, at once) and puts
+it in the thread's inbox; results come back through a `RequestHandle`: a future for the final output
+(`handle.result()` from a thread, `await handle` from any running event loop, Jupyter's included) and
+the request's `StreamDelta`s (`async for delta in handle.deltas()`). Abandoning a stream (closing it,
+cancelling its task, dropping it) or `handle.abort()` aborts the request and returns its blocks. A
+failing step fails only its requests (the engine's rule); an unexpected error in the loop fails the
+requests in flight and the loop keeps serving. `shutdown()` aborts what runs and stops the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.engine import LLMEngine
+    from hybridkv.inputs import Prompt
+    from hybridkv.output_processor import RequestState
+
+
+class RequestHandle:
+    """One submitted request: its id, its final output (a future) and its deltas as they come."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
+        self._deltas: deque[StreamDelta] = deque()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._lock = threading.Lock()
+        self._done = False
+        self.state: RequestState | None = None  # set by the engine thread when the request is queued
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """The finished request's output (blocks this thread until then); raises what failed its submission."""
+        return self._future.result(timeout)
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+    def abort(self) -> None:
+        """Stop the request; its blocks return to the pool (thread-safe; nothing if it already finished)."""
+        self._engine._post(("abort", self.request_id))
+
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        """Each sample's new tokens and text as the engine produces them, until the request ends. Leaving
+        the loop early (break, cancellation, closing the iterator) aborts the request."""
+        event = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), event)
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            while True:
+                while self._deltas:
+                    yield self._deltas.popleft()
+                if self._done and not self._deltas:
+                    return
+                await event.wait()
+                event.clear()
+        finally:
+            with self._lock:
+                self._waiters.remove(waiter)
+            if not self._done:
+                self.abort()
+
+    # ---- called by the engine thread ----------------------------------------------------------
+
+    def _push(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
+        self._deltas.extend(deltas)
+        if output is not None and output.finished:
+            self._done = True
+            self._future.set_result(output)
+        self._wake_waiters()
+
+    def _fail(self, exc: BaseException) -> None:
+        self._done = True
+        if not self._future.done():
+            self._future.set_exception(exc)
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)
+
+
+class AsyncLLMEngine:
+    """Serves `llm` from a background thread (see the module docstring). Use `submit` / `generate`, not
+    `llm`'s own methods, while it runs: the engine refuses a second thread."""
+
+    def __init__(self, llm: LLMEngine) -> None:
+        self.llm = llm
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._handles: dict[str, RequestHandle] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestHandle:
+        """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
+        naming the fix), before anything is queued."""
+        if self._stopping:
+            raise RuntimeError("this AsyncLLMEngine was shut down; make a new one")
+        request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        checked = self.llm._checked_request(prompt, params, request_id)
+        handle = RequestHandle(self, request_id)
+        self._post(("add", handle, checked))
+        return handle
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestOutput:
+        """Submit and wait for the finished output (from any running event loop)."""
+        return await self.submit(prompt, params, request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def stats(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        """`llm.stats()`, taken by the engine thread between two steps (safe from any thread)."""
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        self._post(("call", self.llm.stats, future))
+        return future.result(timeout)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort every request, stop the thread and wait for it (idempotent)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> AsyncLLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _post(self, message: tuple[Any, ...]) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _run(self) -> None:
+        llm = self.llm
+        # Held for the thread's life: a direct call on `llm` from another thread gets the engine's clear
+        # "in use by another thread" error instead of racing this loop.
+        with llm._lock:
+            self._loop(llm)
+
+    def _loop(self, llm: LLMEngine) -> None:
+        while True:
+            self._wake.clear()
+            self._drain_inbox()
+            if self._stopping:
+                break
+            if not llm.has_unfinished_requests():
+                self._wake.wait()
+                continue
+            try:
+                outputs = llm.step()
+            except Exception as exc:  # a bug outside what a step handles itself: fail what is in flight
+                self._fail_all(RuntimeError(f"the engine loop failed: {type(exc).__name__}: {exc}"))
+                continue
+            for output in outputs:
+                self._deliver(output)
+        self._fail_all(RuntimeError("the AsyncLLMEngine was shut down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = message[0]
+            if kind == "add":
+                self._add(*message[1:])
+            elif kind == "abort":
+                self._deliver(self.llm.abort(message[1]))
+            else:
+                self._call(*message[1:])
+
+    def _add(self, handle: RequestHandle, checked: tuple[Any, ...]) -> None:
+        request_id = checked[0]
+        if request_id in self._handles or request_id in self.llm.outputs.states:
+            handle._fail(ValueError(f"request id {request_id!r} is already in use; give each request its own id"))
+            return
+        try:
+            self.llm._enqueue(*checked)
+        except Exception as exc:
+            handle._fail(exc)
+            return
+        handle.state = self.llm.outputs.states[request_id]
+        self._handles[request_id] = handle
+
+    def _call(self, function: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(function())
+        except Exception as exc:
+            future.set_exception(exc)
+
+    def _deliver(self, output: RequestOutput | None) -> None:
+        if output is None:
+            return
+        handle = self._handles.get(output.request_id)
+        if handle is None or handle.state is None:
+            return
+        if output.finished:
+            del self._handles[output.request_id]
+        handle._push(self.llm.outputs.stream_deltas(handle.state), output)
+
+    def _fail_all(self, error: RuntimeError) -> None:
+        """Abort every request in flight; its handle gets the aborted output, or `error` if none comes."""
+        for request_id in list(self._handles):
+            with contextlib.suppress(Exception):  # a closed engine (unpatched under us) refuses the abort
+                self._deliver(self.llm.abort(request_id))
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle._fail(error)

@@ -1,0 +1,134 @@
+"""`RunLoops`: the engine's loops over steps for callers that want results, not steps: `generate` and
+`chat` run requests to completion, `stream` yields one request's deltas as they come.
+
+A mixin of `LLMEngine` (hybridkv/engine.py), built on its request and step methods; every loop is
+`exclusive` like the engine's other public calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hybridkv.chat import Messages, chat_prompt, conversations
+from hybridkv.exclusive import exclusive
+from hybridkv.inputs import Prompt, prompt_list
+from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.stream import RequestStream
+
+if TYPE_CHECKING:
+    from hybridkv.output_processor import RequestState
+
+
+class RunLoops:
+    """`generate`, `chat` and `stream` over `LLMEngine`'s `_checked_request`, `_enqueue`, `_abort` and `step`."""
+
+    @exclusive
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. A prompt is text, token ids
+        or a 1-D tensor; a [B, N] tensor is B prompts. Every prompt and params are checked before any is
+        queued; if the call fails or is interrupted, the requests it queued are aborted."""
+        prompts = prompt_list(prompts)
+        params = _params_for(params, len(prompts), "prompts")
+        checked = [self._checked_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
+        return self._run_to_completion(checked, use_tqdm)
+
+    @exclusive
+    def chat(
+        self,
+        messages: Messages | list[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` for conversations (one, or a list of them): each is rendered with the tokenizer's chat
+        template (`add_generation_prompt=True`, vLLM's semantics); a tokenizer without one is a clear error."""
+        rendered = [chat_prompt(self.tokenizer, conversation) for conversation in conversations(messages)]
+        params = _params_for(params, len(rendered), "conversations")
+        checked = []
+        for (text, prompt_ids), p in zip(rendered, params, strict=True):
+            request_id, _, prompt_ids, p = self._checked_request(prompt_ids, p, None)
+            checked.append((request_id, text, prompt_ids, p))
+        return self._run_to_completion(checked, use_tqdm)
+
+    def _run_to_completion(
+        self, checked: list[tuple[str, str | None, list[int], SamplingParams]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Queue checked requests and step until all finish; if that fails or is interrupted, abort them."""
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        progress = _progress(len(checked), use_tqdm)
+        try:
+            ids.extend(self._enqueue(*request) for request in checked)
+            wanted = set(ids)
+            while len(done) < len(ids):
+                for output in self._step_claiming(wanted):
+                    if output.finished:
+                        done[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            for request_id in ids:
+                self._abort(request_id)
+            raise
+        finally:
+            progress.close()
+        return [done[request_id] for request_id in ids]
+
+    @exclusive
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and return its stream: iterating it yields each sample's new tokens and text
+        (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
+        dropping it, aborts the request. Other queued requests keep running meanwhile; their results
+        wait for the next step() call."""
+        request_id = self._enqueue(*self._checked_request(prompt, params, request_id))
+        return RequestStream(self, self.outputs.states[request_id])
+
+    @exclusive
+    def _advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]:
+        """Step until the stream's request has news (unless it ended elsewhere, e.g. aborted); its deltas
+        and whether it finished."""
+        if not state.output.finished:
+            self._step_claiming({state.group.request_id})
+        return self.outputs.stream_deltas(state), state.output.finished
+
+    def _step_claiming(self, wanted: set[str]) -> list[RequestOutput]:
+        """One step; finished outputs of requests not in `wanted` are kept for the caller of step()."""
+        outputs = self.step()
+        mine = [o for o in outputs if o.request_id in wanted]
+        self._unclaimed.extend(o for o in outputs if o.request_id not in wanted and o.finished)
+        return mine
+
+
+def _params_for(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int, what: str
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt: the same for all (None: the defaults), or one each."""
+    if isinstance(params, SamplingParams) or params is None:
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {count} {what} but {len(params)} SamplingParams; give one or one each")
+    return params
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm  # only when asked: in Jupyter without ipywidgets tqdm.auto warns on import
+
+    return tqdm(total=total, desc="hybridkv", unit="req")
