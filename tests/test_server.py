@@ -291,7 +291,7 @@ def test_importing_hybridkv_does_not_import_fastapi():
 
 def test_serve_refuses_a_port_in_use(server, offline):
     port = int(server.url.rsplit(":", 1)[1])
-    with pytest.raises(OSError, match=f"could not start the server on 127.0.0.1:{port}"):
+    with pytest.raises(OSError, match=f"the server could not start on 127.0.0.1:{port}"):
         hybridkv.serve(offline, port=port)
 
 

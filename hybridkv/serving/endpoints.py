@@ -9,6 +9,7 @@ request's handling early (a client gone, a cancelled task) aborts the request, s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,7 @@ class OpenAIServing:
         self.max_model_len = engine.llm.max_model_len
         self.token_text = TokenText(self.tokenizer)
         self.metrics = ServerMetrics()
+        self._recorders: set[asyncio.Task[None]] = set()
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "hybridkv"}
@@ -165,9 +167,18 @@ class OpenAIServing:
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestHandle:
         try:
-            return self.engine.submit(prompt_ids, params, request_id=request_id(prefix))
+            handle = self.engine.submit(prompt_ids, params, request_id=request_id(prefix))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt") from error
+        # Every request is observed when it ends, however its handling ends (a stream closed early too).
+        recorder = asyncio.ensure_future(self._record(handle))
+        self._recorders.add(recorder)
+        recorder.add_done_callback(self._recorders.discard)
+        return handle
+
+    async def _record(self, handle: RequestHandle) -> None:
+        with contextlib.suppress(Exception):
+            self.metrics.record(await handle)
 
     async def _wait(self, handle: RequestHandle, request: Request) -> RequestOutput:
         """The finished output; a client that disconnects first, or a cancelled task, aborts it."""
@@ -181,7 +192,6 @@ class OpenAIServing:
         except BaseException:
             handle.abort()
             raise
-        self.metrics.record(output)
         if output.error is not None:
             raise APIError(500, output.error, error_type="server_error")
         return output
@@ -220,7 +230,6 @@ class OpenAIServing:
                 yield _event({**header, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)})
             yield "data: [DONE]\n\n"
             finished = True
-            self.metrics.record(await handle)
         finally:
             if not finished:
                 handle.abort()

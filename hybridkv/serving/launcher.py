@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def serve(
     engine = AsyncLLMEngine(llm) if owns_engine else llm
     name = model_name or default_model_name(engine.llm)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, name), host=host, port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, name="hybridkv-server", daemon=True)
+    thread = threading.Thread(target=_run, args=(server,), name="hybridkv-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
     while not server.started:
@@ -68,6 +69,12 @@ def serve(
         time.sleep(0.01)
     bound_port = server.servers[0].sockets[0].getsockname()[1]
     return ServerHandle(f"http://{host}:{bound_port}", engine, server, thread, owns_engine)
+
+
+def _run(server: uvicorn.Server) -> None:
+    # uvicorn exits with SystemExit when it cannot bind; `serve` reports that from the calling thread.
+    with contextlib.suppress(SystemExit):
+        server.run()
 
 
 def default_model_name(llm: LLMEngine) -> str:
