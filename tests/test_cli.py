@@ -1,11 +1,13 @@
 import re
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
 import hybridkv
-from hybridkv import SamplingParams
+from hybridkv import EngineConfig, SamplingParams
+from hybridkv.cli import PATCH_FLAGS
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer
@@ -35,3 +37,7 @@ def test_generate_serves_a_local_checkpoint(tmp_path):
     result = run_cli("generate", "--model", str(tmp_path), "--prompt", "The quick", "--max-tokens", "6")
     assert result.stdout == "The quick" + expected.outputs[0].text + "\n"
     assert "6 tokens" in result.stderr
+
+
+def test_serve_has_a_flag_for_every_patch_setting():
+    assert set(PATCH_FLAGS) == {field.name for field in fields(EngineConfig)}

@@ -9,7 +9,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_example_runs_against_a_local_checkpoint(tmp_path, capsys):
-    (example,) = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    examples = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (example,) = [block for block in examples if "hybridkv.patch(" in block]
     checkpoint = re.search(r'from_pretrained\("([^"]+)"', example).group(1)
     tokenizer = tiny_tokenizer()
     tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=8192).save_pretrained(tmp_path)

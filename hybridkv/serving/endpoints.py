@@ -14,6 +14,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.chat import chat_prompt
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.serving.metrics import ServerMetrics
@@ -96,15 +97,11 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
-        from hybridkv.chat import render_chat
-
         self._check_model(body.model)
         try:
-            text = render_chat(self.tokenizer, [message.as_dict() for message in body.messages])
+            _, prompt_ids = chat_prompt(self.tokenizer, [message.as_dict() for message in body.messages])
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
-        # The template holds the special tokens already: a second BOS would change the output.
-        prompt_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
