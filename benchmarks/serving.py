@@ -58,17 +58,18 @@ WORDS = " ".join([SYSTEM_PROMPT, *DEMO_PROMPTS]).split()
 STARTUP_SECONDS = 180
 
 
-def hybridkv_command(model: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "hybridkv", "serve", "--model", str(model), "--host", HOST, "--port", str(port)]
+def hybridkv_command(model: Path, port: int, threads: int | None) -> list[str]:
+    command = [sys.executable, "-m", "hybridkv", "serve", "--model", str(model), "--host", HOST, "--port", str(port)]
+    return command + (["--threads", str(threads)] if threads else [])
 
 
-def transformers_command(model: Path, port: int) -> list[str]:
+def transformers_command(model: Path, port: int, threads: int | None) -> list[str]:
     executable = Path(sys.executable).with_name("transformers")
     flags = ["--continuous-batching", "--device", "cpu", "--host", HOST, "--port", str(port)]
     return [str(executable), "serve", *flags, str(model)]
 
 
-SERVERS: dict[str, Callable[[Path, int], list[str]]] = {
+SERVERS: dict[str, Callable[[Path, int, int | None], list[str]]] = {
     "hybridkv": hybridkv_command,
     "transformers": transformers_command,
 }
@@ -106,11 +107,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(command: list[str], log_path: Path, threads: int) -> Iterator[str]:
-    """Start `command`, wait until GET /health answers 200, yield the base URL; stop the server on exit."""
+def running(command: list[str], log_path: Path, threads: int | None) -> Iterator[str]:
+    """Start `command`, wait until GET /health answers 200, yield the base URL; stop the server on exit.
+    `threads`: torch threads for every server (None: each server's own default)."""
     port = int(command[command.index("--port") + 1])
     base_url = f"http://{HOST}:{port}"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     with log_path.open("w") as log:
         try:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -237,7 +241,7 @@ def measure(
     name: str, model_dir: Path, workdir: Path, levels: list[int], args: argparse.Namespace
 ) -> dict[int, LoadResult] | str:
     """Results per client count, or why the server could not be measured."""
-    command = SERVERS[name](model_dir, free_port())
+    command = SERVERS[name](model_dir, free_port(), args.threads)
     try:
         with running(command, workdir / f"{name}.log", args.threads) as base_url:
             model = str(model_dir)
@@ -280,7 +284,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="requests per client count (at least the count)")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (greedy)")
     parser.add_argument("--servers", default="hybridkv,transformers", help=f"a subset of {','.join(SERVERS)}")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per server")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for every server (default: each server's own: transformers serve takes every core, "
+        "hybridkv serve one fewer)",
+    )
     args = parser.parse_args()
     levels = [int(count) for count in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="hybridkv-serving-") as tmp:
@@ -288,8 +298,8 @@ def main() -> None:
         save_checkpoint(workdir / "model")
         results = {name: measure(name, workdir / "model", workdir, levels, args) for name in args.servers.split(",")}
     print(
-        f"torch {torch.__version__}, {args.threads} threads per server, {args.max_tokens} new tokens per request; "
-        "latencies in ms"
+        f"torch {torch.__version__}, {args.threads or 'default'} torch threads per server ({os.cpu_count()} cores), "
+        f"{args.max_tokens} new tokens per request; latencies in ms"
     )
     for result in results.values():
         if isinstance(result, str):
