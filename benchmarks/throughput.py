@@ -9,13 +9,16 @@ Models: a tiny Gemma-3-style hybrid (5 sliding : 1 full) and a Llama-style model
 `model.generate` for the same prompts (matches are printed), and hybridkv's host work per step
 (scheduling, inputs and metadata, update; and with sampling) is printed as a share of its step time.
 
-    python benchmarks/throughput.py [--workloads mixed,shared,long] [--models hybrid,llama] [--threads N]
+    python benchmarks/throughput.py [--workloads mixed,shared,long] [--models hybrid,llama] [--threads N] [--busy]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -149,9 +152,29 @@ def main() -> None:
     parser.add_argument("--workloads", default="mixed,shared,long")
     parser.add_argument("--models", default="hybrid,llama")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--busy", action="store_true", help="keep one core busy with another process during the run (a shared machine)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads; tokens/s = generated tokens / wall seconds")
+    with busy_core() if args.busy else contextlib.nullcontext():
+        run(args)
+
+
+@contextlib.contextmanager
+def busy_core():
+    """Another process spinning on one core for the whole run, as a neighbour on a shared machine would."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def run(args: argparse.Namespace) -> None:
+    busy = ", one core kept busy by another process" if args.busy else ""
+    print(f"torch {torch.__version__}, {args.threads} threads{busy}; tokens/s = generated tokens / wall seconds")
     print(
         f"{'model':<7}{'load':<8}{'generate':>10}{'gen_batch':>10}{'hybridkv':>10}{'vs gen':>10}{'vs batch':>10}"
         f"{'batch ok':>9}{'ours ok':>9}{'sched+meta':>11}{'host':>8}{'host ms':>9}{'hits':>9}"
