@@ -117,8 +117,10 @@ class AsyncLLMEngine:
     ) -> RequestHandle:
         """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
         naming the fix), before anything is queued."""
-        if self._stopping:
-            raise RuntimeError("this AsyncLLMEngine was shut down; make a new one")
+        if self._stopping or self.llm._closed:
+            raise RuntimeError(
+                "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
+            )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         checked = self.llm._checked_request(prompt, params, request_id)
         handle = RequestHandle(self, request_id)
@@ -170,7 +172,8 @@ class AsyncLLMEngine:
         while True:
             self._wake.clear()
             self._drain_inbox()
-            if self._stopping:
+            if self._stopping or llm._closed:  # shut down, or the model was unpatched under us
+                self._stopping = True
                 break
             if not llm.has_unfinished_requests():
                 self._wake.wait()

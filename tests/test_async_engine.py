@@ -154,6 +154,21 @@ def test_shutdown_aborts_what_runs_and_stops_the_thread(gemma3, patched, monkeyp
         engine.submit(batch[0], GREEDY)
 
 
+def test_unpatching_the_model_under_a_running_engine_fails_its_requests_and_stops_the_thread(gemma3, monkeypatch):
+    model, batch, _ = gemma3
+    engine = AsyncLLMEngine(hybridkv.patch(model, max_model_len=128))
+    slow_steps(engine, monkeypatch)
+    handle = engine.submit(batch[1], SamplingParams(temperature=0, max_tokens=100))
+    time.sleep(0.1)
+    hybridkv.unpatch(model)
+    engine._thread.join(10)
+    assert not engine._thread.is_alive()
+    with pytest.raises(RuntimeError):
+        handle.result(10)
+    with pytest.raises(RuntimeError, match="unpatched"):
+        engine.submit(batch[0], GREEDY)
+
+
 def test_chat_renders_the_tokenizers_template_once_without_a_second_bos(patched):
     tokenizer = tiny_tokenizer()
     model = tiny_model("llama", vocab_size=len(tokenizer))
