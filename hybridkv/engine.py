@@ -189,10 +189,13 @@ class LLMEngine(RunLoops):
         try:
             tokens, logprobs = self._execute(plan)
         except Exception as exc:  # the model or a kernel failed: fail this step's requests, keep serving
-            self._fail(plan, f"the step failed: {type(exc).__name__}: {exc}")
+            self._fail(plan, [s.request for s in plan.scheduled], f"the step failed: {type(exc).__name__}: {exc}")
             tokens, logprobs = [], []
-        except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done
-            self._fail(plan, f"the step was interrupted ({type(exc).__name__})", with_swaps=True)
+        except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
+            # so its requests fail, and so do those whose swap copies it made.
+            swapped_out = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED]
+            touched_by_step = [*(s.request for s in plan.scheduled), *plan.swapped_in, *swapped_out]
+            self._fail(plan, touched_by_step, f"the step was interrupted ({type(exc).__name__})")
             self._unreported.extend(touched.values())
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
@@ -229,28 +232,23 @@ class LLMEngine(RunLoops):
     def _sample(
         self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
     ) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
-        """Tokens for `sampling`; one request's parameters never fail the others: a request whose row
-        fails is failed and leaves the plan."""
+        """Tokens for the requests still in `sampling` afterwards; one request's parameters never fail the
+        others: a request whose row fails is failed with its samples and leaves the plan, and so do the
+        tokens its samples drew."""
         tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
         for request, error in zip(sampling, errors, strict=True):
-            if error is not None:
-                message = f"sampling failed: {type(error).__name__}: {error}"
-                failed = self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, message)
-                plan.failed.extend(failed)
-                plan.drop(failed)
-        kept = [i for i, error in enumerate(errors) if error is None]
+            if error is not None and not request.status.is_finished:
+                self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
+        kept = [i for i, request in enumerate(sampling) if not request.status.is_finished]
         return [tokens[i] for i in kept], [logprobs[i] for i in kept]
 
-    def _fail(self, plan: SchedulerOutput, error: str, with_swaps: bool = False) -> None:
-        """Fail the plan's requests (with_swaps: also those whose swap copies this step made) and take
-        them out of the plan."""
-        requests = [s.request for s in plan.scheduled]
-        if with_swaps:
-            requests += [*plan.swapped_in, *(r for r in plan.preempted if r.status is RequestStatus.SWAPPED)]
+    def _fail(self, plan: SchedulerOutput, requests: Sequence[Request], error: str) -> None:
+        """Fail the requests with every sample of their groups, and take them out of the plan."""
+        failed = []
         for request in requests:
-            plan.failed.extend(self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
-        plan.scheduled = []
-        plan.num_tokens = 0
+            failed.extend(self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
+        plan.failed.extend(failed)
+        plan.drop(failed)
 
     # ---- stats --------------------------------------------------------------------------------
 

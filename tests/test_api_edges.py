@@ -300,3 +300,30 @@ def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_beg
         done.update((o.request_id, o) for o in llm.step() if o.finished)
     assert stream.request_id not in done and done[other].outputs[0].token_ids == expected[0]
     assert serves_exactly(llm, gemma3)
+
+
+def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_tokens(gemma3, patched, monkeypatch):
+    model, batch, expected = gemma3
+    llm = patched(model, max_model_len=128)
+    real = hybridkv.engine.sample_each
+    failed_once = []
+
+    def failing(logits, rows):
+        tokens, logprobs, errors = real(logits, rows)
+        pair_rows = [i for i, row in enumerate(rows) if row.params.n == 2]
+        if len(pair_rows) == 2 and not failed_once:  # both samples in one step: fail the second's row
+            failed_once.append(pair_rows[1])
+            tokens[pair_rows[1]], errors[pair_rows[1]] = None, RuntimeError("injected row fault")
+        return tokens, logprobs, errors
+
+    monkeypatch.setattr(hybridkv.engine, "sample_each", failing)
+    pair = SamplingParams(n=2, temperature=0, max_tokens=8)
+    ids = [llm.add_request(batch[0], GREEDY), llm.add_request(batch[1], pair), llm.add_request(batch[2], GREEDY)]
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert failed_once and "injected row fault" in done[ids[1]].error
+    assert all(c.finish_reason == "error" for c in done[ids[1]].outputs)
+    assert [done[ids[0]].outputs[0].token_ids, done[ids[2]].outputs[0].token_ids] == [expected[0], expected[2]]
+    monkeypatch.undo()
+    assert serves_exactly(llm, gemma3)
