@@ -1,5 +1,6 @@
 """hybridkv: a paged, hybrid-attention-aware KV-cache manager for Hugging Face transformers models."""
 
+from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hybridkv.config import EngineConfig
 from hybridkv.engine import LLMEngine
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
@@ -20,6 +21,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

@@ -101,6 +101,12 @@ class KVCacheCoordinator:
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
+        # Requests that may share a block they write into (forks, and groups swapped back in together):
+        # only they pay the copy-on-write check.
+        self._may_share: set[str] = set()
+        # Copy-on-write copies made since the last take_copies, per request: (manager, position, the
+        # shared source block, the request's new block).
+        self._copies: dict[str, list[tuple[SingleTypeManager, int, KVBlock, KVBlock]]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -144,16 +150,21 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         request_id = request.request_id
+        shared = self._shared_writes(request_id, num_computed) if request_id in self._may_share else []
         # Most decode steps need no block in any group: say so without counting.
-        if hit is None and self._covered(request_id, num_total):
+        if hit is None and not shared and self._covered(request_id, num_total):
             return True
         no_hit: list[KVBlock] = []
-        num_needed = 0
+        num_needed = len(shared)
         for manager in self.managers:
             hit_blocks = hit.blocks[manager.group_id] if hit else no_hit
             num_needed += manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
         if num_needed > self.pool.num_free_blocks:
             return False
+        if shared:
+            copies = self._copies.setdefault(request_id, [])
+            for (manager, index), block in zip(shared, self.pool.get_new_blocks(len(shared)), strict=True):
+                copies.append((manager, index, manager.replace_block(request_id, index, block), block))
         # Every group takes its hit before any group pops new blocks: a free hit block of one
         # group may sit at the head of the free queue, where another group's allocation would
         # evict it.
@@ -166,6 +177,40 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
+
+    def _shared_writes(self, request_id: str, num_computed: int) -> list[tuple[SingleTypeManager, int]]:
+        """The (manager, position) of each block the request writes next that another request holds too:
+        each needs a copy of its own before the step writes (copy-on-write). Only the block holding
+        position num_computed can be both written and shared: full blocks are never written again."""
+        shared = []
+        for manager in self.managers:
+            index = manager.shared_write_block(request_id, num_computed)
+            if index is not None:
+                shared.append((manager, index))
+        return shared
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give child_id (holding nothing) every block of parent_id in every group, shared: nothing is
+        copied or recomputed until one of them writes into a shared block (see allocate_slots)."""
+        for manager in self.managers:
+            manager.fork(parent_id, child_id)
+        self._may_share.add(parent_id)
+        self._may_share.add(child_id)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies made since the last call, to run before the step's
+        forward: each destination takes its source's contents in every KV tensor of the group."""
+        pairs = [(source.block_id, block.block_id) for copies in self._copies.values() for *_, source, block in copies]
+        self._copies.clear()
+        return pairs
+
+    def undo_copies(self, request_id: str) -> None:
+        """Give the request back the shared blocks its copies since take_copies replaced (their new
+        blocks are returned): called before it is swapped out, whose copy would read blocks the step
+        has not filled yet."""
+        for manager, index, source, _ in reversed(self._copies.pop(request_id, [])):
+            source.ref_cnt += 1
+            manager.replace_block(request_id, index, source)
 
     def _covered(self, request_id: str, num_tokens: int) -> bool:
         """Whether every group's block list already covers num_tokens tokens of the request."""
@@ -187,27 +232,37 @@ class KVCacheCoordinator:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
 
-    def restore(self, request_id: str, layout: list[list[bool]]) -> list[int] | None:
-        """Give a request that holds nothing fresh blocks in the given layout (per group, True = a
-        real block, False = the null block), as it was swapped out; None, changing nothing, if the
-        pool lacks the blocks. Returns the new block ids of the real positions, group after group."""
-        needed = sum(sum(group) for group in layout)
-        if needed > self.pool.num_free_blocks:
+    def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
+        """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
+        table of swap ids by position (None where the null block was). A swap id in several tables
+        becomes one block that all of them share. None, changing nothing, if the pool lacks the blocks;
+        else the (swap id, new block id) pairs to copy."""
+        unique = dict.fromkeys(swap_id for rows in tables.values() for row in rows for swap_id in row)
+        unique.pop(None, None)
+        if len(unique) > self.pool.num_free_blocks:
             return None
-        return [
-            block.block_id
-            for manager, real in zip(self.managers, layout, strict=True)
-            for block in manager.restore(request_id, real)
-        ]
-
-    def layout(self, request_id: str) -> list[list[bool]]:
-        """Per group, which positions of the request's block list hold a real block."""
-        return [[not b.is_null for b in m.blocks_of(request_id)] for m in self.managers]
+        fresh = dict(zip(unique, self.pool.get_new_blocks(len(unique)), strict=True))
+        null = self.pool.null_block
+        for request_id, rows in tables.items():
+            for manager, row in zip(self.managers, rows, strict=True):
+                manager.restore(request_id, [null if swap_id is None else fresh[swap_id] for swap_id in row])
+        for block in fresh.values():
+            block.ref_cnt = 0
+        for rows in tables.values():
+            for row in rows:
+                for swap_id in row:
+                    if swap_id is not None:
+                        fresh[swap_id].ref_cnt += 1
+        if len(tables) > 1:
+            self._may_share.update(tables)
+        return [(swap_id, block.block_id) for swap_id, block in fresh.items()]
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""
         for manager in self.managers:
             manager.free(request_id)
+        self._copies.pop(request_id, None)
+        self._may_share.discard(request_id)
 
     def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """See blocks_for_request."""
@@ -240,6 +295,19 @@ class KVCacheCoordinator:
             group_block_sizes=[group.block_size for group in self.config.groups],
             padding_fraction=self.config.padding_fraction,
         )
+
+    def check_writable(self, request_id: str, num_computed: int, num_new_tokens: int) -> None:
+        """Assert that the blocks the request's next num_new_tokens tokens are written into are real and
+        held by the request alone (the copy-on-write rule)."""
+        for manager in self.managers:
+            blocks = manager.blocks_of(request_id)
+            bs = manager.block_size
+            for index in range(num_computed // bs, cdiv(num_computed + num_new_tokens, bs)):
+                block = blocks[index]
+                assert not block.is_null, f"{request_id} writes position {index} of group {manager.group_id}: null"
+                assert block.ref_cnt == 1, (
+                    f"{request_id} writes {block} at position {index} of group {manager.group_id} while it is shared"
+                )
 
     def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
         """Assert every memory-manager invariant (docs/design.md lists them); tests call it after each change.

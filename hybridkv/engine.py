@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hybridkv.beam_search import BeamSearch, BeamSearchParams
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.exclusive import exclusive
@@ -68,7 +69,8 @@ class LLMEngine(RunLoops):
         )
         self.runner.allocate_swap_space(num_swap_blocks)
         self.inputs = InputProcessor(model, tokenizer)
-        stop_rules = StopRules(eos_token_ids(model, tokenizer), self.max_model_len)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
@@ -82,6 +84,7 @@ class LLMEngine(RunLoops):
         self._closed = False
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_forward_tokens = 0
         self.step_seconds = 0.0
         self.schedule_seconds = 0.0
         self.update_seconds = 0.0
@@ -89,18 +92,23 @@ class LLMEngine(RunLoops):
     # ---- requests -----------------------------------------------------------------------------
 
     @exclusive
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a request (text needs the tokenizer given to patch); returns its id. A request that
-        can never run finishes at once with an error, reported by the next step."""
+        can never run finishes at once with an error, reported by the next step. With BeamSearchParams
+        the request is a beam search: its output, once finished, lists the beam_width best sequences."""
         return self._enqueue(*self._checked_request(prompt, params, request_id))
 
     def _checked_request(
-        self, prompt: Prompt, params: SamplingParams | None, request_id: str | None
-    ) -> tuple[str, str | None, list[int], SamplingParams]:
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, request_id: str | None
+    ) -> tuple[str, str | None, list[int], SamplingParams | BeamSearchParams]:
         """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a hybridkv.SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(
+                f"params must be a hybridkv.SamplingParams (or BeamSearchParams), got {type(params).__name__}"
+            )
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self.outputs.states)
         elif not isinstance(request_id, str):
@@ -108,6 +116,8 @@ class LLMEngine(RunLoops):
         elif request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        if isinstance(params, BeamSearchParams):
+            return request_id, prompt_text, prompt_ids, params
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
         vocab_size = self.inputs.vocab_size
@@ -118,9 +128,14 @@ class LLMEngine(RunLoops):
             )
         return request_id, prompt_text, prompt_ids, params
 
-    def _enqueue(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams) -> str:
+    def _enqueue(
+        self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams | BeamSearchParams
+    ) -> str:
         block_size = self.config.block_size if self.config.enable_prefix_caching else None
-        group = SampleGroup.of(request_id, prompt_ids, params, block_size)
+        if isinstance(params, BeamSearchParams):
+            group = BeamSearch(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size).group
+        else:
+            group = SampleGroup.of(request_id, prompt_ids, params, block_size)
         state = self.outputs.add(group, prompt_text)
         if not self.scheduler.add_request(group.leader):
             self._unreported.append(state)
@@ -202,6 +217,10 @@ class LLMEngine(RunLoops):
         update_start = time.perf_counter()
         sampling = plan.sampling
         self.scheduler.update(plan, tokens)
+        if None in tokens:  # beams: their search chooses their tokens, the output processor never sees them
+            self._advance_beam_searches(sampling)
+            sampled = [i for i, token in enumerate(tokens) if token is not None]
+            sampling, tokens, logprobs = ([values[i] for i in sampled] for values in (sampling, tokens, logprobs))
         for request, status in self.outputs.process(sampling, tokens, logprobs):
             self.scheduler.finish(request, status)
         for request in itertools.chain((s.request for s in plan.scheduled), plan.failed):
@@ -215,13 +234,15 @@ class LLMEngine(RunLoops):
         return unclaimed + [self.outputs.output(state) for state in touched.values() if not state.output.finished]
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
-        """Swap copies, the forward and sampling: the sampled tokens align with `plan.sampling` (a
+        """Swap and copy-on-write copies, the forward and sampling: the sampled tokens align with `plan.sampling` (a
         request whose sampling fails is failed and leaves the plan)."""
         self.runner.swap(plan.swap_out, plan.swap_in)
+        self.runner.copy_blocks(plan.blocks_to_copy)
         if not plan.scheduled:
             return [], []
         logits = self.runner.execute(plan)
         self.num_steps += 1
+        self.num_forward_tokens += plan.num_tokens
         sampling = plan.sampling
         if not sampling:
             return [], []
@@ -231,16 +252,36 @@ class LLMEngine(RunLoops):
 
     def _sample(
         self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
-        """Tokens for the requests still in `sampling` afterwards; one request's parameters never fail the
-        others: a request whose row fails is failed with its samples and leaves the plan, and so do the
-        tokens its samples drew."""
-        tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
+    ) -> tuple[list[int | None], Sequence[TokenLogprobs | None]]:
+        """Tokens for the requests still in `sampling` afterwards (None for a beam: its row goes to its beam
+        search); one request's parameters never fail the others: a request whose row fails is failed with
+        its samples and leaves the plan, and so do the tokens its samples drew."""
+        rows = [i for i, request in enumerate(sampling) if request.group.beam is None]
+        if len(rows) < len(sampling):
+            tokens: list[int | None] = [None] * len(sampling)
+            logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
+            errors: list[Exception | None] = [None] * len(sampling)
+            for i, request in enumerate(sampling):
+                if request.group.beam is not None:
+                    request.group.beam.deposit(request, logits[i])
+            if rows:
+                drawn = sample_each(logits[rows], self.outputs.sampling_rows([sampling[i] for i in rows]))
+                for i, token, token_logprobs, error in zip(rows, *drawn, strict=True):
+                    tokens[i], logprobs[i], errors[i] = token, token_logprobs, error
+        else:
+            tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
         for request, error in zip(sampling, errors, strict=True):
             if error is not None and not request.status.is_finished:
                 self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
         kept = [i for i, request in enumerate(sampling) if not request.status.is_finished]
         return [tokens[i] for i in kept], [logprobs[i] for i in kept]
+
+    def _advance_beam_searches(self, sampling: list[Request]) -> None:
+        """Take the step of each beam search whose every beam has deposited its row (hybridkv/beam_search.py)."""
+        searches = {id(r.group): r.group.beam for r in sampling if r.group.beam is not None}
+        for search in searches.values():
+            if search.ready:
+                search.advance(self.scheduler)
 
     def _fail(self, plan: SchedulerOutput, requests: Sequence[Request], error: str) -> None:
         """Fail the requests with every sample of their groups, and take them out of the plan."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams
 from hybridkv.chat import Messages, chat_prompt, conversations
 from hybridkv.exclusive import exclusive
 from hybridkv.inputs import Prompt, prompt_list
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class RunLoops:
-    """`generate`, `chat` and `stream` over `LLMEngine`'s `_checked_request`, `_enqueue`, `_abort` and `step`."""
+    """`generate`, `chat`, `beam_search` and `stream` over `LLMEngine`'s `_checked_request`, `_enqueue`,
+    `_abort` and `step`."""
 
     @exclusive
     def generate(
@@ -56,6 +58,23 @@ class RunLoops:
             checked.append((request_id, text, prompt_ids, p))
         return self._run_to_completion(checked, use_tqdm)
 
+    @exclusive
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt, in the same continuous batch as any other request (see
+        hybridkv/beam_search.py for the rule, transformers' `generate(num_beams=...)`); one output per
+        prompt, in input order, whose `.sequences` are its beam_width best hypotheses, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a hybridkv.BeamSearchParams, got {type(params).__name__}")
+        prompts = prompt_list(prompts)
+        checked = [self._checked_request(prompt, params, None) for prompt in prompts]
+        outputs = self._run_to_completion(checked, use_tqdm)
+        for output in outputs:
+            if output.error:
+                raise RuntimeError(f"beam search of request {output.request_id!r} failed: {output.error}")
+        return [BeamSearchOutput.of(output, params) for output in outputs]
+
     def _run_to_completion(
         self, checked: list[tuple[str, str | None, list[int], SamplingParams]], use_tqdm: bool
     ) -> list[RequestOutput]:
@@ -87,6 +106,15 @@ class RunLoops:
         (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
         dropping it, aborts the request. Other queued requests keep running meanwhile; their results
         wait for the next step() call."""
+        if isinstance(params, BeamSearchParams):
+            raise ValueError(
+                "beam search does not stream: its best sequences are known only at the end; use beam_search()"
+            )
+        if params is not None and params.num_samples > params.n:
+            raise ValueError(
+                f"best_of={params.best_of} > n={params.n} does not stream: the best samples are known only at the end; "
+                "use generate(), or best_of=n"
+            )
         request_id = self._enqueue(*self._checked_request(prompt, params, request_id))
         return RequestStream(self, self.outputs.states[request_id])
 

@@ -113,17 +113,42 @@ class SingleTypeManager(ABC):
         block_ids.extend([b.block_id for b in new_blocks])
         return new_blocks
 
-    def restore(self, request_id: str, real: Sequence[bool]) -> list[KVBlock]:
-        """Give a request that holds nothing a fresh block at each real position and the null block
-        elsewhere (its layout when it was swapped out); the caller checked the pool has enough.
-        Returns the new blocks in position order."""
-        new_blocks = self.pool.get_new_blocks(sum(real))
-        fresh = iter(new_blocks)
-        blocks = [next(fresh) if is_real else self.pool.null_block for is_real in real]
+    def restore(self, request_id: str, blocks: list[KVBlock]) -> None:
+        """Give a request that holds nothing the given block list (swapped back in); the caller has
+        counted the request's reference on each block."""
         self.req_to_blocks[request_id] = blocks
         self.req_to_block_ids[request_id] = [b.block_id for b in blocks]
         self.num_cached_blocks[request_id] = 0
-        return new_blocks
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give a request that holds nothing the same block list as another, every block shared (one
+        more reference each), the partial last block and the null entries included."""
+        blocks = list(self.req_to_blocks.get(parent_id, ()))
+        for block in blocks:
+            if block.block_id != NULL_BLOCK_ID:
+                block.ref_cnt += 1
+        self.req_to_blocks[child_id] = blocks
+        self.req_to_block_ids[child_id] = list(self.req_to_block_ids.get(parent_id, ()))
+        self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
+
+    def shared_write_block(self, request_id: str, num_computed_tokens: int) -> int | None:
+        """The position of the block the request's next token is written into when another request
+        also holds it (a fork's partial last block), else None."""
+        blocks = self.req_to_blocks.get(request_id)
+        index = num_computed_tokens // self.block_size
+        if blocks is None or index >= len(blocks) or blocks[index].ref_cnt < 2:
+            return None
+        return index
+
+    def replace_block(self, request_id: str, index: int, block: KVBlock) -> KVBlock:
+        """Put `block` (whose reference the caller has taken for the request) at position `index` of the
+        request's list; drops the request's reference on the block it replaces, which is returned."""
+        blocks = self.req_to_blocks[request_id]
+        old = blocks[index]
+        blocks[index] = block
+        self.req_to_block_ids[request_id][index] = block.block_id
+        self.pool.free_blocks([old])
+        return old
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> None:
         """Register the request's blocks that num_computed_tokens filled, from num_cached on, under

@@ -106,9 +106,20 @@ class ModelRunner:
                 else:
                     pages[device_ids] = cpu_pages[cpu_ids].to(device)
 
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) block's page, every layer's K and V of its group,
+        on every device. All sources are read before any destination is written."""
+        if not pairs:
+            return
+        for device, pages in self._pages.items():
+            sources = torch.tensor([p[0] for p in pairs], device=device)
+            destinations = torch.tensor([p[1] for p in pairs], device=device)
+            pages[destinations] = pages[sources]
+
     def execute(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> torch.Tensor:
         """Compute the plan's tokens in one forward and return float32 logits of `logits_rows` of the
-        flattened batch (by default the last row of each request that samples, in batch order)."""
+        flattened batch (by default the last row of each request that samples, once per sample drawn
+        from it: the rows of `plan.sampling`)."""
         start_time = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
@@ -122,8 +133,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
-            if samples:
-                sample_rows.append(len(input_ids) - 1)
+            if samples:  # one row of logits per sample that draws from it (forks share their leader's)
+                sample_rows.extend([len(input_ids) - 1] * len(samples))
         block_sizes = [group.block_size for group in self.kv_config.groups]
         metadata = build_step_metadata(query_lens, seq_lens, plan.block_tables, block_sizes, self.devices, self.backend)
         device = self.input_device

@@ -53,12 +53,13 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add(self, group: SampleGroup, prompt: str | None) -> RequestState:
-        """Records for a new request's samples (a seeded request's sample i draws from seed + i)."""
+        """Records for a new request's samples (a seeded request's sample i draws from seed + i); a beam
+        search has none: its output lists its hypotheses once it has finished."""
         leader = group.leader
         params = leader.params
         prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
         samples = []
-        for index, request in enumerate(group.members):
+        for index, request in enumerate(group.members if group.beam is None else ()):
             generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
             detokenizer = None
             if self.tokenizer is not None:
@@ -103,8 +104,10 @@ class OutputProcessor:
             sample = state.samples[request.sample_index]
             completion = sample.completion
             completion.token_ids.append(token)
-            if completion.logprobs is not None and token_logprobs is not None:
-                completion.logprobs.append(token_logprobs)
+            if token_logprobs is not None:
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + token_logprobs.logprob
+                if completion.logprobs is not None:
+                    completion.logprobs.append(token_logprobs)
             if state.output.metrics.first_token_time is None:
                 state.output.metrics.first_token_time = now
             status = self.stop_rules.check(request, token, sample.detokenizer)
@@ -128,6 +131,12 @@ class OutputProcessor:
         output.metrics.num_cached_tokens = leader.num_cached_tokens
         output.error = next((m.error for m in state.group.members if m.error), None)
         if state.group.finished and not output.finished:
+            params = leader.params
+            if state.group.beam is not None:  # a beam search: its best hypotheses, best first
+                output.outputs = state.group.beam.outputs(self.tokenizer)
+            elif params.num_samples > params.n:  # best_of: the n samples of highest cumulative logprob
+                ranked = sorted(output.outputs, key=_cumulative_logprob, reverse=True)
+                output.outputs = ranked[: params.n]
             output.finished = True
             output.metrics.finished_time = time.monotonic()
             self.states.pop(state.group.request_id, None)
@@ -146,3 +155,7 @@ class OutputProcessor:
                 error = sample.request.error if completion.finished else None
                 deltas.append(StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error))
         return deltas
+
+
+def _cumulative_logprob(completion: CompletionOutput) -> float:
+    return float("-inf") if completion.cumulative_logprob is None else completion.cumulative_logprob

@@ -16,7 +16,8 @@ class TokenLogprobs:
 @dataclass
 class CompletionOutput:
     """One sample of a request. finish_reason: None while running, then "stop" (EOS, a stop token or
-    a stop string: stop_reason says which), "length", "abort" or "error"."""
+    a stop string: stop_reason says which), "length", "abort" or "error". cumulative_logprob: the sum of
+    its tokens' logprobs, when logprobs or best_of asked for them (None otherwise)."""
 
     index: int
     text: str
@@ -24,6 +25,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

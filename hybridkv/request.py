@@ -137,27 +137,31 @@ class Request(KVRequest):
 
 
 class SampleGroup:
-    """The samples of one prompt (a user request's n), and the rules they follow together.
+    """The sequences of one prompt (a user request's n or best_of samples, or a beam search's beams),
+    and the rules they follow together.
 
-    The first sample (the leader) computes the prompt; the others (followers) wait for it with status
-    WAITING_FOR_LEADER, then queue and take the prompt's blocks through the prefix cache. Preempting
-    any member preempts every running member; a failure fails every unfinished member; a leader that
-    ends before its followers were released takes them with it.
+    The first sample (the leader) computes the prompt; the others wait for it with status
+    WAITING_FOR_LEADER, and in the step the leader samples its first token they are forked from it (its
+    blocks shared) and draw their own first tokens from the same logits. Preempting any member preempts
+    every running member; a failure fails every unfinished member; a leader that ends before its
+    followers were forked takes them with it. A beam search's members change every step (`beam`).
     """
 
-    __slots__ = ("members", "request_id")
+    __slots__ = ("beam", "members", "request_id")
 
     def __init__(self, request_id: str, members: list[Request]) -> None:
         self.request_id = request_id
         self.members = members
+        self.beam = None  # a BeamSearch (hybridkv/beam_search.py) when the group is a beam search
         for index, member in enumerate(members):
             member.group = self
             member.sample_index = index
 
     @classmethod
     def of(cls, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, block_size: int | None):
-        """The params.n samples of a prompt, named `request_id#index`."""
-        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size) for i in range(params.n)]
+        """The params.best_of samples of a prompt, named `request_id#index`."""
+        count = params.num_samples
+        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size) for i in range(count)]
         return cls(request_id, members)
 
     @property
@@ -168,20 +172,23 @@ class SampleGroup:
     def finished(self) -> bool:
         return all(m.status.is_finished for m in self.members)
 
+    @property
+    def seats(self) -> int:
+        """The sequences the group runs at once at most (of max_num_seqs): its unfinished samples, or a
+        beam search's width."""
+        if self.beam is not None:
+            return self.beam.width
+        return sum(1 for m in self.members if not m.status.is_finished)
+
+    @property
+    def runs_together(self) -> bool:
+        """Whether the members only make progress together (a beam search's step needs every beam)."""
+        return self.beam is not None
+
     def hold_followers(self) -> None:
         """The followers wait until the leader has computed the prompt."""
         for member in self.members[1:]:
             member.status = RequestStatus.WAITING_FOR_LEADER
-
-    def release_followers(self, leader: Request) -> list[Request]:
-        """The followers still waiting for `leader`, now WAITING, in sample order (none unless
-        `leader` leads the group and has just produced its first token)."""
-        if leader is not self.members[0] or leader.num_output_tokens != 1:
-            return []
-        released = [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]
-        for member in released:
-            member.status = RequestStatus.WAITING
-        return released
 
     def running(self) -> list[Request]:
         """Members that hold blocks and run (preempted together)."""
@@ -191,7 +198,7 @@ class SampleGroup:
         return [m for m in self.members if not m.status.is_finished]
 
     def held_followers(self, request: Request) -> list[Request]:
-        """The followers that end with `request` when it leads and ends before releasing them."""
-        if request is not self.members[0]:
+        """The followers still waiting for `request` to compute the prompt (none unless it leads)."""
+        if request is not self.members[0] or len(self.members) == 1:
             return []
         return [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]

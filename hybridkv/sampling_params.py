@@ -22,8 +22,10 @@ class SamplingParams:
     top_k -1 (or 0, as in vLLM; stored as -1) and top_p 1 and min_p 0 turn those filters off. A request
     stops after max_tokens new tokens, at an EOS token (unless ignore_eos), at one of stop_token_ids or
     when its text contains one of the stop strings (the text is cut before it), never before
-    min_tokens. n > 1 samples n completions that share the prompt's KV blocks. A seed makes the
-    request's samples reproducible whatever else runs in the same batch. logprobs=k returns the sampled
+    min_tokens. n > 1 samples n completions: the prompt is computed once and its blocks shared by every
+    sample (forked, copy-on-write). best_of >= n samples best_of completions and returns the n with the
+    highest cumulative logprob (vLLM's meaning; while the request runs, its output lists all best_of). A
+    seed makes the request's samples reproducible whatever else runs in the same batch. logprobs=k returns the sampled
     token's log-probability and the k most likely tokens' at every step.
 
     Everything is checked here, not when the request runs: counts (n, max_tokens, min_tokens, top_k,
@@ -33,6 +35,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -53,7 +56,7 @@ class SamplingParams:
         set_field = functools.partial(object.__setattr__, self)
         for name in ("n", "max_tokens", "min_tokens", "top_k"):
             set_field(name, check_int(name, getattr(self, name)))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "best_of"):
             if getattr(self, name) is not None:
                 set_field(name, check_int(name, getattr(self, name)))
         for name in _FLOAT_SETTINGS:
@@ -69,6 +72,10 @@ class SamplingParams:
         set_field("stop_token_ids", _stop_token_ids(self.stop_token_ids))
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (
+                self.best_of is None or self.best_of >= self.n,
+                f"best_of must be >= n={self.n} (the n best of best_of samples are returned), got {self.best_of}",
+            ),
             (self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}"),
@@ -80,8 +87,8 @@ class SamplingParams:
             ),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (
-                self.seed is None or -(2**63) <= self.seed <= 2**64 - self.n,
-                f"seed must be in [-2**63, 2**64 - n] (sample i draws from the 64-bit seed + i), got {self.seed}",
+                self.seed is None or -(2**63) <= self.seed <= 2**64 - self.num_samples,
+                f"seed must be in [-2**63, 2**64 - best_of] (sample i draws from the 64-bit seed + i), got {self.seed}",
             ),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
@@ -93,6 +100,16 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def num_samples(self) -> int:
+        """How many completions are sampled: best_of, or n when best_of is not given."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def needs_logprob(self) -> bool:
+        """Whether each sampled token's logprob is needed (asked for, or to rank best_of samples)."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def greedy(self) -> bool:

@@ -12,9 +12,14 @@ blocks in all groups: by recompute (blocks freed, back to the front of the waiti
 prefix makes the redo cheap) or by swap (blocks copied to CPU swap space, brought back before any new
 request is admitted). No request is admitted or swapped in during a step that preempted.
 
-The n samples of one prompt form a group: the first (the leader) computes the prompt; when it is
-done the others join the front of the waiting queue and take the prompt's blocks through the prefix
-cache. Preempting any member preempts every running member of its group.
+The samples of one prompt form a group (request.py): the first (the leader) computes the prompt; in
+the step it samples its first token every other sample is forked from it (hybridkv/coordinator.py: all
+blocks shared, nothing recomputed) and draws its own first token from the same logits. A request
+writing into a block another one holds gets a copy first (copy-on-write: `blocks_to_copy` in the plan).
+A group takes its seats (max_num_seqs) as a whole when its first member is admitted. Preempting any
+member preempts every running member of its group, and a swapped group comes back as a whole, its
+shared blocks shared again. A beam search preempted by recompute starts again from its prompt
+(hybridkv/beam_search.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import NamedTuple
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.swap import SwapRecord, SwapSpace
+from hybridkv.utils import NULL_BLOCK_ID
 from hybridkv.validation import check_choice, check_int
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -51,12 +57,13 @@ class SchedulerConfig:
 
 
 class ScheduledRequest(NamedTuple):
-    """One request in a step: its next `num_new_tokens` tokens are computed; `samples` when they reach
-    its last known token, so the last row's logits give its next token."""
+    """One request in a step: its next `num_new_tokens` tokens are computed. When they reach its last
+    known token, the last row's logits give the next token of each request in `samples`: the request
+    itself, then the samples of its group forked from it in this step (empty when it does not sample)."""
 
     request: Request
     num_new_tokens: int
-    samples: bool
+    samples: tuple[Request, ...]
 
 
 @dataclass
@@ -64,8 +71,9 @@ class SchedulerOutput:
     """One step's plan, everything the model runner needs: the requests to run (in batch order), their
     block-table rows per group (`block_tables[group][i]` for `scheduled[i]`: the managers' own integer
     tables, read before the step's update and never changed by the runner), and the block copies to
-    make before the forward: swap_out (device block, CPU block) pairs first, then swap_in (CPU block,
-    device block) pairs. `preempted`, `swapped_in` and `failed` say what else changed."""
+    make before the forward, in this order: swap_out (device block, CPU block) pairs, swap_in (CPU block,
+    device block) pairs, then blocks_to_copy (source, destination) pairs (copy-on-write). `preempted`,
+    `swapped_in` and `failed` say what else changed."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_tables: list[list[list[int]]] = field(default_factory=list)
@@ -74,10 +82,13 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_tokens: int = 0
 
     def add(self, request: Request, num_new_tokens: int) -> None:
-        samples = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        samples: tuple[Request, ...] = ()
+        if request.num_computed_tokens + num_new_tokens == request.num_tokens:
+            samples = (request, *request.group.held_followers(request))
         self.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
         self.num_tokens += num_new_tokens
 
@@ -90,7 +101,7 @@ class SchedulerOutput:
     @property
     def sampling(self) -> list[Request]:
         """The requests that produce a token this step, in batch order: sampled tokens align with it."""
-        return [s.request for s in self.scheduled if s.samples]
+        return [request for s in self.scheduled for request in s.samples]
 
 
 class Scheduler:
@@ -121,6 +132,12 @@ class Scheduler:
         return True
 
     def _never_fits(self, request: Request) -> str | None:
+        seats = request.group.seats
+        if seats > self.config.max_num_seqs:
+            return (
+                f"the request runs {seats} sequences at once (n, best_of or beam_width) but max_num_seqs is "
+                f"{self.config.max_num_seqs}; raise max_num_seqs or ask for fewer"
+            )
         limit = self.config.max_model_len
         if request.num_tokens > limit:
             return (
@@ -147,6 +164,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._schedule(out)
         out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
+        out.blocks_to_copy = self.coordinator.take_copies()
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -160,9 +178,11 @@ class Scheduler:
             if budget <= 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
+            if num_new == 0:
+                continue  # a beam waiting for the rest of its group's next-token scores
             while not coordinator.allocate_slots(request, num_new):
                 victim = self.running[-1]
-                if victim is request and len(self.running) == 1:
+                if self._alone(victim, request):
                     error = (
                         "the request needs more KV blocks than the whole pool holds; raise num_blocks / "
                         "kv_cache_memory or lower max_tokens"
@@ -176,15 +196,23 @@ class Scheduler:
                 out.add(request, num_new)
         if out.preempted:
             return
-        budget = self._swap_in(out, self.config.max_num_batched_tokens - out.num_tokens, cap)
+        seated = {id(r.group): r.group for r in self.running}
+        seats = self.config.max_num_seqs - sum(group.seats for group in seated.values())
+        budget, seats = self._swap_in(out, self.config.max_num_batched_tokens - out.num_tokens, cap, seated, seats)
         if self.swapped:
             return
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            group = request.group
+            needed = 0 if id(group) in seated else group.seats
+            if needed > seats:
+                break
             hit = coordinator.find_longest_cache_hit(request)
             num_new = min(request.num_tokens - hit.num_tokens, cap, budget)
             if not coordinator.allocate_slots(request, num_new, hit):
                 break
+            seats -= needed
+            seated[id(group)] = group
             self.waiting.popleft()
             request.num_computed_tokens = hit.num_tokens
             if request.num_preemptions == 0:
@@ -194,72 +222,133 @@ class Scheduler:
             out.add(request, num_new)
             budget -= num_new
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, cap: int) -> int:
-        """Bring swapped requests back (oldest first) while blocks and sequence slots allow, and
-        schedule them in this step when the budget and the pool allow."""
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            record = self.swap_records[request.request_id]
-            restored = self.coordinator.restore(request.request_id, record.layout)
+    def _alone(self, victim: Request, request: Request) -> bool:
+        """Whether preempting `victim` to make room for `request` cannot help: the request runs alone, or
+        its group must run together (a beam search) and nothing else runs."""
+        if victim is request and len(self.running) == 1:
+            return True
+        group = request.group
+        return group.runs_together and victim.group is group and all(r.group is group for r in self.running)
+
+    def _swap_in(
+        self, out: SchedulerOutput, budget: int, cap: int, seated: dict[int, SampleGroup], seats: int
+    ) -> tuple[int, int]:
+        """Bring swapped groups back as a whole (oldest first) while blocks and seats allow, and schedule
+        their members in this step when the budget and the pool allow."""
+        while self.swapped:
+            group = self.swapped[0].group
+            if group.seats > seats:
+                break
+            members = [r for r in self.swapped if r.group is group]
+            tables = {r.request_id: self.swap_records[r.request_id].tables for r in members}
+            restored = self.coordinator.restore(tables)
             if restored is None:
                 break
-            self.swapped.popleft()
-            del self.swap_records[request.request_id]
-            out.swap_in.extend(zip(record.cpu_block_ids, restored, strict=True))
-            out.swapped_in.append(request)
-            self.swap_space.free(record.cpu_block_ids)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
-            if num_new > 0 and self.coordinator.allocate_slots(request, num_new):
-                out.add(request, num_new)
-                budget -= num_new
-        return budget
+            out.swap_in.extend(restored)
+            seats -= group.seats
+            seated[id(group)] = group
+            for request in members:
+                self.swapped.remove(request)
+                self.swap_space.free(self.swap_records.pop(request.request_id).cpu_block_ids)
+                out.swapped_in.append(request)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+            for request in members:
+                num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
+                if num_new > 0 and self.coordinator.allocate_slots(request, num_new):
+                    out.add(request, num_new)
+                    budget -= num_new
+        return budget, seats
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Preempt the victim and every other running member of its group, newest first."""
-        members = victim.group.running()
-        # A member already scheduled earlier in this step leaves the step's batch.
+        group = victim.group
+        members = sorted(group.running(), key=self.running.index)
+        # A member already scheduled earlier in this step leaves the step's batch, and gives back the
+        # copies it made in it: a swap-out must read blocks the step's copies have not filled yet.
         out.drop(members)
-        for member in sorted(members, key=self.running.index, reverse=True):
+        for member in members:
+            self.coordinator.undo_copies(member.request_id)
             self.running.remove(member)
             member.num_preemptions += 1
             self.num_preemptions += 1
             out.preempted.append(member)
-            if self.config.preemption_mode == "swap" and self._swap_out(member, out):
-                continue
+        if self.config.preemption_mode == "swap" and self._swap_out(members, out):
+            return
+        for member in members:
             self.coordinator.free(member.request_id)
             member.num_computed_tokens = 0
             member.status = RequestStatus.WAITING
-            self.waiting.appendleft(member)
+        if group.beam is not None:
+            members = self._restart_beam_search(group, members)
+        self.waiting.extendleft(reversed(members))
 
-    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
-        layout = self.coordinator.layout(request.request_id)
-        device_ids = [bid for row in self.coordinator.block_ids(request.request_id) for bid in row if bid]
+    def _restart_beam_search(self, group: SampleGroup, members: list[Request]) -> list[Request]:
+        """A beam search preempted by recompute starts again from its prompt: its beams end (without a
+        report) and one request, holding nothing, computes the prompt again."""
+        prompt = group.beam.restart()
+        for member in members:
+            if member is not prompt:
+                member.finish(RequestStatus.FINISHED_ABORTED)
+        return [prompt]
+
+    def _swap_out(self, members: list[Request], out: SchedulerOutput) -> bool:
+        """Copy the members' blocks to swap space (a block they share once) and free them; False, nothing
+        changed, when swap space lacks the room."""
+        tables = {m.request_id: self.coordinator.block_ids(m.request_id) for m in members}
+        device_ids = dict.fromkeys(b for rows in tables.values() for row in rows for b in row if b != NULL_BLOCK_ID)
         cpu_ids = self.swap_space.allocate(len(device_ids))
         if cpu_ids is None:
             return False
-        out.swap_out.extend(zip(device_ids, cpu_ids, strict=True))
-        self.swap_records[request.request_id] = SwapRecord(layout, cpu_ids)
-        self.coordinator.free(request.request_id)
-        request.status = RequestStatus.SWAPPED
-        self.swapped.append(request)
-        self.num_swaps += 1
+        to_cpu = dict(zip(device_ids, cpu_ids, strict=True))
+        out.swap_out.extend(to_cpu.items())
+        for member in members:
+            rows = tables[member.request_id]
+            record = SwapRecord([[None if b == NULL_BLOCK_ID else to_cpu[b] for b in row] for row in rows])
+            self.swap_space.hold(record.cpu_block_ids)
+            self.swap_records[member.request_id] = record
+            self.coordinator.free(member.request_id)
+            member.status = RequestStatus.SWAPPED
+            self.swapped.append(member)
+            self.num_swaps += 1
         return True
 
-    def update(self, out: SchedulerOutput, sampled_tokens: Sequence[int]) -> None:
+    def update(self, out: SchedulerOutput, sampled_tokens: Sequence[int | None]) -> None:
         """After the step ran: advance every scheduled request by its computed tokens, append the sampled
-        tokens (aligned with `out.sampling`), cache blocks that became full and return blocks that left a
-        window, and queue the followers of a leader that has just computed its prompt (right behind the
-        running requests, ahead of every other waiting request). Stopping is the caller's: `finish`."""
+        tokens (aligned with `out.sampling`; None for a beam, whose token the beam search chooses), cache
+        blocks that became full and return blocks that left a window, and fork the samples that drew
+        their first token from a leader's logits. Stopping is the caller's: `finish`."""
         tokens = iter(sampled_tokens)
         for request, num_new, samples in out.scheduled:
             request.num_computed_tokens += num_new
             if samples:
-                request.append_token_ids([next(tokens)])
-                if len(request.group.members) > 1:
-                    self.waiting.extendleft(reversed(request.group.release_followers(request)))
+                token = next(tokens)
+                if token is not None:
+                    request.append_token_ids([token])
             self.coordinator.update_computed(request)
+            for follower in samples[1:]:
+                self.fork(request, follower)
+                follower.append_token_ids([next(tokens)])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Make `child` (holding nothing, with the same computed tokens as `parent`) run beside `parent`,
+        sharing all of its blocks; it runs right after the parent's group members already running."""
+        self.coordinator.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        index = self.running.index(parent) + 1
+        while index < len(self.running) and self.running[index].group is parent.group:
+            index += 1
+        self.running.insert(index, child)
+
+    def check_plan(self, out: SchedulerOutput) -> None:
+        """Assert that no block the plan writes is shared (tests call it after every schedule): each
+        request writes only blocks it alone holds, and no two copies write one block."""
+        for s in out.scheduled:
+            request = s.request
+            self.coordinator.check_writable(request.request_id, request.num_computed_tokens, s.num_new_tokens)
+        destinations = [dst for _, dst in out.blocks_to_copy]
+        assert len(set(destinations)) == len(destinations), f"two copies write one block: {out.blocks_to_copy}"
 
     def finish_group(self, group: SampleGroup, status: RequestStatus, error: str | None = None) -> list[Request]:
         """Finish every unfinished sample of a group (aborted or failed together); returns them."""

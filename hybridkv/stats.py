@@ -41,6 +41,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "num_swapped": len(engine.scheduler.swapped),
         "num_steps": engine.num_steps,
         "num_generated_tokens": engine.num_generated_tokens,
+        # Tokens run through the model (prompts, recomputed tokens and one per decode step).
+        "num_forward_tokens": engine.num_forward_tokens,
         "tokens_per_second": engine.num_generated_tokens / engine.step_seconds if engine.step_seconds else 0.0,
         "step_seconds": engine.step_seconds,
         "forward_seconds": engine.runner.forward_seconds,

@@ -70,14 +70,18 @@ def test_swap_without_swap_space_is_a_clear_error(gemma3):
         hybridkv.patch(gemma3[0], max_model_len=176, preemption_mode="drop")
 
 
-def test_parallel_greedy_samples_share_the_prompt_blocks(gemma3, patched):
+@pytest.mark.parametrize("caching", [True, False])
+def test_parallel_greedy_samples_compute_the_prompt_once(gemma3, patched, caching):
     model, batch, expected = gemma3
-    llm = patched(model, block_size=8, max_model_len=256)
+    llm = patched(model, block_size=8, max_model_len=256, enable_prefix_caching=caching)
     (out,) = llm.generate([batch[3]], SamplingParams(n=3, temperature=0, max_tokens=16), use_tqdm=False)
     assert [c.token_ids for c in out.outputs] == [expected[3]] * 3
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    # Samples 1 and 2 took the leader's 18 full prompt blocks (144 tokens) from the prefix cache.
-    assert llm.stats()["prefix_cache_hits"] == 2 * 144
+    # Samples 1 and 2 were forked from the leader when it sampled: the prompt ran through the model once,
+    # then each sample computed its own 15 tokens after the first; nothing came from the prefix cache.
+    stats = llm.stats()
+    assert stats["num_forward_tokens"] == len(batch[3]) + 3 * 15
+    assert stats["prefix_cache_hits"] == 0 and stats["blocks_in_use"] == 0
 
 
 def test_parallel_seeded_samples_differ_and_repeat(gemma3, patched):

@@ -124,7 +124,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.coordinator.check_integrity(holding)
         for request in [*scheduler.waiting, *scheduler.swapped]:
             assert self.engine.coordinator.block_ids(request.request_id) == [[], []]
-        in_swap = sum(len(record.cpu_block_ids) for record in scheduler.swap_records.values())
+        in_swap = len({b for record in scheduler.swap_records.values() for b in record.cpu_block_ids})
         assert scheduler.swap_space.num_free_blocks + in_swap == scheduler.swap_space.num_blocks
         # No orphan: a request whose samples all ended is either reported already or queued for the next step.
         unreported = {id(state) for state in self.engine._unreported}

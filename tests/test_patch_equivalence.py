@@ -103,7 +103,7 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
 
 def plan_of(llm, request, num_new_tokens):
     """A step that computes the request's next tokens alone."""
-    scheduled = [ScheduledRequest(request, num_new_tokens, samples=False)]
+    scheduled = [ScheduledRequest(request, num_new_tokens, samples=())]
     return SchedulerOutput(scheduled, llm.coordinator.block_tables([request.request_id]))
 
 

@@ -22,6 +22,7 @@ def step(scheduler, token=7, eos=()):
     """One engine step with a fake model: every request that reaches its last token samples `token`,
     and the engine's stop rules finish what they stop."""
     out = scheduler.schedule()
+    scheduler.check_plan(out)
     sampling = out.sampling
     scheduler.update(out, [token] * len(sampling))
     finished = list(out.failed)
@@ -174,7 +175,7 @@ def test_the_plan_carries_each_requests_block_table_rows_and_whether_it_samples(
     a = add(scheduler, "a", 6, 0)
     b = add(scheduler, "b", 10, 100)
     plan = scheduler.schedule()
-    assert [(s.request, s.num_new_tokens, s.samples) for s in plan.scheduled] == [(a, 6, True), (b, 6, False)]
+    assert [(s.request, s.num_new_tokens, s.samples) for s in plan.scheduled] == [(a, 6, (a,)), (b, 6, ())]
     assert plan.sampling == [a]
     assert plan.block_tables == [
         [scheduler.coordinator.block_ids("a")[group], scheduler.coordinator.block_ids("b")[group]] for group in (0, 1)
@@ -190,11 +191,20 @@ def test_the_samples_of_one_prompt_wait_for_the_leader_and_are_preempted_togethe
     leader, *followers = group.members
     assert scheduler.add_request(leader)
     assert [m.status for m in followers] == [RequestStatus.WAITING_FOR_LEADER] * 2
-    assert step(scheduler)[0] == [("other", 1), ("r#0", 9)]
-    # The leader's first token released the followers to the front of the queue: they take its two
-    # full prompt blocks from the prefix cache and compute only the last prompt token.
-    assert list(scheduler.waiting) == followers
-    assert step(scheduler)[0] == [("other", 1), ("r#0", 1), ("r#1", 1), ("r#2", 1)]
+    scheduled, plan, _ = step(scheduler)
+    assert scheduled == [("other", 1), ("r#0", 9)]
+    # The leader's last prompt row gave every sample its first token: the followers were forked from
+    # it (all blocks shared, the partial last one included) and compute no prompt token of their own.
+    assert plan.sampling == [other, leader, *followers]
+    assert [m.status for m in followers] == [RequestStatus.RUNNING] * 2
+    table = [list(row) for row in scheduler.coordinator.block_ids("r#0")]
+    assert scheduler.coordinator.block_ids("r#1") == scheduler.coordinator.block_ids("r#2") == table
+    scheduled, plan, _ = step(scheduler)
+    assert scheduled == [("other", 1), ("r#0", 1), ("r#1", 1), ("r#2", 1)]
+    # Writing token 9 into the shared partial block: the first two copy it, the last holder writes it.
+    partial = table[0][2]
+    assert [src for src, _ in plan.blocks_to_copy] == [partial, partial]
+    assert scheduler.coordinator.block_ids("r#2")[0][2] == partial
     plan = SchedulerOutput()
     while not plan.preempted:
         _, plan, _ = step(scheduler)

@@ -48,7 +48,7 @@ def test_a_string_seed_is_a_type_error():
 
 
 def test_a_seed_beyond_64_bits_is_a_value_error():
-    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - n\].*got 18446744073709551616$"):
+    with pytest.raises(ValueError, match=r"seed must be in \[-2\*\*63, 2\*\*64 - best_of\].*got 18446744073709551616$"):
         SamplingParams(seed=2**64)
 
 

@@ -1,0 +1,275 @@
+"""Beam search in the engine: `BeamSearchParams`, the outputs, and `BeamSearch`, one search's state.
+
+A beam search is a group of requests (request.py's SampleGroup with `beam` set), one per live beam,
+in the same continuous batch as every other request. It starts as one request, the prompt. Each beam
+that samples leaves its row of next-token log-probabilities here (`deposit`); when every live beam has
+one, `advance` applies transformers' rule (`generate(num_beams=..., do_sample=False)`, its
+`_beam_search`) to choose the next beams and the finished hypotheses:
+
+- the K = max(2, 1 + number of EOS ids) x beam_width best continuations of all beams by cumulative
+  log-probability;
+- a continuation "hits" when its token is an EOS id (unless ignore_eos) or it reaches max_tokens or the
+  engine's max_model_len; the first beam_width continuations that do not hit are the next beams;
+- a hitting continuation among the first beam_width becomes a finished hypothesis, scored cumulative
+  log-probability / generated length ** length_penalty, and the beam_width best hypotheses are kept;
+- the search ends when every continuation hits, when early_stopping=True and beam_width hypotheses are
+  finished, or when no running beam can beat the worst kept hypothesis (transformers' heuristic: the best
+  running beam's score at its current length, or at max_tokens with early_stopping="never" and a
+  positive length_penalty).
+
+The next beams fork their parent's blocks (the scheduler's `fork`: everything shared, the diverging
+partial block copied on write), a beam with no continuation is finished and returns its blocks. A
+search preempted by recompute starts again from its prompt (`restart`): it is deterministic, so the
+result is the same; swapped out, it comes back as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hybridkv.outputs import CompletionOutput, RequestOutput
+from hybridkv.request import Request, RequestStatus, SampleGroup
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.validation import check_bool, check_float, check_int
+
+if TYPE_CHECKING:
+    from hybridkv.scheduler import Scheduler
+
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's names: beam_width beams, at most max_tokens new tokens each, EOS ends a beam unless
+    ignore_eos. length_penalty and early_stopping (True, False or "never") mean what they mean in
+    transformers' `generate`. temperature > 0 divides the logits before the log-softmax that scores
+    continuations; 0 (the default) scores them by the model's own log-probabilities, as 1 does."""
+
+    beam_width: int
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        check_int("beam_width", self.beam_width, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_float("temperature", self.temperature)
+        check_float("length_penalty", self.length_penalty)
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 scores by the model's log-probabilities), got {self.temperature}"
+            )
+        if not any(self.early_stopping is choice for choice in EARLY_STOPPING):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never' (transformers' meaning), got {self.early_stopping!r}"
+            )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis, best first in its output: `tokens` are the prompt's ids then the generated ones;
+    `cum_logprob` their summed log-probabilities; `score` the ranking score (cum_logprob / generated
+    length ** length_penalty); finish_reason "stop" (an EOS token ends it) or "length"."""
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+    text: str | None = None
+    num_prompt_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+@dataclass
+class BeamSearchOutput:
+    """The result of one prompt's beam search: its beam_width best sequences, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+    request_id: str = ""
+
+    @classmethod
+    def of(cls, output: RequestOutput, params: BeamSearchParams) -> BeamSearchOutput:
+        """The beam search's result from its finished RequestOutput (whose outputs are its hypotheses)."""
+        prompt = output.prompt_token_ids
+        sequences = [
+            BeamSearchSequence(
+                tokens=[*prompt, *c.token_ids],
+                cum_logprob=c.cumulative_logprob,
+                score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                finish_reason=c.finish_reason,
+                text=c.text,
+                num_prompt_tokens=len(prompt),
+            )
+            for c in output.outputs
+        ]
+        return cls(sequences, output.request_id)
+
+
+@dataclass(slots=True)
+class _Beam:
+    request: Request
+    cum_logprob: float
+
+
+class BeamSearch:
+    """The state of one beam search: live beams, the rows they have deposited, finished hypotheses."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: BeamSearchParams,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        block_size: int | None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.width = params.beam_width
+        self.prompt_token_ids = list(prompt_token_ids)
+        eos = () if params.ignore_eos else tuple(dict.fromkeys(eos_token_ids))
+        self.eos = frozenset(eos)
+        self.num_candidates = max(2, 1 + len(eos)) * self.width
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        # The request every beam is: greedy, never stopped by the engine's stop rules (beams leave through
+        # `advance`), max_tokens only for the scheduler's bookkeeping.
+        self.request_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        self.group = SampleGroup(request_id, [])
+        self.group.beam = self
+        self._next_id = 0
+        self.restart()
+
+    def restart(self) -> Request:
+        """Start (again) from the prompt: one new request that holds nothing; returns it."""
+        prompt = self._new_request(self.prompt_token_ids)
+        self.group.members = [prompt]
+        self.beams = [_Beam(prompt, 0.0)]
+        self.finished: list[BeamSearchSequence] = []
+        self.improvable = True
+        self.pending: dict[str, torch.Tensor] = {}
+        return prompt
+
+    def _new_request(self, token_ids: Sequence[int], parent: Request | None = None) -> Request:
+        """A beam's request (a fork of `parent` takes its tokens' block hashes instead of hashing again)."""
+        block_size = self.block_size if parent is None else None
+        request = Request(f"{self.request_id}#beam{self._next_id}", token_ids, self.request_params, block_size)
+        if parent is not None:
+            request.block_size = parent.block_size
+            request.block_hashes = list(parent.block_hashes)
+        request.num_prompt_tokens = len(self.prompt_token_ids)
+        request.group = self.group
+        request.sample_index = self._next_id
+        self._next_id += 1
+        return request
+
+    def deposit(self, request: Request, logits: torch.Tensor) -> None:
+        """Keep a beam's next-token log-probabilities (from its logits row) until every beam has one."""
+        temperature = self.params.temperature
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
+        self.pending[request.request_id] = torch.log_softmax(logits.float(), dim=-1)
+
+    @property
+    def ready(self) -> bool:
+        return len(self.pending) == len(self.beams) and all(b.request.request_id in self.pending for b in self.beams)
+
+    def advance(self, scheduler: Scheduler) -> bool:
+        """One beam-search step (the module docstring's rule) once every beam has deposited: forks the
+        next beams from their parents and finishes the rest. True when the search is done (every beam
+        finished and returned its blocks)."""
+        params = self.params
+        rows = torch.stack([self.pending.pop(b.request.request_id) for b in self.beams])
+        scores = rows + torch.tensor([b.cum_logprob for b in self.beams], dtype=rows.dtype).unsqueeze(1)
+        vocab = rows.shape[1]
+        k = min(self.num_candidates, scores.numel())
+        values, indices = scores.flatten().topk(k)
+        values, indices = values.tolist(), indices.tolist()
+        generated = self.beams[0].request.num_output_tokens + 1
+        at_length = generated >= params.max_tokens or len(self.prompt_token_ids) + generated >= self.max_model_len
+        penalty = generated**params.length_penalty
+        full = len(self.finished) == self.width
+        may_finish = self.improvable and not (full and params.early_stopping is True)
+        survivors: list[tuple[_Beam, int, float]] = []
+        new_finished = []
+        for rank, (value, index) in enumerate(zip(values, indices, strict=True)):
+            parent, token = self.beams[index // vocab], index % vocab
+            hits = at_length or token in self.eos
+            if not hits:
+                if len(survivors) < self.width:
+                    survivors.append((parent, token, value))
+            elif rank < self.width and may_finish:
+                reason = "stop" if token in self.eos else "length"
+                tokens = [*parent.request.token_ids, token]
+                num_prompt = len(self.prompt_token_ids)
+                new_finished.append(BeamSearchSequence(tokens, value, value / penalty, reason, None, num_prompt))
+        if new_finished:
+            merged = self.finished + new_finished
+            order = sorted(range(len(merged)), key=lambda i: merged[i].score, reverse=True)
+            self.finished = [merged[i] for i in order[: self.width]]
+        done = not survivors or (len(self.finished) == self.width and params.early_stopping is True)
+        if not done and len(self.finished) == self.width:
+            never = params.early_stopping == "never" and params.length_penalty > 0
+            best_length = params.max_tokens if never else generated
+            best_possible = survivors[0][2] / best_length**params.length_penalty
+            self.improvable = best_possible > min(h.score for h in self.finished)
+            done = not self.improvable
+        if done:
+            for beam in self.beams:
+                scheduler.finish(beam.request, RequestStatus.FINISHED_STOPPED)
+            self.beams = []
+            return True
+        self.beams = self._fork_survivors(scheduler, survivors)
+        self.group.members = [b.request for b in self.beams]
+        return False
+
+    def _fork_survivors(self, scheduler: Scheduler, survivors: list[tuple[_Beam, int, float]]) -> list[_Beam]:
+        """The next beams: a parent's first continuation goes on in the parent's request, each other one
+        is a fork of it (forked before the parent takes its token); parents without one finish."""
+        children: dict[int, list[int]] = {}
+        for position, (parent, _, _) in enumerate(survivors):
+            children.setdefault(id(parent), []).append(position)
+        beams: list[_Beam | None] = [None] * len(survivors)
+        for parent in self.beams:
+            positions = children.get(id(parent))
+            if positions is None:
+                scheduler.finish(parent.request, RequestStatus.FINISHED_STOPPED)
+                continue
+            for position in positions[1:]:
+                _, token, value = survivors[position]
+                child = self._new_request(parent.request.token_ids, parent.request)
+                scheduler.fork(parent.request, child)
+                child.append_token_ids([token])
+                beams[position] = _Beam(child, value)
+            _, token, value = survivors[positions[0]]
+            parent.request.append_token_ids([token])
+            parent.cum_logprob = value
+            beams[positions[0]] = parent
+        return [beam for beam in beams if beam is not None]
+
+    def outputs(self, tokenizer: Any) -> list[CompletionOutput]:
+        """The hypotheses, best first, as completions (text decoded when a tokenizer is given)."""
+        completions = []
+        for index, sequence in enumerate(self.finished):
+            if tokenizer is not None and sequence.text is None:
+                sequence.text = tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=sequence.text or "",
+                    token_ids=sequence.output_token_ids,
+                    finish_reason=sequence.finish_reason,
+                    cumulative_logprob=sequence.cum_logprob,
+                )
+            )
+        return completions

@@ -1,0 +1,155 @@
+"""Beam search in the engine against transformers' own `generate(num_beams=k, num_return_sequences=k,
+do_sample=False)`, for every family in the zoo: the same k sequences in the same order and the same
+scores, with and without EOS in play, with chunked prefill and prefix caching, on tiny pools (preemption
+by recompute and by swap), beside other requests in the same batch; `cum_logprob` is the teacher-forced
+sum of the sequence's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hybridkv
+from hybridkv import BeamSearchParams, SamplingParams
+
+from model_zoo import ZOO
+from tiny_models import VOCAB, hf_greedy, prompts
+
+K = 4
+MAX_NEW = 8
+SCORE_TOL = 1e-4
+TIE = 1e-5
+
+
+def hf_beam_search(model, prompt, eos=None, max_new=MAX_NEW, **options):
+    """transformers' beam search: per sequence, best first, its generated ids (cut after EOS) and score."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            num_beams=K,
+            num_return_sequences=K,
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            # generate() masks prompt tokens equal to the pad id: take one the prompt does not hold.
+            pad_token_id=min(set(range(VOCAB)) - set(prompt) - {eos}),
+            output_scores=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+    results = []
+    for row, score in zip(out.sequences[:, len(prompt) :].tolist(), out.sequences_scores.tolist(), strict=True):
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        results.append((row, score))
+    return results
+
+
+def assert_same_beams(output, expected):
+    """Same sequences in the same order, same scores; two sequences may trade places only where HF's
+    scores tie."""
+    got = [(s.output_token_ids, s.score) for s in output.sequences]
+    assert len(got) == len(expected) == K
+    for (tokens, score), (hf_tokens, hf_score) in zip(got, expected, strict=True):
+        if tokens != hf_tokens:
+            assert abs(score - hf_score) < TIE, f"beams differ without a tie: got {got}, HF {expected}"
+        assert abs(score - hf_score) < SCORE_TOL, f"score {score} vs HF {hf_score}: got {got}, HF {expected}"
+
+
+def teacher_forced_logprob(model, sequence) -> float:
+    with torch.inference_mode():
+        logits = model(torch.tensor([sequence.tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = sequence.num_prompt_tokens
+    return sum(logprobs[i - 1, sequence.tokens[i]].item() for i in range(start, len(sequence.tokens)))
+
+
+def eos_in_play(model, prompt) -> tuple[int, float, list]:
+    """An EOS id and a length penalty with which some of HF's returned sequences end in EOS (tried among
+    the tokens its beams generate without one; a smaller penalty favours the shorter sequences EOS makes),
+    and HF's result with them."""
+    free = hf_beam_search(model, prompt)
+    for length_penalty in (1.0, 0.5, 0.0):
+        for position in (1, 2, 3):
+            for tokens, _ in free:
+                eos = tokens[position]
+                expected = hf_beam_search(model, prompt, eos=eos, length_penalty=length_penalty)
+                if any(row[-1] == eos for row, _ in expected):
+                    return eos, length_penalty, expected
+    raise AssertionError("no generated token ends one of HF's sequences as EOS")
+
+
+_models: dict[str, torch.nn.Module] = {}
+
+
+def zoo_model(name):
+    if name not in _models:
+        _models[name] = ZOO[name]()
+    return _models[name]
+
+
+@pytest.fixture(params=sorted(ZOO))
+def name(request):
+    return request.param
+
+
+def test_beam_search_matches_generate(name, patched):
+    """Default settings without EOS, then EOS in play with chunked prefill and prefix caching (run twice:
+    the second search takes its prompt from the prefix cache)."""
+    model = zoo_model(name)
+    short, long = prompts((33, 70), seed=5)
+    expected = hf_beam_search(model, short)
+    llm = patched(model, block_size=8, max_model_len=256)
+    (output,) = llm.beam_search([short], BeamSearchParams(beam_width=K, max_tokens=MAX_NEW), use_tqdm=False)
+    assert_same_beams(output, expected)
+    for sequence in output.sequences:
+        assert abs(sequence.cum_logprob - teacher_forced_logprob(model, sequence)) < SCORE_TOL
+    assert llm.stats()["blocks_in_use"] == 0
+
+    eos, length_penalty, expected = eos_in_play(model, long)
+    model.generation_config.eos_token_id = eos
+    try:
+        llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=24)
+        params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW, length_penalty=length_penalty)
+        for _ in range(2):
+            (output,) = llm.beam_search([long], params, use_tqdm=False)
+            assert_same_beams(output, expected)
+    finally:
+        model.generation_config.eos_token_id = None
+    assert any(s.finish_reason == "stop" and s.tokens[-1] == eos for s in output.sequences)
+    assert llm.stats()["prefix_cache_hits"] >= 64
+    assert llm.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
+    """Beam searches and greedy requests in one continuous batch, on a pool too small for all of them:
+    requests wait and are preempted (a beam search as a whole), and every result stays exact."""
+    model = zoo_model(name)
+    beam_prompts = prompts((40, 21), seed=6)
+    greedy_prompt = prompts((30,), seed=7)[0]
+    expected = [hf_beam_search(model, p) for p in beam_prompts]
+    greedy, _ = hf_greedy(model, greedy_prompt, MAX_NEW)
+    settings = dict(block_size=8, max_model_len=96, max_num_batched_tokens=32, preemption_mode=mode)
+    if mode == "swap":
+        settings["swap_space"] = 1 << 24
+    num_blocks = hybridkv.min_num_blocks(model, **{k: v for k, v in settings.items() if k != "swap_space"})
+    llm = patched(model, **settings, num_blocks=num_blocks + 4)
+    ids = [llm.add_request(p, BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)) for p in beam_prompts]
+    ids.append(llm.add_request(greedy_prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
+    done = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output
+        llm.coordinator.check_integrity({r.request_id: r for r in llm.scheduler.running})
+    for request_id, reference in zip(ids, expected, strict=False):
+        assert_same_beams(hybridkv.BeamSearchOutput.of(done[request_id], BeamSearchParams(K)), reference)
+    assert done[ids[-1]].outputs[0].token_ids == greedy
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["blocks_in_use"] == 0
+    if mode == "swap":
+        assert stats["num_swaps"] > 0
+        assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
