@@ -4,7 +4,9 @@ Besides check_integrity() after every rule, the machine keeps a shadow of what e
 block holds: writing token t of a request into a block records (group, cache salt, tokens[:t+1]),
 the full context that K/V at t depends on. Then, for every block a request attends to (computed
 ones, hit ones included), the shadow must be exactly that request's context, and every hashed block
-must hold the tokens its hash was made from.
+must hold the tokens its hash was made from. Forks share every block of a request; a step that
+writes into a shared block must get a copy first (copy-on-write): the machine runs the copies the
+coordinator asks for on its shadow, and checks that no step writes a block another request holds.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
             if not coordinator.allocate_slots(request, num_new):
                 return
+        for source, destination in coordinator.take_copies():
+            self.written[destination] = dict(self.written[source])
+        coordinator.check_writable(request.request_id, request.num_computed_tokens, num_new)
         self.write_kv(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
         request.num_computed_tokens += num_new
         if request.num_computed_tokens == request.num_tokens:
@@ -89,6 +94,23 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert block_id != 0, "a token of the chunk has no real block"
                 contents = (manager.group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
                 self.written.setdefault(block_id, {})[t % bs] = contents
+
+    @precondition(lambda self: self.holding)
+    @rule(index=st.integers(0, 100), sampled=st.integers(0, 5))
+    def fork(self, index, sampled):
+        """A request forked where it stands: after sampling, the fork draws its own last token (the
+        one not computed yet); mid-prefill it has the same tokens."""
+        parent = self.requests[sorted(self.holding)[index % len(self.holding)]]
+        tokens = list(parent.token_ids)
+        if parent.num_computed_tokens == parent.num_tokens - 1:
+            tokens[-1] = sampled
+        child = KVRequest(f"r{self.next_id}", tokens, self.block_size, cache_salt=parent.cache_salt)
+        self.next_id += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.coordinator.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        self.holding.add(child.request_id)
+        self.record_hashes(child)
 
     @precondition(lambda self: self.holding)
     @rule(index=st.integers(0, 100))

@@ -12,6 +12,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO
 from tiny_models import VOCAB, hf_greedy, prompts
@@ -153,3 +154,117 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     if mode == "swap":
         assert stats["num_swaps"] > 0
         assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("length_penalty", "early_stopping"), [(0.5, True), (2.0, "never"), (-0.5, False), (0.0, "never")]
+)
+def test_length_penalty_and_early_stopping_rank_like_generate(patched, length_penalty, early_stopping):
+    model = zoo_model("gemma3")
+    prompt = prompts((50,), seed=8)[0]
+    eos = hf_beam_search(model, prompt)[0][0][1]
+    options = dict(length_penalty=length_penalty, early_stopping=early_stopping)
+    expected = hf_beam_search(model, prompt, eos=eos, max_new=12, **options)
+    model.generation_config.eos_token_id = eos
+    try:
+        llm = patched(model, block_size=8, max_model_len=256)
+        params = BeamSearchParams(beam_width=K, max_tokens=12, **options)
+        (output,) = llm.beam_search([prompt], params, use_tqdm=False)
+    finally:
+        model.generation_config.eos_token_id = None
+    assert_same_beams(output, expected)
+
+
+def test_ignore_eos_runs_every_beam_to_max_tokens(patched):
+    model = zoo_model("gemma3")
+    prompt = prompts((50,), seed=8)[0]
+    expected = hf_beam_search(model, prompt)
+    model.generation_config.eos_token_id = expected[0][0][1]
+    try:
+        llm = patched(model, block_size=8, max_model_len=256)
+        params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW, ignore_eos=True)
+        (output,) = llm.beam_search([prompt], params, use_tqdm=False)
+    finally:
+        model.generation_config.eos_token_id = None
+    assert_same_beams(output, expected)
+    assert {s.finish_reason for s in output.sequences} == {"length"}
+
+
+def peak_blocks(llm, prompt, params) -> int:
+    llm.add_request(prompt, params)
+    peak = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        peak = max(peak, llm.stats()["blocks_in_use"])
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "bound"),
+    [
+        ("llama", {}, 1.3),  # measured 1.18x
+        ("gemma3", {"sliding_window": 512}, 1.4),  # Gemma 3's own window: measured 1.29x
+        ("gemma3", {}, 1.9),  # a 16-token window: every beam keeps a window of its own; measured 1.78x
+    ],
+)
+def test_a_4_beam_search_holds_well_under_twice_one_requests_blocks(patched, family, overrides, bound):
+    """Peak blocks of a 4-beam search over a 200-token prompt (64 new tokens) against one greedy request:
+    the beams share the prompt's blocks and their common history, and copy only the partial block they
+    diverge in. Beams that diverged more than a window ago each need a window of their own, so a tiny
+    window costs the most; 4 forked samples are shown beside."""
+    model = tiny_model(family, **overrides)
+    prompt = prompts((200,), seed=9)[0]
+    llm = patched(model, block_size=16, max_model_len=512)
+    one = peak_blocks(llm, prompt, SamplingParams(temperature=0, max_tokens=64))
+    beams = peak_blocks(llm, prompt, BeamSearchParams(beam_width=4, max_tokens=64))
+    samples = peak_blocks(llm, prompt, SamplingParams(n=4, temperature=1.0, max_tokens=64))
+    print(
+        f"{family} {overrides}: peak blocks one request {one}, 4 beams {beams} ({beams / one:.2f}x), "
+        f"4 samples {samples}"
+    )
+    assert beams < bound * one
+    assert samples < 4 * one
+    assert llm.stats()["blocks_in_use"] == 0
+
+
+def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(patched):
+    model = zoo_model("gemma3")
+    prompt = prompts((30,), seed=10)[0]
+    llm = patched(model, block_size=8, max_model_len=256)
+    every = SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=10, logprobs=0)
+    (all_five,) = llm.generate([prompt], every, use_tqdm=False)
+    (best,) = llm.generate(
+        [prompt], SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=10), use_tqdm=False
+    )
+    ranked = sorted(all_five.outputs, key=lambda c: c.cumulative_logprob, reverse=True)
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.cumulative_logprob for c in best.outputs] == pytest.approx([c.cumulative_logprob for c in ranked[:2]])
+    for completion in all_five.outputs:
+        assert completion.cumulative_logprob == pytest.approx(sum(t.logprob for t in completion.logprobs))
+
+
+def test_beam_search_input_errors(patched):
+    model = zoo_model("gemma3")
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=4)
+    with pytest.raises(ValueError, match="beam search does not stream"):
+        llm.stream([1, 2, 3], BeamSearchParams(beam_width=2))
+    with pytest.raises(ValueError, match="best_of=3 > n=1 does not stream"):
+        llm.stream([1, 2, 3], SamplingParams(best_of=3))
+    with pytest.raises(TypeError, match=r"must be a hybridkv\.BeamSearchParams"):
+        llm.beam_search([[1, 2, 3]], SamplingParams())
+    for bad, message in [
+        (dict(beam_width=0), "beam_width must be >= 1"),
+        (dict(beam_width=2, early_stopping="sometimes"), "early_stopping must be True, False or 'never'"),
+        (dict(beam_width=2, temperature=-1.0), "temperature must be >= 0"),
+        (dict(beam_width=2, max_tokens=0), "max_tokens must be >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            BeamSearchParams(**bad)
+    with pytest.raises(ValueError, match="best_of must be >= n=3"):
+        SamplingParams(n=3, best_of=2)
+    # More beams than max_num_seqs can never run: refused with the setting to raise.
+    request_id = llm.add_request([1, 2, 3], BeamSearchParams(beam_width=5))
+    (output,) = llm.step()
+    assert output.request_id == request_id and output.finished
+    assert "max_num_seqs is 4; raise max_num_seqs" in output.error
+    assert llm.stats()["blocks_in_use"] == 0

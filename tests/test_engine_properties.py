@@ -1,7 +1,7 @@
-"""Stateful property test: random add / step / abort / stream and close / bad input / Ctrl-C inside a
-step against a tiny hybrid model, in both preemption modes and tiny pools, checking after every rule the
-memory manager's integrity, that no block leaks and that no output is orphaned: every request is
-reported finished exactly once."""
+"""Stateful property test: random add (n samples, best_of, beam searches) / step / abort / stream and
+close / bad input / Ctrl-C inside a step against a tiny hybrid model, in both preemption modes and tiny
+pools, checking after every rule the memory manager's integrity, that no step writes a shared block,
+that no block leaks and that no output is orphaned: every request is reported finished exactly once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hybridkv
-from hybridkv import SamplingParams
+from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.tiny import tiny_model
 
 MODEL = tiny_model(
@@ -45,18 +45,32 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine = hybridkv.patch(
             MODEL, **settings_, num_blocks=minimum + extra_blocks, preemption_mode=mode, swap_space=1 << 20
         )
+        scheduler = self.engine.scheduler
+        schedule = scheduler.schedule
+
+        def checked_schedule():
+            plan = schedule()
+            scheduler.check_plan(plan)
+            return plan
+
+        scheduler.schedule = checked_schedule
 
     @precondition(lambda self: self.engine is not None)
     @rule(
         length=st.integers(1, 40),
         shared=st.booleans(),
         max_tokens=st.integers(1, 8),
-        n=st.integers(1, 2),
+        n=st.integers(1, 3),
+        kind=st.sampled_from(["sample", "sample", "best_of", "beam"]),
         temperature=st.sampled_from([0.0, 1.0]),
     )
-    def add(self, length, shared, max_tokens, n, temperature):
+    def add(self, length, shared, max_tokens, n, kind, temperature):
         prompt = ([7] * 12 + list(range(length)))[:40] if shared else [(3 * i + length) % 64 for i in range(length)]
-        params = SamplingParams(n=n, temperature=temperature, seed=length, max_tokens=max_tokens)
+        if kind == "beam":
+            params = BeamSearchParams(beam_width=n, max_tokens=max_tokens)
+        else:
+            best_of = n + 1 if kind == "best_of" else None
+            params = SamplingParams(n=n, best_of=best_of, temperature=temperature, seed=length, max_tokens=max_tokens)
         self.ids.append(self.engine.add_request(prompt, params))
 
     @precondition(lambda self: self.engine is not None)

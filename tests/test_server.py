@@ -118,6 +118,18 @@ def test_extra_sampling_fields_reach_the_engine(client, offline):
     assert response.usage.completion_tokens == 10
 
 
+def test_best_of_returns_the_engines_best_samples_and_is_not_streamed(client, offline):
+    params = SamplingParams(n=2, best_of=4, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    expected = offline.generate("The quick", params, use_tqdm=False)[0].outputs
+    response = client.completions.create(
+        model=MODEL, prompt="The quick", n=2, best_of=4, max_tokens=6, temperature=1.0, seed=5,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in response.choices] == [c.text for c in expected]
+    with pytest.raises(openai.BadRequestError, match=r"best_of=4 > n=2 cannot be streamed"):
+        client.completions.create(model=MODEL, prompt="The quick", n=2, best_of=4, max_tokens=6, stream=True)
+
+
 def test_a_chat_renders_the_template_and_streams_the_same_text(client, offline):
     prompt = render_chat(offline.tokenizer, MESSAGES)
     prompt_ids = offline.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -66,9 +66,13 @@ class SamplingFields(BaseModel):
             "stop_token_ids",
             "repetition_penalty",
             "cache_salt",
+            "best_of",
         )
-        settings = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **settings)
+        settings = {name: getattr(self, name, None) for name in names if getattr(self, name, None) is not None}
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **settings)
+        if self.stream and params.num_samples > params.n:
+            raise ValueError(f"best_of={params.best_of} > n={params.n} cannot be streamed; set stream=false")
+        return params
 
 
 class CompletionRequest(SamplingFields):
@@ -76,6 +80,7 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    best_of: int | None = None
     echo: Literal[False] = False
 
 
