@@ -204,13 +204,13 @@ class KVCacheCoordinator:
         self._copies.clear()
         return pairs
 
-    def undo_copies(self, request_id: str) -> None:
-        """Give the request back the shared blocks its copies since take_copies replaced (their new
-        blocks are returned): called before it is swapped out, whose copy would read blocks the step
-        has not filled yet."""
-        for manager, index, source, _ in reversed(self._copies.pop(request_id, [])):
-            source.ref_cnt += 1
-            manager.replace_block(request_id, index, source)
+    def swap_table(self, request_id: str) -> list[list[int]]:
+        """The request's block table per group as a swap-out must read it: a block whose copy-on-write copy
+        this step has not run yet is read from the copy's source, which holds those contents now."""
+        tables = [list(row) for row in self.block_ids(request_id)]
+        for manager, index, source, _ in self._copies.get(request_id, ()):
+            tables[manager.group_id][index] = source.block_id
+        return tables
 
     def _covered(self, request_id: str, num_tokens: int) -> bool:
         """Whether every group's block list already covers num_tokens tokens of the request."""

@@ -142,10 +142,9 @@ class SampleGroup:
 
     The first sample (the leader) computes the prompt; the others wait for it with status
     WAITING_FOR_LEADER, and in the step the leader samples its first token they are forked from it (its
-    blocks shared) and draw their own first tokens from the same logits. Preempting any member preempts
-    every running member; a failure fails every unfinished member; a leader that ends before its
-    followers were forked takes them with it. A beam search's members change every step (`beam`).
-    """
+    blocks shared) and draw their own first tokens from the same logits. A failure fails every unfinished
+    member; a leader that ends before its followers were forked takes them with it. A beam search's
+    members change every step (`beam`), and are preempted together (`runs_together`)."""
 
     __slots__ = ("beam", "members", "request_id")
 
@@ -191,7 +190,7 @@ class SampleGroup:
             member.status = RequestStatus.WAITING_FOR_LEADER
 
     def running(self) -> list[Request]:
-        """Members that hold blocks and run (preempted together)."""
+        """Members that hold blocks and run."""
         return [m for m in self.members if m.status is RequestStatus.RUNNING]
 
     def unfinished(self) -> list[Request]:

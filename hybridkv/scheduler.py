@@ -16,10 +16,10 @@ The samples of one prompt form a group (request.py): the first (the leader) comp
 the step it samples its first token every other sample is forked from it (hybridkv/coordinator.py: all
 blocks shared, nothing recomputed) and draws its own first token from the same logits. A request
 writing into a block another one holds gets a copy first (copy-on-write: `blocks_to_copy` in the plan).
-A group takes its seats (max_num_seqs) as a whole when its first member is admitted. Preempting any
-member preempts every running member of its group, and a swapped group comes back as a whole, its
-shared blocks shared again. A beam search preempted by recompute starts again from its prompt
-(hybridkv/beam_search.py).
+A group takes its seats (max_num_seqs) as a whole when its first member is admitted. Preempting a beam
+preempts every beam of its search, which comes back as a whole, its shared blocks shared again (a beam
+search preempted by recompute starts again from its prompt: hybridkv/beam_search.py); a sample is
+preempted alone.
 """
 
 from __future__ import annotations
@@ -237,7 +237,8 @@ class Scheduler:
         their members in this step when the budget and the pool allow."""
         while self.swapped:
             group = self.swapped[0].group
-            if group.seats > seats:
+            needed = 0 if id(group) in seated else group.seats
+            if needed > seats:
                 break
             members = [r for r in self.swapped if r.group is group]
             tables = {r.request_id: self.swap_records[r.request_id].tables for r in members}
@@ -245,7 +246,7 @@ class Scheduler:
             if restored is None:
                 break
             out.swap_in.extend(restored)
-            seats -= group.seats
+            seats -= needed
             seated[id(group)] = group
             for request in members:
                 self.swapped.remove(request)
@@ -261,14 +262,14 @@ class Scheduler:
         return budget, seats
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        """Preempt the victim and every other running member of its group, newest first."""
+        """Preempt the victim, with every other running beam of its search when it is a beam: samples go
+        alone (they need not run together, and a group that cannot fit at once must not keep preempting
+        itself)."""
         group = victim.group
-        members = sorted(group.running(), key=self.running.index)
-        # A member already scheduled earlier in this step leaves the step's batch, and gives back the
-        # copies it made in it: a swap-out must read blocks the step's copies have not filled yet.
+        members = sorted(group.running(), key=self.running.index) if group.runs_together else [victim]
+        # A member already scheduled earlier in this step leaves the step's batch (its copies with it).
         out.drop(members)
         for member in members:
-            self.coordinator.undo_copies(member.request_id)
             self.running.remove(member)
             member.num_preemptions += 1
             self.num_preemptions += 1
@@ -295,7 +296,7 @@ class Scheduler:
     def _swap_out(self, members: list[Request], out: SchedulerOutput) -> bool:
         """Copy the members' blocks to swap space (a block they share once) and free them; False, nothing
         changed, when swap space lacks the room."""
-        tables = {m.request_id: self.coordinator.block_ids(m.request_id) for m in members}
+        tables = {m.request_id: self.coordinator.swap_table(m.request_id) for m in members}
         device_ids = dict.fromkeys(b for rows in tables.values() for row in rows for b in row if b != NULL_BLOCK_ID)
         cpu_ids = self.swap_space.allocate(len(device_ids))
         if cpu_ids is None:

@@ -84,6 +84,24 @@ def test_parallel_greedy_samples_compute_the_prompt_once(gemma3, patched, cachin
     assert stats["prefix_cache_hits"] == 0 and stats["blocks_in_use"] == 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_samples_that_cannot_all_fit_at_once_still_finish(patched, mode):
+    """n samples that outgrow a pool holding one of them: they are preempted alone and take turns (a
+    group preempted and swapped as a whole went out and back in forever)."""
+    model = tiny_model("ministral", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    settings = dict(block_size=4, max_model_len=48, max_num_batched_tokens=16)
+    llm = patched(model, **settings, num_blocks=hybridkv.min_num_blocks(model, **settings), preemption_mode=mode,
+                  swap_space=1 << 20)  # fmt: skip
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
+    llm.add_request(list(range(30)), params)
+    for _ in range(200):  # bounded: a livelock fails instead of hanging
+        (output,) = llm.step() or (None,)
+        if output is not None and output.finished:
+            break
+    assert output.finished and [len(c.token_ids) for c in output.outputs] == [16] * 3
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["blocks_in_use"] == 0
+
+
 def test_parallel_seeded_samples_differ_and_repeat(gemma3, patched):
     model, batch, _ = gemma3
     llm = patched(model, block_size=8, max_model_len=256)

@@ -86,7 +86,9 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine is not None)
     @rule(length=st.integers(1, 30), reads=st.integers(0, 3), drop=st.booleans())
     def stream_then_close_or_drop(self, length, reads, drop):
-        stream = self.engine.stream([(5 * i + 1) % 64 for i in range(length)], SamplingParams(max_tokens=6))
+        stream = self.engine.stream(
+            [(5 * i + 1) % 64 for i in range(length)], SamplingParams(max_tokens=6, seed=length)
+        )
         request_id = stream.request_id
         for _ in zip(range(reads), stream, strict=False):
             pass

@@ -183,7 +183,7 @@ def test_the_plan_carries_each_requests_block_table_rows_and_whether_it_samples(
     assert [len(row) for row in plan.block_tables[0]] == [2, 2]
 
 
-def test_the_samples_of_one_prompt_wait_for_the_leader_and_are_preempted_together():
+def test_the_samples_of_one_prompt_wait_for_the_leader_are_forked_from_it_and_preempted_alone():
     scheduler = make_scheduler(num_blocks=9, max_model_len=64)  # 8 usable blocks
     other = add(scheduler, "other", 8, 100, max_tokens=20)
     step(scheduler)
@@ -208,10 +208,11 @@ def test_the_samples_of_one_prompt_wait_for_the_leader_and_are_preempted_togethe
     plan = SchedulerOutput()
     while not plan.preempted:
         _, plan, _ = step(scheduler)
-    # The newest running request is a sample of the group: every running sample goes with it.
-    assert sorted(r.request_id for r in plan.preempted) == ["r#0", "r#1", "r#2"]
-    assert [s.request for s in plan.scheduled] == [other]
-    assert other.status is RequestStatus.RUNNING
+    # The newest running requests are samples of the group: they are preempted alone, newest first, until
+    # the rest fit (samples need not run together; only a beam search's beams are preempted as one).
+    assert [r.request_id for r in plan.preempted] == ["r#2", "r#1"]
+    assert [s.request for s in plan.scheduled] == [other, leader]
+    assert leader.status is other.status is RequestStatus.RUNNING
 
 
 def test_a_leader_that_fails_before_releasing_its_followers_takes_them_with_it():
