@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.beam_search import BeamSearchParams
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.sampling_params import SamplingParams
 
@@ -113,10 +114,11 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
     ) -> RequestHandle:
         """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
-        naming the fix), before anything is queued."""
+        naming the fix), before anything is queued. A beam search's handle has no deltas: its sequences
+        come with the finished output (`BeamSearchOutput.of(output, params)`)."""
         if self._stopping or self.llm._closed:
             raise RuntimeError(
                 "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
@@ -128,7 +130,7 @@ class AsyncLLMEngine:
         return handle
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
     ) -> RequestOutput:
         """Submit and wait for the finished output (from any running event loop)."""
         return await self.submit(prompt, params, request_id)

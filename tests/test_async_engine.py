@@ -42,6 +42,22 @@ def blocks_in_use_reaches_zero(engine, seconds=10.0):
     return engine.stats()["blocks_in_use"] == 0
 
 
+def test_beam_searches_and_samples_share_the_engine_thread(gemma3, served):
+    _, batch, expected = gemma3
+    params = hybridkv.BeamSearchParams(beam_width=3, max_tokens=6)
+
+    async def main():
+        return await asyncio.gather(served.generate(batch[1], params), served.generate(batch[0], GREEDY))
+
+    searched, greedy = asyncio.run(main())
+    served.shutdown()
+    alone = served.llm.beam_search([batch[1]], params, use_tqdm=False)[0]
+    sequences = hybridkv.BeamSearchOutput.of(searched, params).sequences
+    assert [s.tokens for s in sequences] == [s.tokens for s in alone.sequences]
+    assert [s.cum_logprob for s in sequences] == pytest.approx([s.cum_logprob for s in alone.sequences], abs=1e-4)
+    assert greedy.outputs[0].token_ids == expected[0]
+
+
 def test_callers_in_many_threads_get_the_offline_tokens(gemma3, served):
     _, batch, expected = gemma3
     results = [None] * len(batch)
