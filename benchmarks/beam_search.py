@@ -22,7 +22,7 @@ import torch
 import hybridkv
 from hybridkv import BeamSearchParams
 
-from throughput import hybrid_model, llama_model
+from throughput import hybrid_model, left_padded, llama_model
 
 VOCAB = 32_000
 BEAMS = 4
@@ -36,9 +36,7 @@ def workload(count: int) -> list[list[int]]:
 
 def run_generate(model, prompts) -> tuple[float, list[list[int]]]:
     """transformers' beam search on one left-padded batch: per prompt, its best sequence's new tokens."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask, width = left_padded(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(

@@ -56,11 +56,17 @@ def workload(name: str) -> tuple[list[list[int]], int]:
     return [[rng.randrange(1, VOCAB) for _ in range(4096)] for _ in range(8)], 16
 
 
-def run_generate(model, prompts, max_new):
-    """transformers' generate on one left-padded batch."""
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One batch for transformers' generate: ids left-padded with 0, the attention mask, and the width."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, width
+
+
+def run_generate(model, prompts, max_new):
+    """transformers' generate on one left-padded batch."""
+    ids, mask, width = left_padded(prompts)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
