@@ -108,6 +108,8 @@ def generate(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_checkpoint(args.model, args.dtype)
     llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=args.max_model_len)
+    if worked_as_rank(model, llm):
+        return
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens)
     for prompt in args.prompt:
         print(f"{prompt}", end="", flush=True)
@@ -120,15 +122,28 @@ def generate(args: argparse.Namespace) -> None:
         f"KV {stats['kv_cache_bytes'] / 2**20:.0f} MiB]",
         file=sys.stderr,
     )
+    hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
 
 
 def load_checkpoint(path: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    """A local transformers checkpoint and its tokenizer."""
+    """A local transformers checkpoint and its tokenizer; under torchrun with several processes, sharded
+    across them with transformers' tensor parallelism (`tp_plan="auto"`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tensor_parallel = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **tensor_parallel).eval()
     return model, tokenizer
+
+
+def worked_as_rank(model: torch.nn.Module, llm: hybridkv.LLMEngine) -> bool:
+    """On a worker rank of a tensor-parallel model: run rank 0's steps until it stops, then unpatch; True
+    when it did (the command has nothing else to do on this rank)."""
+    if llm.tp is None or llm.tp.driver:
+        return False
+    llm.run_worker()
+    hybridkv.unpatch(model)
+    return True
 
 
 def add_patch_flags(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +178,8 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     model, tokenizer = load_checkpoint(args.model, args.dtype)
     llm = hybridkv.patch(model, tokenizer=tokenizer, **patch_settings(args))
+    if worked_as_rank(model, llm):
+        return
     engine = AsyncLLMEngine(llm)
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
@@ -170,6 +187,7 @@ def serve(args: argparse.Namespace) -> None:
         uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
+        hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ import torch
 from hybridkv.beam_search import BeamSearch, BeamSearchParams
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.exclusive import exclusive
+from hybridkv.distributed import TensorParallel, tensor_parallel_size
+from hybridkv.exclusive import CLOSED_MESSAGE, exclusive
 from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
 from hybridkv.loops import RunLoops
 from hybridkv.model_runner import ModelRunner
@@ -54,6 +55,10 @@ class LLMEngine(RunLoops):
         self.bytes_per_block = self.kv_config.block_bytes
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len)
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
+        # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
+        self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        if self.tp is not None:
+            num_blocks, num_swap_blocks = self.tp.smallest(num_blocks), self.tp.smallest(num_swap_blocks)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -183,8 +188,19 @@ class LLMEngine(RunLoops):
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
         free them otherwise, in a pause of its own choosing (measured 250 ms for ~24k blocks)."""
+        if self.tp is not None:
+            self.tp.stop()
         self.coordinator.pool.close()
         self._closed = True
+
+    def run_worker(self) -> None:
+        """On a worker rank of a tensor-parallel engine (hybridkv/distributed.py): run the steps rank 0 sends
+        until it closes its engine (`hybridkv.unpatch` there). Rank 0 serves; it has no worker loop."""
+        if self.tp is None or self.tp.driver:
+            raise RuntimeError("run_worker() is for the ranks other than 0 of a tensor-parallel model")
+        if self._closed:
+            raise RuntimeError(CLOSED_MESSAGE)
+        self.tp.run_worker(self.runner)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.states)
@@ -203,14 +219,13 @@ class LLMEngine(RunLoops):
         self.schedule_seconds += time.perf_counter() - start
         try:
             tokens, logprobs = self._execute(plan)
-        except Exception as exc:  # the model or a kernel failed: fail this step's requests, keep serving
-            self._fail(plan, [s.request for s in plan.scheduled], f"the step failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
+            # those its swap copies touched: they may not have run), keep serving.
+            self._fail(plan, self._touched_by(plan), f"the step failed: {type(exc).__name__}: {exc}")
             tokens, logprobs = [], []
         except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
             # so its requests fail, and so do those whose swap copies it made.
-            swapped_out = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED]
-            touched_by_step = [*(s.request for s in plan.scheduled), *plan.swapped_in, *swapped_out]
-            self._fail(plan, touched_by_step, f"the step was interrupted ({type(exc).__name__})")
+            self._fail(plan, self._touched_by(plan), f"the step was interrupted ({type(exc).__name__})")
             self._unreported.extend(touched.values())
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
@@ -234,13 +249,14 @@ class LLMEngine(RunLoops):
         return unclaimed + [self.outputs.output(state) for state in touched.values() if not state.output.finished]
 
     def _execute(self, plan: SchedulerOutput) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
-        """Swap and copy-on-write copies, the forward and sampling: the sampled tokens align with `plan.sampling` (a
-        request whose sampling fails is failed and leaves the plan)."""
-        self.runner.swap(plan.swap_out, plan.swap_in)
-        self.runner.copy_blocks(plan.blocks_to_copy)
+        """Swap and copy-on-write copies, the forward (on every rank of a tensor-parallel model) and sampling:
+        the sampled tokens align with `plan.sampling` (a request whose sampling fails is failed and leaves
+        the plan)."""
+        if not (plan.scheduled or plan.swap_out or plan.swap_in):
+            return [], []
+        logits = self.runner.execute(plan) if self.tp is None else self.tp.execute(self.runner, plan)
         if not plan.scheduled:
             return [], []
-        logits = self.runner.execute(plan)
         self.num_steps += 1
         self.num_forward_tokens += plan.num_tokens
         sampling = plan.sampling
@@ -249,6 +265,12 @@ class LLMEngine(RunLoops):
         tokens, logprobs = self._sample(logits, plan, sampling)
         self.num_generated_tokens += len(tokens)
         return tokens, logprobs
+
+    @staticmethod
+    def _touched_by(plan: SchedulerOutput) -> list[Request]:
+        """The requests a step computes for or copies blocks of: a failed step fails them."""
+        swapped_out = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED]
+        return [*(s.request for s in plan.scheduled), *plan.swapped_in, *swapped_out]
 
     def _sample(
         self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]

@@ -2,7 +2,8 @@
 
 An engine's queues and step state are not thread-safe. Each public call takes the engine's re-entrant
 lock without waiting, so a second thread gets a clear error instead of corrupting them (the engine's own
-calls nest), and a closed engine (after `hybridkv.unpatch`) refuses every call.
+calls nest), a closed engine (after `hybridkv.unpatch`) refuses every call, and so does a worker rank of a
+tensor-parallel engine (hybridkv/distributed.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ BUSY_MESSAGE = (
     "thread (give each thread its own model and engine, or let one thread serve the others' requests)"
 )
 
+WORKER_MESSAGE = (
+    "rank {rank} of a tensor-parallel engine is a worker: call llm.run_worker() there (it returns when rank 0 "
+    "unpatches its model); rank 0 takes requests and returns outputs"
+)
+
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
@@ -28,6 +34,8 @@ def exclusive(method: Method) -> Method:
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError(CLOSED_MESSAGE)
+        if self.tp is not None and not self.tp.driver:
+            raise RuntimeError(WORKER_MESSAGE.format(rank=self.tp.rank))
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(BUSY_MESSAGE)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -120,36 +121,75 @@ class ModelRunner:
         """Compute the plan's tokens in one forward and return float32 logits of `logits_rows` of the
         flattened batch (by default the last row of each request that samples, once per sample drawn
         from it: the rows of `plan.sampling`)."""
+        return self.forward(self.prepare(self.step_inputs(plan, logits_rows)))
+
+    def step_inputs(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> StepInputs:
+        """The plan flattened into plain lists (what another rank needs to run the same step)."""
         start_time = time.perf_counter()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
+        inputs = StepInputs([], [], [], [], [], plan.block_tables, plan.swap_out, plan.swap_in, plan.blocks_to_copy)
+        input_ids, positions, sample_rows = inputs.input_ids, inputs.positions, inputs.logits_rows
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
-            query_lens.append(num_new)
-            seq_lens.append(end)
+            inputs.query_lens.append(num_new)
+            inputs.seq_lens.append(end)
             if samples:  # one row of logits per sample that draws from it (forks share their leader's)
                 sample_rows.extend([len(input_ids) - 1] * len(samples))
+        if logits_rows is not None:
+            inputs.logits_rows = list(logits_rows)
+        self.prepare_seconds += time.perf_counter() - start_time
+        return inputs
+
+    def prepare(self, inputs: StepInputs) -> tuple[StepInputs, StepContext | None]:
+        """The step's attention metadata (None when it computes no token): everything that can fail before
+        the step changes any KV page."""
+        if not inputs.query_lens:
+            return inputs, None
+        start_time = time.perf_counter()
         block_sizes = [group.block_size for group in self.kv_config.groups]
-        metadata = build_step_metadata(query_lens, seq_lens, plan.block_tables, block_sizes, self.devices, self.backend)
+        metadata = build_step_metadata(
+            inputs.query_lens, inputs.seq_lens, inputs.block_tables, block_sizes, self.devices, self.backend
+        )
+        self.prepare_seconds += time.perf_counter() - start_time
+        return inputs, StepContext(self.layers, metadata)
+
+    def forward(self, prepared: tuple[StepInputs, StepContext | None]) -> torch.Tensor | None:
+        """Run a prepared step: its swap copies, its copy-on-write copies, then one forward over all of its
+        tokens; float32 logits of its logits rows (None when it computes no token)."""
+        inputs, step = prepared
+        self.swap(inputs.swap_out, inputs.swap_in)
+        self.copy_blocks(inputs.blocks_to_copy)
+        if step is None:
+            return None
         device = self.input_device
-        step = StepContext(self.layers, metadata)
-        rows = sample_rows if logits_rows is None else list(logits_rows)
         forward_time = time.perf_counter()
-        self.prepare_seconds += forward_time - start_time
         with torch.inference_mode(), step_running():
             output = self.model(
-                input_ids=torch.tensor([input_ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
-                logits_to_keep=torch.tensor(rows, dtype=torch.long, device=device),
+                input_ids=torch.tensor([inputs.input_ids], device=device),
+                position_ids=torch.tensor([inputs.positions], device=device),
+                logits_to_keep=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
                 use_cache=False,
                 **{STEP_KWARG: step},
             )
         logits = output.logits[0].float()
         self.forward_seconds += time.perf_counter() - forward_time
         return logits
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step as plain lists: the flattened tokens and positions, each request's query and sequence
+    length, the logits rows to return, the block-table rows per group, and the block copies to make
+    first. Picklable: the driver of a tensor-parallel engine sends it to the other ranks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    logits_rows: list[int]
+    block_tables: list[list[list[int]]]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    blocks_to_copy: list[tuple[int, int]]

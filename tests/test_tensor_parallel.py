@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU: a tiny checkpoint loaded with transformers' `tp_plan="auto"` under
+`torchrun --nproc_per_node 2` (gloo), served by hybridkv (tests/tp_script.py runs on both ranks).
+
+Greedy tokens under TP equal the single-process engine's and `model.generate`'s, for a full-attention
+model and a Gemma-3-style hybrid, with chunked prefill, prefix caching and tiny pools (preemption by
+recompute and by swap); beam search too; each rank holds half the single-process KV bytes; a fault on
+rank 1 fails the step's requests on rank 0, which keeps serving; rank 1's public calls are refused;
+every process exits. And `hybridkv serve` under torchrun serves from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import hybridkv
+from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.tiny import tiny_model
+
+from tiny_models import prompts
+from tiny_tokenizer import tiny_tokenizer
+
+SCRIPT = Path(__file__).resolve().parent / "tp_script.py"
+MAX_NEW = 12
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
+    # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides).
+    model = tiny_model(family, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    batch = prompts((9, 40, 70), seed=4)
+    checkpoint = tmp_path / family
+    model.save_pretrained(checkpoint)
+    (checkpoint / "prompts.json").write_text(json.dumps(batch))
+    llm = patched(model, block_size=8, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
+    expected_beams = [
+        [s.output_token_ids for s in o.sequences]
+        for o in llm.beam_search(batch[:2], BeamSearchParams(beam_width=3, max_tokens=6), use_tqdm=False)
+    ]
+    one_process_bytes = llm.stats()["kv_cache_bytes"] / llm.stats()["num_blocks"]
+    hybridkv.unpatch(model)
+
+    out = tmp_path / "seen"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(SCRIPT), str(checkpoint), str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    driver, worker = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1))
+
+    assert driver["generate"] == worker["generate"] == expected  # transformers' own TP generate agrees
+    assert driver["default"] == expected
+    assert driver["chunked_cached"] == [expected, expected] and driver["prefix_cache_hits"] > 0
+    assert driver["tiny_pool"] == driver["tiny_pool_swap"] == expected
+    assert driver["preemptions_recompute"] > 0 and driver["preemptions_swap"] > 0
+    assert driver["beams"] == expected_beams
+    # Rank 1 failed its third step: those requests failed on rank 0 with the reason, the others finished
+    # exactly, and the engine served the next call.
+    errors = driver["fault_errors"]
+    assert any(e and "another rank of the tensor-parallel group" in e for e in errors)
+    assert driver["after_fault"] == expected
+    assert "rank 1 of a tensor-parallel engine is a worker" in worker["worker_error"]
+    # Each rank's pages hold its own KV heads: half the bytes per block, the same block count on both ranks.
+    for name in ("default", "tiny_pool"):
+        assert driver[f"{name}_num_blocks"] == worker[f"{name}_num_blocks"]
+        assert driver[f"{name}_kv_cache_bytes"] == worker[f"{name}_kv_cache_bytes"]
+        assert driver[f"{name}_kv_cache_bytes"] / driver[f"{name}_num_blocks"] == one_process_bytes / 2
+    leftover = subprocess.run(["pgrep", "-f", str(SCRIPT)], capture_output=True, text=True)
+    assert leftover.stdout == "", "a rank outlived torchrun"
+
+
+@pytest.mark.slow
+def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
+    """`torchrun --nproc_per_node 2 -m hybridkv serve --model PATH`: the checkpoint is sharded, rank 0
+    serves OpenAI's API, rank 1 runs the worker loop; Ctrl-C stops both."""
+    httpx = pytest.importorskip("httpx")
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("gemma3", vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    expected = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    port = free_port()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), "-m", "hybridkv", "serve", "--model", str(tmp_path),
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128", "--threads", "1",
+    ]  # fmt: skip
+    server = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.stderr.read()[-4000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        body = {"model": str(tmp_path), "prompt": "The quick", "max_tokens": 8, "temperature": 0}
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert response["choices"][0]["text"] == expected.text
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+    leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
+    assert leftover.stdout == "", "a rank outlived the server"

@@ -1,0 +1,117 @@
+"""Run under `torchrun --nproc_per_node 2` by tests/test_tensor_parallel.py (gloo on the CPU): loads a
+checkpoint with transformers' tensor parallelism (`tp_plan="auto"`) and serves it with hybridkv in
+several settings. Rank 0 serves and runs the scenarios; rank 1 runs the worker loop (and injects a fault
+in one scenario). Each rank writes what it saw to `<out>.rank<r>.json`.
+
+    torchrun --nproc_per_node 2 tests/tp_script.py CHECKPOINT OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+import hybridkv
+from hybridkv import BeamSearchParams, SamplingParams
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+BASE = dict(block_size=8, max_model_len=256)
+
+
+def main() -> None:
+    path, out = sys.argv[1], sys.argv[2]
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    rank = dist.get_rank()
+    with open(f"{path}/prompts.json") as f:
+        prompts = json.load(f)
+    seen: dict = {"rank": rank}
+    with torch.inference_mode():
+        seen["generate"] = [
+            model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    tiny = dict(BASE, max_model_len=96, max_num_batched_tokens=32)
+    tiny_blocks = hybridkv.min_num_blocks(model, **tiny) + 2
+
+    def tokens(outputs):
+        return [o.outputs[0].token_ids for o in outputs]
+
+    def default(llm):
+        seen["worker_error"] = None
+        return tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+    def chunked_and_cached(llm):
+        first = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        again = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        seen["prefix_cache_hits"] = llm.stats()["prefix_cache_hits"]
+        return [first, again]
+
+    def tiny_pool(llm):
+        result = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        seen[f"preemptions_{llm.config.preemption_mode}"] = llm.stats()["num_preemptions"]
+        return result
+
+    def beams(llm):
+        output = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=6), use_tqdm=False)
+        return [[s.output_token_ids for s in o.sequences] for o in output]
+
+    def fault(llm):
+        """Rank 1 fails to prepare its third step: the step's requests fail on rank 0, the rest do not."""
+        ids = [llm.add_request(p, GREEDY) for p in prompts]
+        done = {}
+        while llm.has_unfinished_requests():
+            for output in llm.step():
+                if output.finished:
+                    done[output.request_id] = output
+        seen["fault_errors"] = [done[i].error for i in ids]
+        seen["after_fault"] = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        return seen["after_fault"]
+
+    scenarios = [
+        ("default", default, {}),
+        ("chunked_cached", chunked_and_cached, dict(max_num_batched_tokens=24)),
+        ("tiny_pool", tiny_pool, dict(tiny, num_blocks=tiny_blocks)),
+        ("tiny_pool_swap", tiny_pool, dict(tiny, num_blocks=tiny_blocks, preemption_mode="swap", swap_space=1 << 20)),
+        ("beams", beams, {}),
+        ("fault", fault, {}),
+    ]
+    for name, run, settings in scenarios:
+        llm = hybridkv.patch(model, **{**BASE, **settings})
+        seen[f"{name}_kv_cache_bytes"] = llm.stats()["kv_cache_bytes"]
+        seen[f"{name}_num_blocks"] = llm.stats()["num_blocks"]
+        if rank == 0:
+            seen[name] = run(llm)
+        else:
+            try:
+                llm.generate(prompts, GREEDY, use_tqdm=False)
+            except RuntimeError as exc:
+                seen["worker_error"] = str(exc)
+            if name == "fault":
+                inject_fault(llm, at_call=3)
+            llm.run_worker()
+        hybridkv.unpatch(model)
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+def inject_fault(llm, at_call: int) -> None:
+    prepare = llm.runner.prepare
+    calls = [0]
+
+    def failing(inputs):
+        calls[0] += 1
+        if calls[0] == at_call:
+            raise RuntimeError("injected fault on this rank")
+        return prepare(inputs)
+
+    llm.runner.prepare = failing
+
+
+if __name__ == "__main__":
+    main()
