@@ -12,18 +12,21 @@ from hybridkv.config import EngineConfig
 from hybridkv.coordinator import blocks_for_request
 from hybridkv.grouping import KVCacheConfig, group_layers
 from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utilization
+from hybridkv.kv_dtypes import LayerDtypes, resolve_layer_dtypes
 from hybridkv.patches.inspection import ModelLayout, inspect_model
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, ModelLayout, KVCacheConfig, int]:
-    """The KV dtype, the model's attention layout (measured by a probe forward), its KV cache groups and
-    max_model_len that `config` gives for `model` (never beyond the model's context: a ValueError)."""
+def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[LayerDtypes, ModelLayout, KVCacheConfig, int]:
+    """The KV dtypes and fp8 scales per layer, the model's attention layout (measured by a probe forward),
+    its KV cache groups and max_model_len that `config` gives for `model` (never beyond the model's
+    context: a ValueError)."""
     max_model_len = _max_model_len(model, config)
-    kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
-    layout = inspect_model(model, kv_dtype)
-    kv_config = group_layers(layout.specs, config.block_size)
+    model_dtype = next(model.parameters()).dtype
+    layout = inspect_model(model, model_dtype)
+    specs, layer_dtypes = resolve_layer_dtypes(config.kv_cache_dtype, layout.specs, model_dtype, layout.kv_amax)
+    kv_config = group_layers(specs, config.block_size)
     limit = layout.max_exact_tokens
     if limit is not None and max_model_len > limit:
         if config.max_model_len:
@@ -44,7 +47,7 @@ def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype
             f"this {type(model).__name__}: {layout.limit_reason}, and a step's rows count as positions there. "
             f"Pass max_num_batched_tokens <= {limit}"
         )
-    return kv_dtype, layout, kv_config, max_model_len
+    return layer_dtypes, layout, kv_config, max_model_len
 
 
 def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
