@@ -127,8 +127,7 @@ class Scheduler:
                 f"prompt has {request.num_tokens:,} tokens but max_model_len is {limit:,}; "
                 "raise max_model_len or shorten the prompt"
             )
-        chunk = min(request.num_tokens, self._chunk_cap())
-        needed = self.coordinator.num_blocks_for(request.num_tokens, chunk)
+        needed = self.coordinator.num_blocks_for(request.num_tokens)
         capacity = self.coordinator.pool.num_blocks - 1
         if needed > capacity:
             return (
@@ -146,6 +145,8 @@ class Scheduler:
         """Plan the next step (see the module docstring); the plan carries the block-table rows."""
         out = SchedulerOutput()
         self._schedule(out)
+        # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
+        self.coordinator.use_slack_for_caching()
         out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
@@ -234,6 +235,8 @@ class Scheduler:
             self.waiting.appendleft(member)
 
     def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
+        # A member scheduled earlier in this step leaves it: its blocks go back to what its last step left.
+        self.coordinator.truncate(request.request_id, request.num_computed_tokens)
         layout = self.coordinator.layout(request.request_id)
         device_ids = [bid for row in self.coordinator.block_ids(request.request_id) for bid in row if bid]
         cpu_ids = self.swap_space.allocate(len(device_ids))
