@@ -107,7 +107,7 @@ class WindowedManager(SingleTypeManager):
         self.steps[request_id] = step = WindowStep(num_total_tokens, len(blocks), block_hashes)
         # Unhashed blocks move first: moving a hashed one loses what it caches.
         movable = sorted(self._movable(blocks, num_total_tokens), key=lambda i: blocks[i].block_hash is not None)
-        num_moves = min(len(movable), max(0, len(new_tail) - num_spare))
+        num_moves = max(0, min(len(movable), len(new_tail)) - num_spare)
         fresh = self.pool.get_new_blocks(len(new_tail) - num_moves)
         num_middle = (new_tail[0] if new_tail else end) - len(blocks)
         blocks.extend([self.pool.null_block] * num_middle)

@@ -70,6 +70,15 @@ def test_spare_fresh_tail_blocks_come_back_and_the_old_window_moves_after_all():
     assert manager.num_reclaimable() == 1 and manager.bound_excess("r") == 1
 
 
+def test_each_spare_block_saves_one_old_window_block_from_moving():
+    pool, manager = manager_after_32_tokens()
+    pool.touch([pool.blocks[1]])  # another request holds block 1 too: only block 2 could move
+    assert manager.blocks_needed("r", 32, 64, []) == (1, 2)
+    fresh = manager.allocate_step("r", 64, HASHES, num_spare=1)  # the one spare block keeps block 2 in place
+    assert [b.block_id for b in fresh] == [3, 4] and manager.num_reclaimable() == 1
+    assert manager.block_table("r") == [0] * 6 + [1, 2] + [0] * 6 + [3, 4]
+
+
 def test_the_middle_takes_free_blocks_where_its_hash_is_uncached_lowest_first():
     pool, manager = manager_after_32_tokens()
     manager.allocate_step("r", 64, HASHES, num_spare=0)

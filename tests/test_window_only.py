@@ -96,6 +96,17 @@ def test_a_shared_prefix_ending_inside_a_chunk_hits_in_full_when_the_pool_has_ro
     assert llm.stats()["prefix_cache_hits"] == 96
 
 
+def test_prompts_sharing_a_prefix_sent_together_hit_it_once_it_is_computed(patched):
+    """Three prompts fill the first step's budget; the other three, admitted next step, hit the 96 shared
+    block-aligned tokens (the same hits as before sliding groups held windows only)."""
+    model, _, _ = family("gemma3_text")
+    batch = prompts((20, 30, 12, 25, 40, 9), seed=9, shared_prefix=100)
+    llm = patched(model, **SETTINGS, max_num_batched_tokens=256)
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.metrics.num_cached_tokens for o in outputs] == [0, 0, 0, 96, 96, 96]
+    assert_same_greedy(outputs, [hf_greedy(model, prompt, MAX_NEW) for prompt in batch])
+
+
 def test_caching_never_costs_concurrency(patched):
     model, _, _ = family("gemma3_text")
     batch = prompts((150, 140, 130), seed=5, shared_prefix=0)
