@@ -41,8 +41,8 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
             table = manager.block_table(request_id)
             assert len(table) == len(blocks), f"{request_id}'s block table in group {manager.group_id}"
             for position, (block_id, block) in enumerate(zip(table, blocks, strict=True)):
-                # A moved block shows as ~id where it is read this step, and is held further on.
-                moved = block_id < 0 and block.is_null and ~block_id in seen
+                # A moved block shows as -id where it is read this step, and is held further on.
+                moved = block_id < 0 and block.is_null and -block_id in seen
                 assert block_id == block.block_id or moved, (
                     f"{request_id}'s block table in group {manager.group_id} disagrees with its blocks at {position}"
                 )

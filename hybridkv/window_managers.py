@@ -12,7 +12,7 @@ the step's other tokens are read in flight only, and their positions keep the nu
     e1 = ceil(c1 / block_size); the old window and the tail may overlap (a short chunk, a decode).
 
 A new tail position takes a block of the old window that the tail no longer needs and that only this
-request holds: the block moves (the table shows ~b at its old position, read there, and b at the new
+request holds: the block moves (the table shows -b at its old position, read there, and b at the new
 one, stored into after each layer attended; its cached hash goes, since its keys will be overwritten).
 So a request holds at most `num_window_blocks + 1` blocks of a windowed group, whatever the chunk size.
 
@@ -75,7 +75,9 @@ class WindowedManager(SingleTypeManager):
         tail takes only fresh blocks. A free hit block counts: taking it leaves the free queue."""
         blocks = self.req_to_blocks.get(request_id) or hit_blocks
         num_new_tail = len(self._new_tail(len(blocks), num_total_tokens))
-        num_movable = len(self._movable(blocks, num_total_tokens, holders=0 if hit_blocks else 1))
+        # Positions before the first query's window hold null blocks (a hit's too): start there.
+        start = self.first_needed_block(num_computed_tokens)
+        num_movable = len(self._movable(blocks, start, num_total_tokens, holders=0 if hit_blocks else 1))
         num_hit = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_hit + max(0, num_new_tail - num_movable), num_hit + num_new_tail
 
@@ -104,9 +106,10 @@ class WindowedManager(SingleTypeManager):
         if end <= len(blocks):
             return []
         new_tail = self._new_tail(len(blocks), num_total_tokens)
-        self.steps[request_id] = step = WindowStep(num_total_tokens, len(blocks), block_hashes)
+        first_new = len(blocks)
         # Unhashed blocks move first: moving a hashed one loses what it caches.
-        movable = sorted(self._movable(blocks, num_total_tokens), key=lambda i: blocks[i].block_hash is not None)
+        movable = self._movable(blocks, self.window_start[request_id], num_total_tokens)
+        movable.sort(key=lambda i: blocks[i].block_hash is not None)
         num_moves = max(0, min(len(movable), len(new_tail)) - num_spare)
         fresh = self.pool.get_new_blocks(len(new_tail) - num_moves)
         num_middle = (new_tail[0] if new_tail else end) - len(blocks)
@@ -116,7 +119,12 @@ class WindowedManager(SingleTypeManager):
             self._move(request_id, old, len(blocks))
         blocks.extend(fresh)
         block_ids.extend(b.block_id for b in fresh)
-        step.spare = list(zip(movable[num_moves:], new_tail[num_moves:], strict=False))
+        spare = list(zip(movable[num_moves:], new_tail[num_moves:], strict=False))
+        # Remembered while a middle, spare blocks or old-window blocks kept past the step's end exist (the
+        # integrity check reads it); most decodes have none.
+        dropping = range(self.window_start[request_id], min(self.first_needed_block(num_total_tokens), first_new))
+        if num_middle or spare or any(not blocks[i].is_null for i in dropping):
+            self.steps[request_id] = WindowStep(num_total_tokens, first_new, block_hashes, spare)
         return fresh
 
     def num_reclaimable(self, except_request: str | None = None, keep: Collection[int] = ()) -> int:
@@ -192,9 +200,9 @@ class WindowedManager(SingleTypeManager):
         if blocks:
             for old, block_id in enumerate(block_ids):
                 if block_id < 0:
-                    new = block_ids.index(~block_id)
+                    new = block_ids.index(-block_id)
                     blocks[old], blocks[new] = blocks[new], self.pool.null_block
-                    block_ids[old], block_ids[new] = ~block_id, NULL_BLOCK_ID
+                    block_ids[old], block_ids[new] = -block_id, NULL_BLOCK_ID
         self.steps.pop(request_id, None)
         super().truncate(request_id, num_tokens)
 
@@ -205,12 +213,12 @@ class WindowedManager(SingleTypeManager):
 
     def _move(self, request_id: str, old: int, new: int) -> None:
         """Give the block at position `old` to position `new` (the list's end: appended): read at `old`
-        this step (~id in the table), stored into at `new`; its hash goes, its keys will be overwritten."""
+        this step (-id in the table), stored into at `new`; its hash goes, its keys will be overwritten."""
         blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
         block = blocks[old]
         self.pool.drop_hash(block)
         blocks[old] = self.pool.null_block
-        block_ids[old] = ~block.block_id
+        block_ids[old] = -block.block_id
         if new == len(blocks):
             blocks.append(block)
             block_ids.append(block.block_id)
@@ -223,11 +231,11 @@ class WindowedManager(SingleTypeManager):
         first = max(num_held, self.first_needed_block(num_total_tokens))
         return list(range(first, cdiv(num_total_tokens, self.block_size)))
 
-    def _movable(self, blocks: Sequence[KVBlock], num_total_tokens: int, holders: int = 1) -> list[int]:
-        """Positions of held blocks that no query after the step reads and that only this request holds
-        (`holders` references: 0 for a free hit block not yet taken)."""
+    def _movable(self, blocks: Sequence[KVBlock], start: int, num_total_tokens: int, holders: int = 1) -> list[int]:
+        """Positions from `start` of held blocks that no query after the step reads and that only this
+        request holds (`holders` references: 0 for a free hit block not yet taken)."""
         end = min(self.first_needed_block(num_total_tokens), len(blocks))
-        return [i for i in range(end) if not blocks[i].is_null and blocks[i].ref_cnt == holders]
+        return [i for i in range(start, end) if not blocks[i].is_null and blocks[i].ref_cnt == holders]
 
     def _valid_spare(self, request_id: str, keep: Collection[int] = ()) -> list[tuple[int, int]]:
         """The request's spare pairs whose old-window block is still held by it alone and not in `keep`."""

@@ -110,7 +110,7 @@ class StepMetadata:
         ``block_table[s]`` lists sequence s's block ids in this group, at least
         ``ceil(seq_lens[s] / block_size)`` of them (the null block may stand for blocks its layers
         cannot see, or for blocks of the step's own tokens that are read in flight and never stored).
-        An entry ``~b`` (negative) is block b, read at that position this step but stored into at
+        An entry ``-b`` (negative) is block b, read at that position this step but stored into at
         another (a windowed group giving a block it no longer needs to its new tokens): rows of the
         step at a null or negative entry get slot -1, so the cache write skips them. Groups of one
         block size share the step's layouts.
@@ -133,7 +133,7 @@ class StepMetadata:
         slot_index, offsets = self._slot_index(block_size, width)
         entries = table.view(-1)[slot_index].to(torch.int64)
         slot_mapping = torch.where(entries > NULL_BLOCK_ID, entries * block_size + offsets, -1)
-        table = torch.where(table < 0, table.bitwise_not(), table)
+        table.abs_()
         return PagedAttentionMetadata(self, table, slot_mapping, block_size, rows)
 
     def triton_tiles(self, block_q: int) -> TritonQueryTiles:

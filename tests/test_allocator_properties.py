@@ -112,14 +112,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             bs = manager.block_size
             for t in range(manager.first_needed_block(start) * bs, start):
                 block_id = block_ids[t // bs]
-                block_id = ~block_id if block_id < 0 else block_id  # read here, stored into elsewhere
+                block_id = abs(block_id)  # read here, stored into elsewhere
                 expected = (manager.group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
                 assert block_id and self.written[block_id][t % bs] == expected, (
                     f"{request.request_id} reads another request's KV at {t} in group {manager.group_id}"
                 )
 
     def write_kv(self, request: KVRequest, start: int, end: int) -> None:
-        """Store the step's rows where the table says (a null or ~id position is read in flight only)."""
+        """Store the step's rows where the table says (a null or -id position is read in flight only)."""
         coordinator = self.coordinator
         for manager, block_ids in zip(coordinator.managers, coordinator.block_ids(request.request_id), strict=True):
             bs = manager.block_size

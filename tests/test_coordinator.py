@@ -122,9 +122,9 @@ def test_sliding_group_is_charged_for_its_window_only_whatever_the_chunk():
     coordinator.update_computed(long_prompt)
     assert coordinator.pool.num_used_blocks == 2
     # The chunk 32..63 needs positions 14, 15 after it; 6 and 7 are read by its first queries, then move
-    # there (~id where they are read): no new block.
+    # there (-id where they are read): no new block.
     assert coordinator.allocate_slots(long_prompt, 32)
-    assert coordinator.block_ids("a") == [[0] * 6 + [~1, ~2] + [0] * 6 + [1, 2]]
+    assert coordinator.block_ids("a") == [[0] * 6 + [-1, -2] + [0] * 6 + [1, 2]]
     assert coordinator.pool.num_used_blocks == 2
     coordinator.check_integrity({"a": long_prompt})
     long_prompt.num_computed_tokens = 64

@@ -105,7 +105,7 @@ def test_rows_in_flight_are_rounded_as_the_cache_would_hold_them(backend, cache_
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_block_read_at_one_position_and_stored_into_at_another_is_read_before_it_is_overwritten(backend):
     """A windowed group gives a block its window no longer needs after the step to the step's new tail:
-    the table holds ~b at the old position (read there) and b at the new one (stored into). Attention
+    the table holds -b at the old position (read there) and b at the new one (stored into). Attention
     reads the old keys; the write after it skips the rows at the old position and fills the new one."""
     block_size, window = 4, 6
     batch = make_paged_batch([12], [20], block_size=block_size, sliding_window=window, in_flight=True)
@@ -113,7 +113,7 @@ def test_a_block_read_at_one_position_and_stored_into_at_another_is_read_before_
     assert batch.metadata.block_table_rows[0] == [first, second, 0, 0, 0] and 0 not in (first, second)
     # The step's first query (8) sees keys from 3, its last (19) from 14; after the step the window of
     # position 20 starts at 15, so blocks 3 and 4 stay and take the two context blocks.
-    row = [~first, ~second, 0, first, second]
+    row = [-first, -second, 0, first, second]
     metadata = PagedAttentionMetadata.build([12], [20], [row], block_size, backend=backend)
     assert metadata.block_table[0].tolist() == [first, second, 0, first, second]
     slots = [first * 4 + i for i in range(4)] + [second * 4 + i for i in range(4)]

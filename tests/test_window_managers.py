@@ -23,8 +23,8 @@ def test_a_long_chunk_moves_the_old_window_into_its_tail_and_needs_no_block():
     pool, manager = manager_after_32_tokens()
     assert manager.blocks_needed("r", 32, 64, []) == (0, 2)
     assert manager.allocate_step("r", 64, HASHES, num_spare=0) == []
-    # Read at 6 and 7 (~id), stored into at 14 and 15; the middle 8..13 is read in flight only.
-    assert manager.block_table("r") == [0] * 6 + [~1, ~2] + [0] * 6 + [1, 2]
+    # Read at 6 and 7 (-id), stored into at 14 and 15; the middle 8..13 is read in flight only.
+    assert manager.block_table("r") == [0] * 6 + [-1, -2] + [0] * 6 + [1, 2]
     assert manager.num_real_blocks("r") == 2 and pool.num_free_blocks == 13
     manager.remove_skipped_blocks("r", 64)
     assert manager.block_table("r") == [0] * 14 + [1, 2]
@@ -39,7 +39,7 @@ def test_unhashed_blocks_move_first_and_a_moved_block_forgets_its_hash():
     pool.blocks[2].block_hash = None  # only block 1 still caches something
     del pool.cached[0][HASHES[7]]
     manager.allocate_step("r", 40, HASHES, num_spare=0)  # the tail needs position 9; 6 and 7 may move
-    assert manager.block_table("r") == [0] * 6 + [1, ~2, 3, 2]
+    assert manager.block_table("r") == [0] * 6 + [1, -2, 3, 2]
     assert pool.cached[0] == {HASHES[6]: pool.blocks[1]} and pool.num_evictions == 0
     pool, manager = manager_after_32_tokens()
     pool.cache_blocks([pool.blocks[1]], [HASHES[6]], 0)
@@ -53,7 +53,7 @@ def test_a_block_another_request_also_holds_never_moves():
     pool.touch([pool.blocks[1]])  # a prefix-cache hit of another request
     assert manager.blocks_needed("r", 32, 64, []) == (1, 2)
     assert [b.block_id for b in manager.allocate_step("r", 64, HASHES, num_spare=0)] == [3]
-    assert manager.block_table("r") == [0] * 6 + [1, ~2] + [0] * 6 + [2, 3]
+    assert manager.block_table("r") == [0] * 6 + [1, -2] + [0] * 6 + [2, 3]
     assert manager.bound_excess("r") == 1  # the shared block, paid for by the other request
 
 
@@ -65,7 +65,7 @@ def test_spare_fresh_tail_blocks_come_back_and_the_old_window_moves_after_all():
     assert manager.bound_excess("r") == 2 and manager.num_reclaimable() == 2
     assert manager.num_reclaimable(except_request="r") == 0
     assert manager.reclaim(1) == 1
-    assert manager.block_table("r") == [0] * 6 + [~1, 2] + [0] * 6 + [1, 4]
+    assert manager.block_table("r") == [0] * 6 + [-1, 2] + [0] * 6 + [1, 4]
     assert next(iter(pool.free_queue)).block_id == 3  # unhashed: reused first
     assert manager.num_reclaimable() == 1 and manager.bound_excess("r") == 1
 

@@ -67,7 +67,7 @@ def test_sliding_groups_hold_no_more_than_their_window_while_a_chunk_is_computed
     # chunk's first queries, then move to two of those positions; the third takes a fresh block.
     plan = llm.scheduler.schedule()
     table = windowed[0].block_table(request_id)
-    assert table[14] < 0 and table[15] < 0 and {~table[14], ~table[15]} < set(table[29:])
+    assert table[14] < 0 and table[15] < 0 and {-table[14], -table[15]} < set(table[29:])
     assert table[16:29] == [0] * 13
     assert all(m.num_real_blocks(request_id) == 3 for m in windowed)  # ceil((16 - 1) / 8) + 1
 
