@@ -58,7 +58,8 @@ class WindowedManager(SingleTypeManager):
         # a query, wherever in a block they start.
         self.num_window_blocks = num_window_blocks(reach, block_size)
         self.steps: dict[str, WindowStep] = {}
-        # Per request, the first position that may hold a real block (every earlier one is null).
+        # Per request, the first position that may hold a real block (every earlier one is null); a list
+        # that arrives some other way (a copy of another request's) is scanned once (`_window_start`).
         self.window_start: dict[str, int] = {}
 
     @property
@@ -88,7 +89,7 @@ class WindowedManager(SingleTypeManager):
 
     def take_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         super().take_hit_blocks(request_id, hit_blocks)
-        self.window_start[request_id] = next((i for i, b in enumerate(hit_blocks) if not b.is_null), len(hit_blocks))
+        self.window_start[request_id] = _first_real(hit_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         return self.allocate_step(request_id, num_total_tokens, [], 0)
@@ -101,14 +102,14 @@ class WindowedManager(SingleTypeManager):
         blocks = self.req_to_blocks.setdefault(request_id, [])
         block_ids = self.req_to_block_ids.setdefault(request_id, [])
         self.num_cached_blocks.setdefault(request_id, 0)
-        self.window_start.setdefault(request_id, len(blocks))
+        start = self._window_start(request_id)
         end = cdiv(num_total_tokens, self.block_size)
         if end <= len(blocks):
             return []
         new_tail = self._new_tail(len(blocks), num_total_tokens)
         first_new = len(blocks)
         # Unhashed blocks move first: moving a hashed one loses what it caches.
-        movable = self._movable(blocks, self.window_start[request_id], num_total_tokens)
+        movable = self._movable(blocks, start, num_total_tokens)
         movable.sort(key=lambda i: blocks[i].block_hash is not None)
         num_moves = max(0, min(len(movable), len(new_tail)) - num_spare)
         fresh = self.pool.get_new_blocks(len(new_tail) - num_moves)
@@ -122,7 +123,7 @@ class WindowedManager(SingleTypeManager):
         spare = list(zip(movable[num_moves:], new_tail[num_moves:], strict=False))
         # Remembered while a middle, spare blocks or old-window blocks kept past the step's end exist (the
         # integrity check reads it); most decodes have none.
-        dropping = range(self.window_start[request_id], min(self.first_needed_block(num_total_tokens), first_new))
+        dropping = range(start, min(self.first_needed_block(num_total_tokens), first_new))
         if num_middle or spare or any(not blocks[i].is_null for i in dropping):
             self.steps[request_id] = WindowStep(num_total_tokens, first_new, block_hashes, spare)
         return fresh
@@ -178,7 +179,7 @@ class WindowedManager(SingleTypeManager):
         if not blocks:
             return
         block_ids = self.req_to_block_ids[request_id]
-        start = self.window_start.get(request_id, 0)
+        start = self._window_start(request_id)
         end = min(self.first_needed_block(num_computed_tokens), len(blocks))
         released = []
         for i in range(end - 1, start - 1, -1):
@@ -191,7 +192,7 @@ class WindowedManager(SingleTypeManager):
 
     def restore(self, request_id: str, real: Sequence[bool]) -> list[KVBlock]:
         new_blocks = super().restore(request_id, real)
-        self.window_start[request_id] = next((i for i, is_real in enumerate(real) if is_real), len(real))
+        self.window_start[request_id] = _first_real(self.req_to_blocks[request_id])
         return new_blocks
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -226,6 +227,12 @@ class WindowedManager(SingleTypeManager):
             blocks[new] = block
             block_ids[new] = block.block_id
 
+    def _window_start(self, request_id: str) -> int:
+        start = self.window_start.get(request_id)
+        if start is None:
+            start = self.window_start[request_id] = _first_real(self.req_to_blocks.get(request_id, ()))
+        return start
+
     def _new_tail(self, num_held: int, num_total_tokens: int) -> list[int]:
         """Positions past the held ones that the step's last tokens need after it (the tail)."""
         first = max(num_held, self.first_needed_block(num_total_tokens))
@@ -255,3 +262,8 @@ class WindowedManager(SingleTypeManager):
         end = self.first_needed_block(step.end)
         shared = sum(1 for b in self.req_to_blocks[request_id][:end] if not b.is_null and b.ref_cnt > 1)
         return len(step.spare) + len(step.middle) + shared
+
+
+def _first_real(blocks: Sequence[KVBlock]) -> int:
+    """The first position of a real block (the list's length when there is none)."""
+    return next((i for i, block in enumerate(blocks) if not block.is_null), len(blocks))

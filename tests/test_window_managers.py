@@ -106,3 +106,18 @@ def test_truncate_undoes_a_pending_step():
     assert manager.block_table("r") == [0] * 6 + [1, 2]
     assert pool.num_free_blocks == 13
     assert manager.steps == {} and manager.bound_excess("r") == 0
+
+
+def test_a_block_list_copied_from_another_request_frees_its_old_window_after_the_next_step():
+    """A fork (n > 1, beams) may copy a request's list without the manager's own bookkeeping: the first
+    position that may hold a real block is then found by a scan."""
+    pool, manager = manager_after_32_tokens()
+    parent = manager.blocks_of("r")
+    pool.touch(parent)  # the null blocks are skipped
+    manager.req_to_blocks["child"] = list(parent)
+    manager.req_to_block_ids["child"] = [b.block_id for b in parent]
+    manager.num_cached_blocks["child"] = 0
+    manager.allocate_step("child", 64, HASHES, num_spare=0)  # shared blocks never move: two fresh ones
+    manager.remove_skipped_blocks("child", 64)
+    assert manager.block_table("child") == [0] * 14 + [3, 4]
+    assert [b.ref_cnt for b in parent[6:]] == [1, 1]  # the parent's alone again
