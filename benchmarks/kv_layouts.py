@@ -55,7 +55,7 @@ def main() -> None:
             config = group_layers(specs, BLOCK_SIZE, **options)
             cells = []
             for tokens in CONTEXTS:
-                held = blocks_for_request(config, tokens, max_chunk_tokens=1) * config.block_bytes
+                held = blocks_for_request(config, tokens) * config.block_bytes
                 cells.append(f"{tokens // 1024}k: {held / ideal_bytes(specs, tokens):.3f}x ideal")
             sizes = sorted({g.block_size for g in config.groups})
             print(

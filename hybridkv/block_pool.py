@@ -202,6 +202,17 @@ class BlockPool:
                 block.block_hash = block_hash
                 block.hash_group = group_id
 
+    def drop_hash(self, block: KVBlock) -> None:
+        """Forget what a held block caches (its keys are about to be overwritten): an eviction."""
+        if block.block_hash is None:
+            return
+        group_map = self.cached[block.hash_group]
+        if group_map.get(block.block_hash) is block:
+            del group_map[block.block_hash]
+        block.block_hash = None
+        block.hash_group = -1
+        self.num_evictions += 1
+
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference each, in the given order (callers pass a request's blocks tail-first).
 

@@ -22,7 +22,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "num_blocks": int,
     "kv_cache_memory": int,
     "gpu_memory_utilization": float,
-    "kv_cache_dtype": ["float32", "bfloat16", "float16"],
+    "kv_cache_dtype": ["float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
     "max_model_len": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
@@ -160,10 +160,7 @@ def add_patch_flags(parser: argparse.ArgumentParser) -> None:
 
 def patch_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The patch settings given on the command line (the rest keep `EngineConfig`'s defaults)."""
-    settings = {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
-    if "kv_cache_dtype" in settings:
-        settings["kv_cache_dtype"] = getattr(torch, settings["kv_cache_dtype"])
-    return settings
+    return {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
 
 
 def serve(args: argparse.Namespace) -> None:

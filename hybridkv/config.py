@@ -7,9 +7,8 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
-import torch
-
 from hybridkv.kernels.backend import Backend
+from hybridkv.kv_dtypes import KVCacheDtype, normalize_kv_cache_dtype
 from hybridkv.scheduler import PREEMPTION_MODES
 from hybridkv.validation import check_bool, check_choice, check_float, check_int
 
@@ -21,7 +20,8 @@ class EngineConfig:
     """Everything `hybridkv.patch(model, **config)` accepts (names follow vLLM).
 
     KV memory: `num_blocks` if given, else `kv_cache_memory` bytes, else on CUDA
-    `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `swap_space` bytes of CPU memory
+    `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `kv_cache_dtype`: the pages' dtype,
+    one for every layer or one per layer kind, fp8 included (hybridkv/kv_dtypes.py). `swap_space` bytes of CPU memory
     hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool).
 
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
@@ -33,7 +33,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: torch.dtype | None = None
+    kv_cache_dtype: KVCacheDtype = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -69,12 +69,7 @@ class EngineConfig:
                 f"got {utilization}"
             )
         set_field("gpu_memory_utilization", utilization)
-        dtype = self.kv_cache_dtype
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(
-                "kv_cache_dtype must be None (the model's dtype) or a torch floating dtype such as "
-                f"torch.bfloat16, got {dtype!r}"
-            )
+        set_field("kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

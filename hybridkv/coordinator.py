@@ -11,15 +11,12 @@ from dataclasses import dataclass
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.managers import (
-    ChunkedLocalManager,
-    FullAttentionManager,
-    SingleTypeManager,
-    SlidingWindowManager,
-    num_window_blocks,
-)
+from hybridkv.integrity import check_coordinator
+from hybridkv.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.request import KVRequest
 from hybridkv.utils import cdiv
+from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
+from hybridkv.window_managers import WindowedManager
 
 
 @dataclass(slots=True)
@@ -51,11 +48,11 @@ class KVCacheStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens: int) -> int:
-    """The most blocks one request of num_tokens tokens, computed in chunks of at most
-    max_chunk_tokens, holds at once: a full group holds a block per block_size tokens, a sliding
-    group never more than ceil((W-1)/block_size) + 1 blocks plus the chunk being computed (a chunked
-    local group the same with the attention chunk size C for W)."""
+def blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
+    """The most blocks one request of num_tokens tokens needs at once, whatever its chunks: a full
+    group holds a block per block_size tokens, a sliding group never more than ceil((W-1)/block_size) + 1
+    blocks (its chunks are read in flight: hybridkv/window_managers.py), a chunked local group the same
+    with the attention chunk size C for W."""
     total = 0
     for group in config.groups:
         block_size = group.block_size
@@ -64,15 +61,15 @@ def blocks_for_request(config: KVCacheConfig, num_tokens: int, max_chunk_tokens:
             total += all_blocks
         else:
             reach = group.sliding_window or group.attention_chunk_size
-            window_blocks = num_window_blocks(reach, block_size)
-            total += min(all_blocks, window_blocks + 1 + cdiv(max_chunk_tokens, block_size))
+            total += min(all_blocks, num_window_blocks(reach, block_size) + 1)
     return total
 
 
 class KVCacheCoordinator:
     """Every group's manager over one shared block pool.
 
-    Contract: allocate_slots either succeeds in every group or changes nothing; free returns every
+    Contract: allocate_slots either succeeds in every group or changes no request's blocks (it may take
+    back spare blocks of other requests' pending steps, which only moves their tails); free returns every
     block of a request in every group; after update_computed the request holds no block that its
     next query cannot attend to.
     """
@@ -97,6 +94,7 @@ class KVCacheCoordinator:
                     group.group_id, self.pool, group.block_size, group.sliding_window, stride
                 )
             self.managers.append(manager)
+        self._windowed = [m for m in self.managers if isinstance(m, WindowedManager)]
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
@@ -144,8 +142,10 @@ class KVCacheCoordinator:
         """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
 
         On success the hit's blocks are taken (and counted in the prefix-cache stats) and the
-        request's num_computed_tokens is NOT changed (the caller advances it). On failure nothing
-        changes: no ref count, no free block, no block list, no stat.
+        request's num_computed_tokens is NOT changed (the caller advances it). On failure no block,
+        ref count, block list or stat of this request changes. A windowed group's tail takes fresh
+        blocks where the pool has them to spare (its old window stays cached), else moved ones; when the
+        pool is short, spare fresh blocks of other pending steps come back first (`WindowedManager`).
         """
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
@@ -155,12 +155,23 @@ class KVCacheCoordinator:
         if hit is None and not shared and self._covered(request_id, num_total):
             return True
         no_hit: list[KVBlock] = []
-        num_needed = len(shared)
+        fewest = most = len(shared)  # a copy of each shared block it writes
+        spare_by_group = {}
         for manager in self.managers:
             hit_blocks = hit.blocks[manager.group_id] if hit else no_hit
-            num_needed += manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
-        if num_needed > self.pool.num_free_blocks:
+            if isinstance(manager, WindowedManager):
+                low, high = manager.blocks_needed(request_id, num_computed, num_total, hit_blocks)
+                spare_by_group[manager.group_id] = high - low
+            else:
+                low = high = manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
+            fewest, most = fewest + low, most + high
+        shortfall = fewest - self.pool.num_free_blocks
+        # A block this request is about to take as a hit must not move: its keys stay as they are.
+        hit_ids = {b.block_id for blocks in hit.blocks for b in blocks} if hit and shortfall > 0 else set()
+        if shortfall > 0 and not self._reclaim(shortfall, request_id, hit_ids):
             return False
+        # Blocks beyond the fewest keep old windows cached: without caching there is nothing to keep.
+        spare = self.pool.num_free_blocks - fewest if self.enable_caching else 0
         if shared:
             copies = self._copies.setdefault(request_id, [])
             for (manager, index), block in zip(shared, self.pool.get_new_blocks(len(shared)), strict=True):
@@ -175,7 +186,12 @@ class KVCacheCoordinator:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
         for manager in self.managers:
-            manager.allocate_new_blocks(request_id, num_computed, num_total)
+            if isinstance(manager, WindowedManager):
+                extra = min(spare, spare_by_group[manager.group_id])
+                spare -= extra
+                manager.allocate_step(request_id, num_total, request.block_hashes, extra)
+            else:
+                manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
 
     def _shared_writes(self, request_id: str, num_computed: int) -> list[tuple[SingleTypeManager, int]]:
@@ -212,6 +228,27 @@ class KVCacheCoordinator:
             tables[manager.group_id][index] = source.block_id
         return tables
 
+    def _reclaim(self, num_blocks: int, request_id: str, keep: set[int] | None = None) -> bool:
+        """Free `num_blocks` by taking back spare fresh tail blocks of other pending steps (never moving a
+        block in `keep`), if they have that many (else change nothing and return False)."""
+        keep = keep or set()
+        if sum(m.num_reclaimable(request_id, keep) for m in self._windowed) < num_blocks:
+            return False
+        for manager in self._windowed:
+            num_blocks -= manager.reclaim(num_blocks, request_id, keep)
+        return True
+
+    def use_slack_for_caching(self) -> int:
+        """After a step's allocations: give the middles of windowed groups' pending steps free blocks, so
+        their keys are stored and hashed (and go back to the pool after the step, still hashed). Returns
+        how many blocks were given. Nothing is allocated after this until the step's update."""
+        if not self.enable_caching:
+            return 0
+        given = 0
+        for manager in self._windowed:
+            given += manager.fill_middle(self.pool.num_free_blocks)
+        return given
+
     def _covered(self, request_id: str, num_tokens: int) -> bool:
         """Whether every group's block list already covers num_tokens tokens of the request."""
         if self._one_block_size:
@@ -235,11 +272,13 @@ class KVCacheCoordinator:
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
         table of swap ids by position (None where the null block was). A swap id in several tables
-        becomes one block that all of them share. None, changing nothing, if the pool lacks the blocks;
-        else the (swap id, new block id) pairs to copy."""
+        becomes one block that all of them share. None, changing nothing, if the pool lacks the blocks
+        (after taking back other pending steps' spare blocks); else the (swap id, new block id) pairs to
+        copy."""
         unique = dict.fromkeys(swap_id for rows in tables.values() for row in rows for swap_id in row)
         unique.pop(None, None)
-        if len(unique) > self.pool.num_free_blocks:
+        shortfall = len(unique) - self.pool.num_free_blocks
+        if shortfall > 0 and not self._reclaim(shortfall, None):
             return None
         fresh = dict(zip(unique, self.pool.get_new_blocks(len(unique)), strict=True))
         null = self.pool.null_block
@@ -264,9 +303,15 @@ class KVCacheCoordinator:
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
 
-    def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Undo an allocation whose step will not run (a request preempted after it was scheduled): the
+        request keeps only the blocks its first num_tokens tokens left it, as after its last step."""
+        for manager in self.managers:
+            manager.truncate(request_id, num_tokens)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
         """See blocks_for_request."""
-        return blocks_for_request(self.config, num_tokens, max_chunk_tokens)
+        return blocks_for_request(self.config, num_tokens)
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         """The request's block table in each group (the null block's id where it holds none)."""
@@ -297,69 +342,23 @@ class KVCacheCoordinator:
         )
 
     def check_writable(self, request_id: str, num_computed: int, num_new_tokens: int) -> None:
-        """Assert that the blocks the request's next num_new_tokens tokens are written into are real and
-        held by the request alone (the copy-on-write rule)."""
+        """Assert that every block the request's next num_new_tokens tokens are stored into is held by the
+        request alone (the copy-on-write rule); a windowed group's null positions are read in flight only."""
         for manager in self.managers:
             blocks = manager.blocks_of(request_id)
             bs = manager.block_size
             for index in range(num_computed // bs, cdiv(num_computed + num_new_tokens, bs)):
                 block = blocks[index]
-                assert not block.is_null, f"{request_id} writes position {index} of group {manager.group_id}: null"
+                if block.is_null:
+                    assert isinstance(manager, WindowedManager), (
+                        f"{request_id} writes position {index} of full-attention group {manager.group_id}: null"
+                    )
+                    continue
                 assert block.ref_cnt == 1, (
                     f"{request_id} writes {block} at position {index} of group {manager.group_id} while it is shared"
                 )
 
     def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
-        """Assert every memory-manager invariant (docs/design.md lists them); tests call it after each change.
-
-        With requests given, also checks each held hashed block against the request's own hashes
-        and the sliding-window bound on real blocks per request.
-        """
-        pool = self.pool
-        pool.check_integrity()
-        expected_refs = [0] * pool.num_blocks
-        for manager in self.managers:
-            assert manager.req_to_block_ids.keys() == manager.req_to_blocks.keys(), "block tables out of step"
-            for request_id, blocks in manager.req_to_blocks.items():
-                seen = set()
-                for block in blocks:
-                    if block.is_null:
-                        continue
-                    assert block.block_id not in seen, f"{block} twice in {request_id}, group {manager.group_id}"
-                    seen.add(block.block_id)
-                    expected_refs[block.block_id] += 1
-                    if block.block_hash is not None:
-                        assert block.hash_group == manager.group_id, f"{block} cached for another group"
-                assert manager.block_table(request_id) == [b.block_id for b in blocks], (
-                    f"{request_id}'s block table in group {manager.group_id} disagrees with its blocks"
-                )
-        for block in pool.blocks[1:]:
-            assert block.ref_cnt == expected_refs[block.block_id], (
-                f"{block}: ref count {block.ref_cnt} but held by {expected_refs[block.block_id]} lists"
-            )
-        if requests is None:
-            return
-        for manager in self.managers:
-            for request_id, blocks in manager.req_to_blocks.items():
-                request = requests[request_id]
-                num_hashed = manager.num_hashed_blocks(request.block_hashes)
-                for i, block in enumerate(blocks):
-                    if block.block_hash is not None:
-                        own_hash = manager.block_hash(request.block_hashes, i) if i < num_hashed else None
-                        assert block.block_hash == own_hash, (
-                            f"{block} at position {i} of {request_id} carries another chain's hash"
-                        )
-                first_needed = manager.first_needed_block(request.num_computed_tokens)
-                computed_blocks = cdiv(request.num_computed_tokens, manager.block_size)
-                assert len(blocks) >= computed_blocks, f"{request_id} lost blocks of computed tokens"
-                assert not any(b.is_null for b in blocks[first_needed:]), (
-                    f"{request_id} has a null block where group {manager.group_id} still attends"
-                )
-                if isinstance(manager, (SlidingWindowManager, ChunkedLocalManager)):
-                    bound = manager.num_window_blocks + 1
-                    held = manager.num_real_blocks(request_id)
-                    chunk_blocks = max(0, len(blocks) - computed_blocks)
-                    assert held <= bound + chunk_blocks, (
-                        f"{request_id} holds {held} real blocks in windowed group {manager.group_id}, "
-                        f"more than {bound} + {chunk_blocks} for its chunk"
-                    )
+        """Assert every memory-manager invariant (docs/design.md lists them); tests call it after each
+        change. With requests given, also each request's own invariants (`hybridkv/integrity.py`)."""
+        check_coordinator(self, requests)

@@ -51,7 +51,7 @@ class LLMEngine(RunLoops):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        kv_dtype, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
+        self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
         self.bytes_per_block = self.kv_config.block_bytes
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len)
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
@@ -70,7 +70,7 @@ class LLMEngine(RunLoops):
         self.coordinator = KVCacheCoordinator(self.kv_config, num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
         self.runner = ModelRunner(
-            model, self.kv_config, layout.module_names, num_blocks, kv_dtype, config.attention_backend
+            model, self.kv_config, layout.module_names, num_blocks, self.layer_dtypes, config.attention_backend
         )
         self.runner.allocate_swap_space(num_swap_blocks)
         self.inputs = InputProcessor(model, tokenizer)

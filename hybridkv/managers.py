@@ -4,7 +4,8 @@ All managers share one interface: find the longest cache hit under the kind's ru
 allocate the blocks a step needs, cache blocks that became full, return blocks that can no longer
 be attended to, and free a request. Block lists are append-only and indexed by block position
 (block i covers tokens [i * block_size, (i + 1) * block_size)); the null block stands in for
-positions a sliding window no longer sees.
+positions a sliding window no longer sees. The windowed kinds are `window_managers.py` and
+`window_kinds.py`.
 
 Block hashes come per `block_size / hash_stride` tokens (the engine's block size); a group whose blocks
 hold `hash_stride` times as many tokens names its block i by hash `(i + 1) * hash_stride - 1`, the
@@ -175,6 +176,19 @@ class SingleTypeManager(ABC):
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Return the request's blocks past those of its first `num_tokens` tokens (a step that was
+        allocated but will not run), deepest first."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        released = blocks[keep:]
+        del blocks[keep:]
+        del self.req_to_block_ids[request_id][keep:]
+        self.num_cached_blocks[request_id] = min(self.num_cached_blocks.get(request_id, 0), keep)
+        self.pool.free_blocks(reversed(released))
+
     def num_real_blocks(self, request_id: str) -> int:
         return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
 
@@ -198,110 +212,3 @@ class FullAttentionManager(SingleTypeManager):
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         return
-
-
-class SlidingWindowManager(SingleTypeManager):
-    """A query at position i attends to keys in (i - W, i].
-
-    A hit ending at (block-aligned) position p needs only the blocks covering tokens
-    [p - W + 1, p): ceil((W - 1) / block_size) blocks, all earlier positions become null blocks.
-    """
-
-    hits_are_prefix_closed = False
-
-    def __init__(
-        self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int, hash_stride: int = 1
-    ) -> None:
-        super().__init__(group_id, pool, block_size, hash_stride)
-        self.sliding_window = sliding_window
-        self.num_window_blocks = num_window_blocks(sliding_window, block_size)
-
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        cached = self.pool.cached[self.group_id]
-        need = self.num_window_blocks
-        stride = self.hash_stride
-        max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
-        if need == 0:
-            return [self.pool.null_block] * max_num_blocks
-        run: list[KVBlock] = []
-        for i in range(max_num_blocks - 1, -1, -1):
-            block = cached.get(block_hashes[(i + 1) * stride - 1])
-            if block is None:
-                run.clear()
-                continue
-            run.append(block)
-            if len(run) == need:
-                run.reverse()
-                return [self.pool.null_block] * i + run
-        # The run reaches block 0: every position before the end is covered.
-        run.reverse()
-        return run
-
-    def first_needed_block(self, num_computed_tokens: int) -> int:
-        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
-
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        _return_blocks_before(self, request_id, self.first_needed_block(num_computed_tokens))
-
-
-class ChunkedLocalManager(SingleTypeManager):
-    """Chunked local attention (Llama 4): a query at position i sees [C * (i // C), i], its own chunk.
-
-    A hit ending at (block-aligned) position p needs only the blocks from its chunk's start, C * (p // C),
-    to p; earlier positions become null blocks, and at a chunk boundary no block at all is needed. A
-    shorter hit may start in an earlier chunk, whose blocks a longer hit did not need: hits are not
-    prefix-closed.
-    """
-
-    hits_are_prefix_closed = False
-
-    def __init__(
-        self, group_id: int, pool: BlockPool, block_size: int, attention_chunk_size: int, hash_stride: int = 1
-    ) -> None:
-        super().__init__(group_id, pool, block_size, hash_stride)
-        self.attention_chunk_size = attention_chunk_size
-        # Real blocks one request holds at most, besides those of the tokens being computed: the
-        # C - 1 keys before a query, wherever in a block its chunk starts.
-        self.num_window_blocks = num_window_blocks(attention_chunk_size, block_size)
-
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        cached = self.pool.cached[self.group_id]
-        stride = self.hash_stride
-        max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
-        blocks = [cached.get(h) for h in block_hashes[stride - 1 : max_num_blocks * stride : stride]]
-        # last_miss[end]: the last block index below `end` that is not cached (-1: none).
-        last_miss = [-1] * (max_num_blocks + 1)
-        for index, block in enumerate(blocks):
-            last_miss[index + 1] = index if block is None else last_miss[index]
-        for end in range(max_num_blocks, 0, -1):
-            first = self.first_needed_block(end * self.block_size)
-            if last_miss[end] < first:
-                return [self.pool.null_block] * first + blocks[first:end]
-        return []
-
-    def first_needed_block(self, num_computed_tokens: int) -> int:
-        chunk_size = self.attention_chunk_size
-        return num_computed_tokens // chunk_size * chunk_size // self.block_size
-
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        _return_blocks_before(self, request_id, self.first_needed_block(num_computed_tokens))
-
-
-def _return_blocks_before(manager: SingleTypeManager, request_id: str, first_needed: int) -> None:
-    """Put the null block in place of the request's real blocks before `first_needed` and return them
-    to the pool, walking back from there until a null block (everything before it went earlier)."""
-    blocks = manager.req_to_blocks.get(request_id)
-    if not blocks:
-        return
-    block_ids = manager.req_to_block_ids[request_id]
-    null_block = manager.pool.null_block
-    skipped = []
-    for i in range(min(first_needed, len(blocks)) - 1, -1, -1):
-        block = blocks[i]
-        if block is null_block:
-            break
-        skipped.append(block)
-        blocks[i] = null_block
-        block_ids[i] = NULL_BLOCK_ID
-    if skipped:
-        manager.pool.free_blocks(skipped)

@@ -10,6 +10,7 @@ import torch
 
 from hybridkv.grouping import KVCacheConfig
 from hybridkv.kernels import allocate_kv_pages, build_step_metadata, check_layer_cache, kv_page_views
+from hybridkv.kv_dtypes import LayerDtypes
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.scheduler import SchedulerOutput
@@ -18,9 +19,9 @@ from hybridkv.scheduler import SchedulerOutput
 class ModelRunner:
     """Runs one scheduled step as a single forward over all of its tokens.
 
-    One page tensor per device that holds a layer (`[num_blocks, page elements]`, see
-    hybridkv/grouping.py); each layer that holds pages gets K and V views of its slot, and a
-    KV-sharing layer reads its source layer's views.
+    One page tensor per device that holds a layer (`[num_blocks, page bytes]`, see
+    hybridkv/grouping.py); each layer that holds pages gets K and V views of its slot in its own dtype
+    (hybridkv/kv_dtypes.py), and a KV-sharing layer reads its source layer's views.
     """
 
     def __init__(
@@ -29,7 +30,7 @@ class ModelRunner:
         kv_config: KVCacheConfig,
         module_names: dict[int, str],
         num_blocks: int,
-        kv_dtype: torch.dtype,
+        layer_dtypes: LayerDtypes,
         backend: str | None = None,
     ) -> None:
         self.model = model
@@ -41,7 +42,7 @@ class ModelRunner:
         self._pages: dict[torch.device, torch.Tensor] = {}
         for device in devices.values():
             if device not in self._pages:
-                self._pages[device] = allocate_kv_pages(num_blocks, kv_config.block_bytes, kv_dtype, device)
+                self._pages[device] = allocate_kv_pages(num_blocks, kv_config.block_bytes, torch.uint8, device)
         # Metadata is built once per (device, group) each step; a layer reads the copy on its device.
         self.devices = list(self._pages)
         num_groups = len(kv_config.groups)
@@ -57,12 +58,22 @@ class ModelRunner:
                     spec.num_kv_heads,
                     spec.head_dim,
                     spec.value_head_dim,
+                    layer_dtypes.dtypes[layer_idx],
                 )
                 check_layer_cache(keys, values)
                 index = self.devices.index(device) * num_groups + group.group_id
+                k_scale, v_scale = layer_dtypes.scales[layer_idx]
                 self.layers[layer_idx] = LayerKV(
-                    index, keys, values, group.sliding_window, attention_chunk_size=group.attention_chunk_size
+                    index,
+                    keys,
+                    values,
+                    group.sliding_window,
+                    attention_chunk_size=group.attention_chunk_size,
+                    k_scale=k_scale,
+                    v_scale=v_scale,
+                    defers_store=layer_idx in kv_config.shared_layers.values(),
                 )
+        last_readers: dict[int, int] = {}
         for layer_idx, source in kv_config.shared_layers.items():
             if devices[layer_idx] != devices[source]:
                 raise ValueError(
@@ -77,7 +88,12 @@ class ModelRunner:
                 spec.sliding_window,
                 writes_kv=False,
                 attention_chunk_size=spec.attention_chunk_size,
+                k_scale=reads.k_scale,
+                v_scale=reads.v_scale,
             )
+            last_readers[source] = max(layer_idx, last_readers.get(source, layer_idx))
+        for source, reader in last_readers.items():
+            self.layers[reader].stores_after += (source,)
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
@@ -173,6 +189,8 @@ class ModelRunner:
                 use_cache=False,
                 **{STEP_KWARG: step},
             )
+            # A store waits for its layer's KV-sharing readers; one the forward did not reach is made now.
+            step.store_deferred(list(step.deferred))
         logits = output.logits[0].float()
         self.forward_seconds += time.perf_counter() - forward_time
         return logits

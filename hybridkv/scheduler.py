@@ -144,8 +144,7 @@ class Scheduler:
                 f"prompt has {request.num_tokens:,} tokens but max_model_len is {limit:,}; "
                 "raise max_model_len or shorten the prompt"
             )
-        chunk = min(request.num_tokens, self._chunk_cap())
-        needed = self.coordinator.num_blocks_for(request.num_tokens, chunk)
+        needed = self.coordinator.num_blocks_for(request.num_tokens)
         capacity = self.coordinator.pool.num_blocks - 1
         if needed > capacity:
             return (
@@ -163,6 +162,8 @@ class Scheduler:
         """Plan the next step (see the module docstring); the plan carries the block-table rows."""
         out = SchedulerOutput()
         self._schedule(out)
+        # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
+        self.coordinator.use_slack_for_caching()
         out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
         out.blocks_to_copy = self.coordinator.take_copies()
         self.max_num_running = max(self.max_num_running, len(self.running))
@@ -296,6 +297,9 @@ class Scheduler:
     def _swap_out(self, members: list[Request], out: SchedulerOutput) -> bool:
         """Copy the members' blocks to swap space (a block they share once) and free them; False, nothing
         changed, when swap space lacks the room."""
+        # A member scheduled earlier in this step leaves it: its blocks go back to what its last step left.
+        for member in members:
+            self.coordinator.truncate(member.request_id, member.num_computed_tokens)
         tables = {m.request_id: self.coordinator.swap_table(m.request_id) for m in members}
         device_ids = dict.fromkeys(b for rows in tables.values() for row in rows for b in row if b != NULL_BLOCK_ID)
         cpu_ids = self.swap_space.allocate(len(device_ids))

@@ -12,18 +12,21 @@ from hybridkv.config import EngineConfig
 from hybridkv.coordinator import blocks_for_request
 from hybridkv.grouping import KVCacheConfig, group_layers
 from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utilization
+from hybridkv.kv_dtypes import LayerDtypes, resolve_layer_dtypes
 from hybridkv.patches.inspection import ModelLayout, inspect_model
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype, ModelLayout, KVCacheConfig, int]:
-    """The KV dtype, the model's attention layout (measured by a probe forward), its KV cache groups and
-    max_model_len that `config` gives for `model` (never beyond the model's context: a ValueError)."""
+def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[LayerDtypes, ModelLayout, KVCacheConfig, int]:
+    """The KV dtypes and fp8 scales per layer, the model's attention layout (measured by a probe forward),
+    its KV cache groups and max_model_len that `config` gives for `model` (never beyond the model's
+    context: a ValueError)."""
     max_model_len = _max_model_len(model, config)
-    kv_dtype = config.kv_cache_dtype or next(model.parameters()).dtype
-    layout = inspect_model(model, kv_dtype)
-    kv_config = group_layers(layout.specs, config.block_size)
+    model_dtype = next(model.parameters()).dtype
+    layout = inspect_model(model, model_dtype)
+    specs, layer_dtypes = resolve_layer_dtypes(config.kv_cache_dtype, layout.specs, model_dtype, layout.kv_amax)
+    kv_config = group_layers(specs, config.block_size)
     limit = layout.max_exact_tokens
     if limit is not None and max_model_len > limit:
         if config.max_model_len:
@@ -44,7 +47,7 @@ def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[torch.dtype
             f"this {type(model).__name__}: {layout.limit_reason}, and a step's rows count as positions there. "
             f"Pass max_num_batched_tokens <= {limit}"
         )
-    return kv_dtype, layout, kv_config, max_model_len
+    return layer_dtypes, layout, kv_config, max_model_len
 
 
 def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
@@ -82,17 +85,17 @@ def _context_length(text_config: Any) -> tuple[int, str] | None:
     return context
 
 
-def blocks_for_requests(kv_config: KVCacheConfig, config: EngineConfig, max_model_len: int, count: int) -> int:
-    """The null block plus `count` requests at max_model_len, prefilled in chunks of the token budget."""
-    chunk = min(max_model_len, config.max_num_batched_tokens)
-    return 1 + count * blocks_for_request(kv_config, max_model_len, chunk)
+def blocks_for_requests(kv_config: KVCacheConfig, max_model_len: int, count: int) -> int:
+    """The null block plus `count` requests at max_model_len (whatever their chunks: a windowed group
+    holds its window only, hybridkv/window_managers.py)."""
+    return 1 + count * blocks_for_request(kv_config, max_model_len)
 
 
 def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     """The fewest KV blocks `hybridkv.patch(model, **config)` accepts: one request at max_model_len."""
     engine_config = EngineConfig.from_kwargs(**config)
     _, _, kv_config, max_model_len = kv_layout(model, engine_config)
-    return blocks_for_requests(kv_config, engine_config, max_model_len, 1)
+    return blocks_for_requests(kv_config, max_model_len, 1)
 
 
 def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCacheConfig, max_model_len: int) -> int:
@@ -101,7 +104,7 @@ def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCac
     1 GiB on the CPU capped at what max_num_seqs requests at max_model_len can use. Never fewer than one
     request at max_model_len needs (else a ValueError naming the fix)."""
     bytes_per_block = kv_config.block_bytes
-    min_blocks = blocks_for_requests(kv_config, config, max_model_len, 1)
+    min_blocks = blocks_for_requests(kv_config, max_model_len, 1)
     if config.num_blocks is not None:
         if config.num_blocks < min_blocks:
             raise ValueError(
@@ -119,7 +122,7 @@ def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCac
         return num_blocks_for_memory_utilization(
             config.gpu_memory_utilization, free_bytes - activation_peak, total_bytes, bytes_per_block, min_blocks
         )
-    most = blocks_for_requests(kv_config, config, max_model_len, config.max_num_seqs)
+    most = blocks_for_requests(kv_config, max_model_len, config.max_num_seqs)
     budget = min(DEFAULT_CPU_KV_CACHE_BYTES, most * bytes_per_block)
     return num_blocks_for_budget(budget, bytes_per_block, min_blocks)
 

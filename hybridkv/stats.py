@@ -28,6 +28,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "padding_fraction": kv.padding_fraction,
         # K and V bytes a token costs across the layers that hold pages; KV-sharing layers hold none.
         "kv_bytes_per_token": engine.kv_config.kv_bytes_per_token,
+        # Each dtype the pages hold, with its layers (fp8: per-layer scales, hybridkv/kv_dtypes.py).
+        "kv_cache_dtypes": engine.layer_dtypes.names,
         "shared_kv_layers": engine.kv_config.shared_layers,
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,

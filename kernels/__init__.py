@@ -1,10 +1,11 @@
 """Paged attention: KV tensors, cache write, Triton kernels (CUDA) and the torch path (CPU).
 
-Module map: ``cache`` (layout, sizing, allocation), ``metadata`` (per-step data: a step's lengths,
+Module map: ``cache`` (layout, sizing, allocation), ``quant`` (cache dtypes: 16/32-bit and fp8 with
+per-layer scales; how a row becomes what a page holds), ``metadata`` (per-step data: a step's lengths,
 shared by its groups, and each group's block table), ``backend`` (backend choice), ``dispatch`` (the
 entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and ``torch_attention``
-(the CPU path), ``triton_attention`` and ``triton_cache_write`` (the Triton kernels, imported on
-first use).
+(the CPU path), ``triton_attention``, ``triton_cache_write`` and ``triton_common`` (the Triton kernels,
+imported on first use).
 
 Nothing here imports ``hybridkv``: only relative imports, torch and triton. From the repository root
 (``python -m``, ``python -c``, a REPL) this directory is also importable as a top-level ``kernels``,

@@ -102,9 +102,18 @@ def kv_page_views(
     num_kv_heads: int,
     head_dim: int,
     value_head_dim: int,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K ``[num_blocks, block_size, heads, head_dim]`` and V ``[..., value_head_dim]`` views of
-    its slot, which starts ``offset_bytes`` into every page: K rows, then V rows."""
+    its slot, which starts ``offset_bytes`` into every page: K rows, then V rows. ``dtype`` (default: the
+    pages') reads the slot's bytes as that dtype, so layers of different KV dtypes share one page tensor
+    (allocate it as uint8); the slot must start at a multiple of the dtype's size."""
+    dtype = dtype or pages.dtype
+    if dtype != pages.dtype:
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        if offset_bytes % element_bytes or pages.shape[1] * pages.element_size() % element_bytes:
+            raise ValueError(f"a slot at byte {offset_bytes} of pages of {pages.dtype} cannot be read as {dtype}")
+        pages = pages.view(torch.uint8).view(dtype)
     start = offset_bytes // pages.element_size()
     key_elements = block_size * num_kv_heads * head_dim
     value_elements = block_size * num_kv_heads * value_head_dim

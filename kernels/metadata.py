@@ -109,7 +109,11 @@ class StepMetadata:
 
         ``block_table[s]`` lists sequence s's block ids in this group, at least
         ``ceil(seq_lens[s] / block_size)`` of them (the null block may stand for blocks its layers
-        cannot see). Groups of one block size share the step's layouts.
+        cannot see, or for blocks of the step's own tokens that are read in flight and never stored).
+        An entry ``-b`` (negative) is block b, read at that position this step but stored into at
+        another (a windowed group giving a block it no longer needs to its new tokens): rows of the
+        step at a null or negative entry get slot -1, so the cache write skips them. Groups of one
+        block size share the step's layouts.
         """
         rows = [list(row) for row in block_table]
         if len(rows) != self.num_seqs:
@@ -127,7 +131,9 @@ class StepMetadata:
         in_row = torch.arange(width, device=self.device) < int_tensor(row_lens, torch.int32, self.device)[:, None]
         table.masked_scatter_(in_row, int_tensor(flat, torch.int32, self.device))
         slot_index, offsets = self._slot_index(block_size, width)
-        slot_mapping = table.view(-1)[slot_index].to(torch.int64).mul_(block_size).add_(offsets)
+        entries = table.view(-1)[slot_index].to(torch.int64)
+        slot_mapping = torch.where(entries > NULL_BLOCK_ID, entries * block_size + offsets, -1)
+        table.abs_()
         return PagedAttentionMetadata(self, table, slot_mapping, block_size, rows)
 
     def triton_tiles(self, block_q: int) -> TritonQueryTiles:
@@ -172,9 +178,9 @@ class PagedAttentionMetadata:
 
     ``block_table`` (int32) holds the group's block ids per sequence, padded with the null block (0);
     entries at or beyond ``ceil(seq_lens[s] / block_size)`` are never read. ``slot_mapping[t]``
-    (int64) is the cache slot of query row t. The lengths are the step's (``step``), also readable
-    here: ``cu_seqlens_q``, ``seq_lens``, ``query_lens_list``, ``seq_lens_list``, ``num_seqs``,
-    ``num_query_tokens``.
+    (int64) is the cache slot of query row t, -1 where the row is not stored. The lengths are the
+    step's (``step``), also readable here: ``cu_seqlens_q``, ``seq_lens``, ``query_lens_list``,
+    ``seq_lens_list``, ``num_seqs``, ``num_query_tokens``.
     """
 
     step: StepMetadata

@@ -1,9 +1,10 @@
 """The torch path: cache write and paged attention for CPU (and any device torch runs on).
 
 Per layer: gather the step's visible blocks into a reused workspace (one ``index_select`` for K and
-one for V), then per sequence one explicit fp32 ``bmm -> softmax -> bmm`` with the q heads of one kv
-head stacked as rows. docs/kernels.md has the measurements behind each choice (workspace reuse,
-explicit matmul instead of SDPA, fp32 upcast per sequence, layout).
+one for V), put the step's own K/V rows over their positions when they are read in flight (one
+``index_copy_`` each), then per sequence one explicit fp32 ``bmm -> softmax -> bmm`` with the q heads
+of one kv head stacked as rows. docs/kernels.md has the measurements behind each choice (workspace
+reuse, explicit matmul instead of SDPA, fp32 upcast per sequence, layout).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .metadata import PagedAttentionMetadata
+from .quant import as_cached, byte_view
 from .torch_plan import torch_plan
 
 # Bounds the fp32 score matrix of one chunk of query rows (64 MiB), so long prefills stay in memory.
@@ -53,21 +55,26 @@ def torch_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store row t of key/value at slot ``slot_mapping[t]``; rows with slot -1 are skipped."""
+    """Store row t of key/value at slot ``slot_mapping[t]`` as the cache holds it (``quant.as_cached``);
+    rows with slot -1 are skipped."""
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    key = as_cached(key, key_cache.dtype, k_scale)
+    value = as_cached(value, value_cache.dtype, v_scale)
     block_size = key_cache.shape[1]
     if key_cache.is_contiguous() and value_cache.is_contiguous():
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        byte_view(key_cache).view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, byte_view(key))
+        byte_view(value_cache).view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, byte_view(value))
         return
     # A layer's view into a page: blocks are page_bytes apart, so (block, offset) pairs address a slot.
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - block_ids * block_size
-    key_cache[block_ids, offsets] = key.to(key_cache.dtype)
-    value_cache[block_ids, offsets] = value.to(value_cache.dtype)
+    key_cache[block_ids, offsets] = key
+    value_cache[block_ids, offsets] = value
 
 
 def torch_paged_attention(
@@ -80,6 +87,10 @@ def torch_paged_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     attention_chunk_size: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     plan = torch_plan(metadata, sliding_window, attention_chunk_size)
@@ -90,12 +101,20 @@ def torch_paged_attention(
     group = num_q_heads // num_kv_heads
     keys = _gather_blocks(key_cache, plan.gather_block_ids, "key")
     values = _gather_blocks(value_cache, plan.gather_block_ids, "value")
-    # Once per layer, not per sequence: fp32, pre-scaled, laid out [kv_head, token, group, dim] so that
-    # a sequence's rows for one kv head are one contiguous [tokens * group, dim] matrix.
+    if key is not None:
+        # The step's own rows, as the cache would hold them, over whatever their blocks held.
+        rows_as_cached = as_cached(key[:num_query_tokens], key_cache.dtype, k_scale)
+        byte_view(keys).index_copy_(0, plan.row_keys, byte_view(rows_as_cached))
+        rows_as_cached = as_cached(value[:num_query_tokens], value_cache.dtype, v_scale)
+        byte_view(values).index_copy_(0, plan.row_keys, byte_view(rows_as_cached))
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+    # Once per layer, not per sequence: fp32, pre-scaled (by the K scale too: an fp8 page holds
+    # key / k_scale), laid out [kv_head, token, group, dim] so that a sequence's rows for one kv head are
+    # one contiguous [tokens * group, dim] matrix.
     grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
     rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
     rows.copy_(query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
-    rows.mul_(scale)
+    rows.mul_(scale * k_scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
     out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     out[num_query_tokens:] = 0
@@ -110,17 +129,17 @@ def torch_paged_attention(
             hidden = None
             if seq.hidden is not None:
                 hidden = seq.hidden[start - seq.query_start : end - seq.query_start]
-            _attend(rows[:, start:end], seq_keys, seq_values, out[start:end], softcap, sink_logits, hidden)
+            _attend(rows[:, start:end], seq_keys, seq_values, out[start:end], softcap, sink_logits, hidden, v_scale)
     return out
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
-    """The listed blocks as a ``[num_kv_heads, num_blocks * block_size, head_dim]`` workspace view."""
+    """The listed blocks as a ``[num_blocks * block_size, num_kv_heads, head_dim]`` workspace view."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     shape = (block_ids.numel(), block_size, num_kv_heads, head_dim)
     gathered = _WORKSPACE.get(name, shape, cache.dtype, cache.device)
     torch.index_select(cache, 0, block_ids, out=gathered)
-    return gathered.view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    return gathered.view(-1, num_kv_heads, head_dim)
 
 
 def _attend(
@@ -131,9 +150,10 @@ def _attend(
     softcap: float | None,
     sink_logits: torch.Tensor | None,
     hidden: torch.Tensor | None,
+    v_scale: float,
 ) -> None:
     """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]`` and values
-    ``[kv_heads, keys, v_dim]``, into ``out`` ``[queries, q_heads, v_dim]``."""
+    ``[kv_heads, keys, v_dim]`` (times ``v_scale``), into ``out`` ``[queries, q_heads, v_dim]``."""
     num_kv_heads, num_queries, group, head_dim = rows.shape
     num_keys = keys.shape[1]
     value_head_dim = values.shape[-1]
@@ -145,6 +165,8 @@ def _attend(
         result = F.scaled_dot_product_attention(
             query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=1.0, enable_gqa=group > 1
         )
+        if v_scale != 1.0:
+            result.mul_(v_scale)
         out.copy_(result[0].transpose(0, 1))
         return
     scores = torch.bmm(rows.view(num_kv_heads, num_queries * group, head_dim), keys.transpose(1, 2))
@@ -163,6 +185,10 @@ def _attend(
         # A decode row's [kv_heads, group, dim] is its [q_heads, dim]: bmm writes it in place (a strided
         # out= would make bmm loop over the batch, measured 3x slower).
         torch.bmm(probs, values, out=out.view(num_kv_heads, group, value_head_dim))
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return
     result = torch.bmm(probs, values).view(num_kv_heads, num_queries, group, value_head_dim)
+    if v_scale != 1.0:
+        result.mul_(v_scale)
     out.view(num_queries, num_kv_heads, group, value_head_dim).copy_(result.transpose(0, 1))

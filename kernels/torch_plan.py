@@ -36,11 +36,14 @@ class SequencePlan:
 @dataclass(slots=True)
 class TorchLayout:
     """The sequences' plans for one (block size, visibility) of a step, and the block table entries
-    the workspace holds, in order: entry ``(gather_seqs[i], gather_blocks[i])`` is gathered block i."""
+    the workspace holds, in order: entry ``(gather_seqs[i], gather_blocks[i])`` is gathered block i.
+    ``row_keys[t]`` is the workspace token where query row t's own key goes when the step's K/V are
+    read in flight (over whatever its block held: nothing, if it is not stored)."""
 
     sequences: list[SequencePlan]
     gather_seqs: torch.Tensor
     gather_blocks: torch.Tensor
+    row_keys: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class TorchAttentionPlan:
 
     gather_block_ids: torch.Tensor
     sequences: list[SequencePlan]
+    row_keys: torch.Tensor
 
     @property
     def num_gathered_blocks(self) -> int:
@@ -66,7 +70,7 @@ def torch_plan(
         table = metadata.block_table
         flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
         block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
-        plan = TorchAttentionPlan(gather_block_ids=block_ids, sequences=layout.sequences)
+        plan = TorchAttentionPlan(gather_block_ids=block_ids, sequences=layout.sequences, row_keys=layout.row_keys)
         metadata.torch_plans[visibility] = plan
     return plan
 
@@ -91,6 +95,8 @@ def _build_layout(
     block_counts: list[int] = []
     # Per sequence: its first gathered block's index in its table row minus its index in the workspace.
     block_shifts: list[int] = []
+    # Per sequence: workspace token of its first query row's key minus that row's index in the batch.
+    row_shifts: list[int] = []
     num_gathered = 0
     query_start = 0
     for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
@@ -103,6 +109,7 @@ def _build_layout(
         first_block = first_key_position // block_size
         end_block = (seq_len - 1) // block_size + 1
         workspace_start = (num_gathered - first_block) * block_size
+        row_shifts.append(workspace_start + first_query_position - query_start)
         block_counts.append(end_block - first_block)
         block_shifts.append(first_block - num_gathered)
         num_gathered += end_block - first_block
@@ -127,7 +134,13 @@ def _build_layout(
     counts = int_tensor(block_counts, torch.int64, device)
     gather_seqs = torch.repeat_interleave(torch.arange(len(sequences), device=device), counts, output_size=num_gathered)
     shifts = torch.repeat_interleave(int_tensor(block_shifts, torch.int64, device), counts, output_size=num_gathered)
-    return TorchLayout(sequences, gather_seqs, torch.arange(num_gathered, device=device) + shifts)
+    row_shifts_per_row = torch.repeat_interleave(
+        int_tensor(row_shifts, torch.int64, device),
+        int_tensor(step.query_lens_list, torch.int64, device),
+        output_size=query_start,
+    )
+    row_keys = torch.arange(query_start, device=device) + row_shifts_per_row
+    return TorchLayout(sequences, gather_seqs, torch.arange(num_gathered, device=device) + shifts, row_keys)
 
 
 def _hidden_keys(

@@ -5,7 +5,11 @@ One program handles a tile of ``BLOCK_Q`` query tokens of one sequence and one k
 KV tile once for the whole group. It loops over the keys the tile can see in tiles of ``TILE_N``
 tokens (block ids looked up per key, so TILE_N is independent of the cache block size), with an
 online softmax in base 2. Keys before the tile's window are never loaded: that is what keeps null
-blocks (out-of-window entries of the block table) unread.
+blocks (out-of-window entries of the block table) unread. With the step's own K/V rows given (in
+flight), keys at the step's positions are read from them, as the cache would hold them, and the
+cache is read only before the sequence's first query; a second loop goes over the in-flight keys.
+Pages of another dtype than the query (bf16 for an fp32 model, fp8) are converted on load; fp8 pages
+hold key / k_scale and value / v_scale, so the K scale joins the logit scale and the V scale the output.
 """
 
 from __future__ import annotations
@@ -17,21 +21,19 @@ import triton
 import triton.language as tl
 
 from .metadata import PagedAttentionMetadata
+from .quant import is_fp8, triton_format
+from .triton_common import as_cached, online_softmax_step, visible_keys
 
 # Read at import, the same moment @triton.jit reads it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _tanh(x):
-    # exp2 form: portable across the interpreter and every backend; saturates correctly at +-inf.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
-
-
-@triton.jit
 def paged_attention_kernel(
     out_ptr,
     query_ptr,
+    key_ptr,
+    value_ptr,
     key_cache_ptr,
     value_cache_ptr,
     block_table_ptr,
@@ -42,17 +44,23 @@ def paged_attention_kernel(
     sinks_ptr,
     scale,
     softcap,
+    k_scale,
+    v_scale,
     sliding_window,
     chunk_size,
     stride_query_token,
     stride_query_head,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
     stride_out_token,
     stride_out_head,
     stride_key_block,
-    stride_key_head,
+    stride_key_cache_head,
     stride_key_slot,
     stride_value_block,
-    stride_value_head,
+    stride_value_cache_head,
     stride_value_slot,
     stride_table_seq,
     QUERIES_PER_KV: tl.constexpr,
@@ -68,6 +76,11 @@ def paged_attention_kernel(
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    IN_FLIGHT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXPONENT: tl.constexpr,
+    ROUND_TO_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -108,6 +121,8 @@ def paged_attention_kernel(
         running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PADDED], dtype=tl.float32)
+    # An fp8 page holds key / k_scale: the K scale joins the logit scale, the V scale the output.
+    scale = scale * k_scale
 
     key_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)
     key_start = 0
@@ -116,50 +131,62 @@ def paged_attention_kernel(
     if USE_CHUNK:
         # The tile's first query sits in the earliest chunk of the tile: nothing before it is visible.
         key_start = (context_len + tile_start) // chunk_size * chunk_size
+    # In flight, the step's own keys come from its K/V rows; only earlier ones from the pages.
+    cache_end = key_end
+    if IN_FLIGHT:
+        cache_end = tl.minimum(key_end, context_len)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_table_seq
-    key_head_base = key_cache_ptr + kv_head.to(tl.int64) * stride_key_head
-    value_head_base = value_cache_ptr + kv_head.to(tl.int64) * stride_value_head
+    key_head_base = key_cache_ptr + kv_head.to(tl.int64) * stride_key_cache_head
+    value_head_base = value_cache_ptr + kv_head.to(tl.int64) * stride_value_cache_head
 
-    for tile_key_start in range(key_start, key_end, TILE_N):
+    for tile_key_start in range(key_start, cache_end, TILE_N):
         key_positions = tile_key_start + tl.arange(0, TILE_N)
-        key_valid = key_positions < key_end
+        key_valid = key_positions < cache_end
         block_ids = tl.load(table_row + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slots = (key_positions % BLOCK_SIZE).to(tl.int64)
-
         key_offsets = block_ids[None, :] * stride_key_block + slots[None, :] * stride_key_slot + dims[:, None]
         k = tl.load(key_head_base + key_offsets, mask=dim_valid[:, None] & key_valid[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision="ieee") * scale
-        if USE_SOFTCAP:
-            scores = softcap * _tanh(scores / softcap)
-        scores = scores * 1.4426950408889634
-
-        visible = key_valid[None, :] & (key_positions[None, :] <= row_position[:, None])
-        if USE_WINDOW:
-            visible = visible & (key_positions[None, :] > row_position[:, None] - sliding_window)
-        if USE_CHUNK:
-            visible = visible & (key_positions[None, :] >= row_position[:, None] // chunk_size * chunk_size)
-        scores = tl.where(visible, scores, float("-inf"))
-
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        # Rows with nothing visible yet (padding rows) keep a finite max so exp2 gives 0, not NaN.
-        new_max = tl.where(new_max > float("-inf"), new_max, 0.0)
-        probs = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-
         value_offsets = (
             block_ids[:, None] * stride_value_block + slots[:, None] * stride_value_slot + value_dims[None, :]
         )
         v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & value_dim_valid[None, :], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * correction[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
-        running_max = new_max
+        visible = visible_keys(
+            key_positions, key_valid, row_position, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
+        )
+        acc, running_max, running_sum = online_softmax_step(
+            q, k.to(q.dtype), v.to(q.dtype), visible, acc, running_max, running_sum, scale, softcap, USE_SOFTCAP
+        )
+
+    if IN_FLIGHT:
+        key_head_rows = key_ptr + kv_head.to(tl.int64) * stride_key_head
+        value_head_rows = value_ptr + kv_head.to(tl.int64) * stride_value_head
+        cache_type = key_cache_ptr.dtype.element_ty
+        for tile_key_start in range(tl.maximum(key_start, context_len), key_end, TILE_N):
+            key_positions = tile_key_start + tl.arange(0, TILE_N)
+            key_valid = key_positions < key_end
+            key_rows = (query_begin + key_positions - context_len).to(tl.int64)
+            k = tl.load(
+                key_head_rows + key_rows[None, :] * stride_key_token + dims[:, None],
+                mask=dim_valid[:, None] & key_valid[None, :],
+                other=0.0,
+            )
+            v = tl.load(
+                value_head_rows + key_rows[:, None] * stride_value_token + value_dims[None, :],
+                mask=key_valid[:, None] & value_dim_valid[None, :],
+                other=0.0,
+            )
+            k = as_cached(k, k_scale, cache_type, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, ROUND_TO_BF16)
+            v = as_cached(v, v_scale, cache_type, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, ROUND_TO_BF16)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            visible = visible_keys(
+                key_positions, key_valid, row_position, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
+            )
+            acc, running_max, running_sum = online_softmax_step(
+                q, k, v, visible, acc, running_max, running_sum, scale, softcap, USE_SOFTCAP
+            )
 
     running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
-    out = acc / running_sum[:, None]
+    out = acc / running_sum[:, None] * v_scale
     out_offsets = (
         (query_begin + row_token).to(tl.int64)[:, None] * stride_out_token
         + row_head[:, None] * stride_out_head
@@ -190,6 +217,10 @@ def triton_paged_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     attention_chunk_size: int | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -201,6 +232,9 @@ def triton_paged_attention(
     query = _last_dim_contiguous(query)
     key_cache = _last_dim_contiguous(key_cache)
     value_cache = _last_dim_contiguous(value_cache)
+    in_flight = key is not None
+    key = _last_dim_contiguous(key) if in_flight else query
+    value = _last_dim_contiguous(value) if in_flight else query
     out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     out[metadata.num_query_tokens :] = 0
     if tiles.num_tiles == 0:
@@ -208,6 +242,8 @@ def triton_paged_attention(
     paged_attention_kernel[(tiles.num_tiles, num_kv_heads)](
         out,
         query,
+        key,
+        value,
         key_cache,
         value_cache,
         metadata.block_table,
@@ -218,10 +254,16 @@ def triton_paged_attention(
         sinks if sinks is not None else query,
         scale,
         softcap if softcap is not None else 1.0,
+        k_scale,
+        v_scale,
         sliding_window if sliding_window is not None else 0,
         attention_chunk_size if attention_chunk_size is not None else 1,
         query.stride(0),
         query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
         out.stride(0),
         out.stride(1),
         key_cache.stride(0),
@@ -244,7 +286,12 @@ def triton_paged_attention(
         USE_CHUNK=attention_chunk_size is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
-        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
+        IN_FLIGHT=in_flight,
+        **triton_format(key_cache.dtype, key.dtype),
+        # fp32 math where the interpreter's bf16 dot is wrong, or where the query and a 16/32-bit cache
+        # differ (a bf16 page is exact in fp32, not in fp16); fp8 pages are exact in any query dtype.
+        UPCAST=(INTERPRETED and query.dtype == torch.bfloat16)
+        or (not is_fp8(key_cache.dtype) and key_cache.dtype != query.dtype),
     )
     return out
 

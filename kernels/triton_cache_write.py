@@ -1,10 +1,14 @@
-"""Cache write in Triton: one program per token stores its K and V rows (all kv heads) at its slot."""
+"""Cache write in Triton: one program per token stores its K and V rows (all kv heads) at its slot, as
+the cache holds them (kernels/quant.py: rounded to its dtype; for fp8, row / scale clamped to its range)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .quant import triton_format
+from .triton_common import as_cached
 
 
 @triton.jit
@@ -14,6 +18,8 @@ def write_kv_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_key_token,
     stride_key_head,
     stride_value_token,
@@ -31,6 +37,10 @@ def write_kv_kernel(
     HEAD_DIM_V: tl.constexpr,
     HEAD_DIM_V_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,
+    FP8_MIN_EXPONENT: tl.constexpr,
+    ROUND_TO_BF16: tl.constexpr,
 ):
     token = tl.program_id(0)
     heads = tl.arange(0, NUM_KV_HEADS_PADDED)
@@ -67,8 +77,14 @@ def write_kv_kernel(
         + offset * stride_value_cache_slot
         + value_dims[None, :]
     )
-    tl.store(key_cache_ptr + key_cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + value_cache_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=value_mask)
+    cache_type = key_cache_ptr.dtype.element_ty
+    tl.store(
+        key_cache_ptr + key_cache_offsets,
+        as_cached(key, k_scale, cache_type, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, ROUND_TO_BF16),
+        mask=mask,
+    )
+    value = as_cached(value, v_scale, cache_type, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, ROUND_TO_BF16)
+    tl.store(value_cache_ptr + value_cache_offsets, value, mask=value_mask)
 
 
 def triton_write_kv(
@@ -77,8 +93,11 @@ def triton_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store row t of key/value at slot ``slot_mapping[t]``; rows with slot -1 are skipped."""
+    """Store row t of key/value at slot ``slot_mapping[t]`` as the cache holds it; rows with slot -1 are
+    skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -92,6 +111,8 @@ def triton_write_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -109,4 +130,5 @@ def triton_write_kv(
         HEAD_DIM_V=value.shape[-1],
         HEAD_DIM_V_PADDED=triton.next_power_of_2(value.shape[-1]),
         BLOCK_SIZE=key_cache.shape[1],
+        **triton_format(key_cache.dtype, key.dtype),
     )

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,8 +53,13 @@ _num_patched_models: dict[int, int] = {}
 class LayerKV:
     """Where one attention layer's K/V live (views of its slot in every page), which entry of the
     step's metadata list describes its group on its device, and the window (or attention chunk size)
-    the layer attends with: the layout's, the same one its group's manager frees blocks by. A KV-sharing layer reads its
-    source layer's views and metadata and writes nothing (`writes_kv` False)."""
+    the layer attends with: the layout's, the same one its group's manager frees blocks by. A KV-sharing
+    layer reads its source layer's views, metadata and scales and writes nothing (`writes_kv` False).
+
+    `k_scale` and `v_scale` are the layer's fp8 scales (1.0 for 16/32-bit pages). A layer that KV-sharing
+    layers read stores its rows only after the last of them attended (`defers_store`; that reader's
+    `stores_after` names it): a windowed group may store the step's rows into a block that held keys
+    before the step, which the readers must still see."""
 
     metadata_index: int
     key_cache: torch.Tensor
@@ -62,15 +67,33 @@ class LayerKV:
     sliding_window: int | None
     writes_kv: bool = True
     attention_chunk_size: int | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    defers_store: bool = False
+    stores_after: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class StepContext:
     """What every attention layer needs for one step: its tensors and its group's metadata
-    (one entry per (device, group); each carries its step's backend, resolved once per device)."""
+    (one entry per (device, group); each carries its step's backend, resolved once per device), and
+    the K/V rows of layers whose store waits for their readers."""
 
     layers: dict[int, LayerKV]
     metadata: list[PagedAttentionMetadata]
+    deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def store(self, layer_idx: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
+        """Store a layer's rows of this step into its pages (after its attention: see `hybridkv_attention`)."""
+        layer = self.layers[layer_idx]
+        metadata = self.metadata[layer.metadata_index]
+        store_kv(key_rows, value_rows, layer.key_cache, layer.value_cache, metadata, layer.k_scale, layer.v_scale)
+
+    def store_deferred(self, layer_indices: Iterable[int]) -> None:
+        for layer_idx in layer_indices:
+            rows = self.deferred.pop(layer_idx, None)
+            if rows is not None:
+                self.store(layer_idx, *rows)
 
 
 @contextlib.contextmanager
@@ -127,12 +150,14 @@ def hybridkv_attention(
     metadata = step.metadata[layer.metadata_index]
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     query_rows = query[0].transpose(0, 1)
-    # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
-    # when the runner built its views, and its shapes and window by the probe at patch time.
-    if layer.writes_kv:
-        store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), layer.key_cache, layer.value_cache, metadata)
+    key_rows, value_rows = key[0].transpose(0, 1), value[0].transpose(0, 1)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
+    # when the runner built its views, and its shapes and window by the probe at patch time. The step's
+    # own keys are read in flight (a sharing layer receives its source's rows), earlier ones from the
+    # pages; the rows are stored afterwards, because a windowed group may store them into a block that
+    # held keys this attention reads (docs/design.md, "Window-only sliding groups").
     out = attend(
         query_rows,
         layer.key_cache,
@@ -143,7 +168,16 @@ def hybridkv_attention(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         attention_chunk_size=layer.attention_chunk_size,
+        key=key_rows,
+        value=value_rows,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
     )
+    if layer.defers_store:
+        step.deferred[module.layer_idx] = (key_rows, value_rows)
+    elif layer.writes_kv:
+        step.store(module.layer_idx, key_rows, value_rows)
+    step.store_deferred(layer.stores_after)
     return out.unsqueeze(0), None
 
 

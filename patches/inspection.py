@@ -16,7 +16,7 @@ one error naming each layer and what would be needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,8 @@ class ModelLayout:
     # and why: see `patches/position_limit.py`.
     max_exact_tokens: int | None = None
     limit_reason: str = ""
+    # Per layer, the largest |K| and |V| of the probe forward: the calibration of fp8 pages' scales.
+    kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
@@ -102,7 +104,14 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             + "\nSee docs/adding_a_model.md for what each of these needs."
         )
     module_names = {spec.layer_idx: names[id(calls[spec.layer_idx][0].module)] for spec in specs}
-    return ModelLayout(specs, module_names, *position_limit(config))
+    kv_amax = {
+        spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs
+    }
+    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax)
+
+
+def _amax(tensor: torch.Tensor) -> float:
+    return float(tensor.detach().abs().amax().float())
 
 
 def _kv_source(call: AttentionCall, earlier: list[AttentionCall]) -> int | None:

@@ -32,10 +32,12 @@ def make_coordinator(
 
 
 def run_prefill(coordinator: KVCacheCoordinator, request: KVRequest) -> bool:
-    """Look up the cache, allocate the whole rest of the prompt and mark it computed, as one step."""
+    """Look up the cache, allocate the whole rest of the prompt (and, as the scheduler does once a step's
+    allocations are made, the free blocks for windows' middles) and mark it computed, as one step."""
     hit = coordinator.find_longest_cache_hit(request)
     if not coordinator.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
         return False
+    coordinator.use_slack_for_caching()
     request.num_computed_tokens = request.num_tokens
     coordinator.update_computed(request)
     return True

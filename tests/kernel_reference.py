@@ -2,7 +2,11 @@
 
 The batch is built the way the allocator lays it out: real blocks get distinct random ids, blocks
 wholly before the step's sliding window are the null block (id 0), and every slot that holds no
-real token (the null block included) is filled with ``garbage`` so that any read of it shows.
+real token (the null block included) is filled with ``garbage`` so that any read of it shows. With
+``in_flight`` the step's own rows are not stored at all (its blocks wholly past the context are the
+null block, the engine's layout for a window's middle of a chunk): they come as ``step_keys`` and
+``step_values``, for attention to read in flight. A ``cache_dtype`` other than ``dtype`` (16-bit, or
+fp8 with ``k_scale``/``v_scale``) stores every key as the engine's cache would (``quant.as_cached``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.kernels import PagedAttentionMetadata, kv_page_views
+from hybridkv.kernels.quant import as_cached
 
 
 @dataclass
@@ -24,6 +29,8 @@ class PagedBatch:
     metadata: PagedAttentionMetadata
     dense_keys: list[torch.Tensor]
     dense_values: list[torch.Tensor]
+    step_keys: torch.Tensor
+    step_values: torch.Tensor
 
 
 def make_paged_batch(
@@ -41,6 +48,10 @@ def make_paged_batch(
     value_head_dim: int | None = None,
     in_pages: bool = False,
     attention_chunk_size: int | None = None,
+    in_flight: bool = False,
+    cache_dtype: torch.dtype | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> PagedBatch:
     """Random query rows and K/V for the given sequences, stored in a paged cache. With `in_pages`
     the caches are a layer's views into shared pages (as the engine allocates them): K and V sit
@@ -53,13 +64,14 @@ def make_paged_batch(
     shuffler.shuffle(free_ids)
 
     value_head_dim = value_head_dim or head_dim
+    cache_dtype = cache_dtype or dtype
     if in_pages:
-        slot_bytes = block_size * num_kv_heads * (head_dim + value_head_dim) * dtype.itemsize
-        pages = torch.full((num_blocks, 3 * slot_bytes // dtype.itemsize), garbage, dtype=dtype)
+        slot_bytes = block_size * num_kv_heads * (head_dim + value_head_dim) * cache_dtype.itemsize
+        pages = torch.full((num_blocks, 3 * slot_bytes // cache_dtype.itemsize), garbage).to(cache_dtype)
         key_cache, value_cache = kv_page_views(pages, slot_bytes, block_size, num_kv_heads, head_dim, value_head_dim)
     else:
-        key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), garbage, dtype=dtype)
-        value_cache = torch.full((num_blocks, block_size, num_kv_heads, value_head_dim), garbage, dtype=dtype)
+        key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), garbage).to(cache_dtype)
+        value_cache = torch.full((num_blocks, block_size, num_kv_heads, value_head_dim), garbage).to(cache_dtype)
     block_table: list[list[int]] = []
     dense_keys: list[torch.Tensor] = []
     dense_values: list[torch.Tensor] = []
@@ -71,23 +83,26 @@ def make_paged_batch(
             first_needed = max(0, seq_len - query_len - sliding_window + 1)
         if attention_chunk_size is not None:
             first_needed = (seq_len - query_len) // attention_chunk_size * attention_chunk_size
+        stored_len = seq_len - query_len if in_flight else seq_len
         row = []
         for block in range(num_seq_blocks):
-            if (block + 1) * block_size <= first_needed:
+            if (block + 1) * block_size <= first_needed or block * block_size >= stored_len:
                 row.append(0)
                 continue
             block_id = free_ids.pop()
             row.append(block_id)
-            for offset in range(min(block_size, seq_len - block * block_size)):
+            for offset in range(min(block_size, stored_len - block * block_size)):
                 position = block * block_size + offset
-                key_cache[block_id, offset] = keys[position]
-                value_cache[block_id, offset] = values[position]
+                key_cache[block_id, offset] = as_cached(keys[position], cache_dtype, k_scale)
+                value_cache[block_id, offset] = as_cached(values[position], cache_dtype, v_scale)
         block_table.append(row)
         dense_keys.append(keys)
         dense_values.append(values)
     query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(dtype)
     metadata = PagedAttentionMetadata.build(query_lens, seq_lens, block_table, block_size)
-    return PagedBatch(query, key_cache, value_cache, metadata, dense_keys, dense_values)
+    step_keys = torch.cat([keys[len(keys) - n :] for keys, n in zip(dense_keys, query_lens, strict=True)])
+    step_values = torch.cat([values[len(values) - n :] for values, n in zip(dense_values, query_lens, strict=True)])
+    return PagedBatch(query, key_cache, value_cache, metadata, dense_keys, dense_values, step_keys, step_values)
 
 
 def reference_attention(

@@ -59,39 +59,80 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.record_hashes(request)
 
     @precondition(lambda self: self.requests)
-    @rule(index=st.integers(0, 100), chunk=st.integers(1, 12), sampled=st.integers(0, 5))
-    def step(self, index, chunk, sampled):
-        request = self.pick(index)
+    @rule(
+        picks=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 12)), min_size=1, max_size=3),
+        sampled=st.integers(0, 5),
+        abandon_last=st.booleans(),
+    )
+    def step(self, picks, sampled, abandon_last):
+        """One engine step: allocate for up to three requests (later ones may take spare blocks back from
+        earlier ones), give the pool's slack to windows' middles, then, as each layer does, read every
+        request's earlier keys from its blocks before any row is stored. A request may be abandoned after
+        its allocation (swapped out by a later preemption of the step): its blocks go back to what it had."""
         coordinator = self.coordinator
-        if request.request_id not in self.holding:
-            hit = coordinator.find_longest_cache_hit(request)
-            num_new = min(chunk, request.num_tokens - hit.num_tokens)
-            if not coordinator.allocate_slots(request, num_new, hit):
-                assert coordinator.block_ids(request.request_id) == [[] for _ in coordinator.managers]
-                return
-            self.holding.add(request.request_id)
-            request.num_computed_tokens = hit.num_tokens
-        else:
-            num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
-            if not coordinator.allocate_slots(request, num_new):
-                return
-        for source, destination in coordinator.take_copies():
+        scheduled: list[tuple[KVRequest, int]] = []
+        for index, chunk in picks:
+            request = self.pick(index)
+            if any(request is other for other, _ in scheduled):
+                continue
+            if request.request_id not in self.holding:
+                hit = coordinator.find_longest_cache_hit(request)
+                num_new = min(chunk, request.num_tokens - hit.num_tokens)
+                if not coordinator.allocate_slots(request, num_new, hit):
+                    assert coordinator.block_ids(request.request_id) == [[] for _ in coordinator.managers]
+                    continue
+                self.holding.add(request.request_id)
+                request.num_computed_tokens = hit.num_tokens
+            else:
+                num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+                if not coordinator.allocate_slots(request, num_new):
+                    continue
+            scheduled.append((request, num_new))
+        if abandon_last and scheduled:
+            request, _ = scheduled.pop()
+            coordinator.truncate(request.request_id, request.num_computed_tokens)
+            coordinator.check_integrity(self.requests)
+        coordinator.use_slack_for_caching()
+        coordinator.check_integrity(self.requests)
+        for source, destination in coordinator.take_copies():  # copy-on-write, before any row is stored
             self.written[destination] = dict(self.written[source])
-        coordinator.check_writable(request.request_id, request.num_computed_tokens, num_new)
-        self.write_kv(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:
-            request.append_token_ids([sampled])
-            self.record_hashes(request)
-        coordinator.update_computed(request)
+        for request, num_new in scheduled:
+            coordinator.check_writable(request.request_id, request.num_computed_tokens, num_new)
+        for request, _ in scheduled:
+            self.check_reads(request)
+        for request, num_new in scheduled:
+            self.write_kv(request, request.num_computed_tokens, request.num_computed_tokens + num_new)
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_token_ids([sampled])
+                self.record_hashes(request)
+            coordinator.update_computed(request)
+
+    def check_reads(self, request: KVRequest) -> None:
+        """Every key the step's queries read from pages (before its first token) is the request's own."""
+        start = request.num_computed_tokens
+        for manager, block_ids in zip(
+            self.coordinator.managers, self.coordinator.block_ids(request.request_id), strict=True
+        ):
+            bs = manager.block_size
+            for t in range(manager.first_needed_block(start) * bs, start):
+                block_id = block_ids[t // bs]
+                block_id = abs(block_id)  # read here, stored into elsewhere
+                expected = (manager.group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
+                assert block_id and self.written[block_id][t % bs] == expected, (
+                    f"{request.request_id} reads another request's KV at {t} in group {manager.group_id}"
+                )
 
     def write_kv(self, request: KVRequest, start: int, end: int) -> None:
+        """Store the step's rows where the table says (a null or -id position is read in flight only)."""
         coordinator = self.coordinator
         for manager, block_ids in zip(coordinator.managers, coordinator.block_ids(request.request_id), strict=True):
             bs = manager.block_size
             for t in range(start, end):
                 block_id = block_ids[t // bs]
-                assert block_id != 0, "a token of the chunk has no real block"
+                if block_id <= 0:
+                    continue
                 contents = (manager.group_id, request.cache_salt, tuple(request.token_ids[: t + 1]))
                 self.written.setdefault(block_id, {})[t % bs] = contents
 

@@ -112,20 +112,44 @@ def test_evicting_one_sliding_block_shortens_the_common_hit_exactly():
     assert ["".join("n" if blk.is_null else "b" for blk in group) for group in hit.blocks] == ["bbb", "nbb", "nbb"]
 
 
-def test_sliding_group_is_charged_for_window_and_chunk_only():
+def test_sliding_group_is_charged_for_its_window_only_whatever_the_chunk():
+    coordinator = make_coordinator([9], num_blocks=40, enable_caching=False)
+    long_prompt = request("a", list(range(160)))
+    assert coordinator.allocate_slots(long_prompt, 32)
+    # A query at 32 sees keys from 24: only positions 6 and 7 are stored; 0..5 are read in flight.
+    assert coordinator.block_ids("a") == [[0, 0, 0, 0, 0, 0, 1, 2]]
+    long_prompt.num_computed_tokens = 32
+    coordinator.update_computed(long_prompt)
+    assert coordinator.pool.num_used_blocks == 2
+    # The chunk 32..63 needs positions 14, 15 after it; 6 and 7 are read by its first queries, then move
+    # there (-id where they are read): no new block.
+    assert coordinator.allocate_slots(long_prompt, 32)
+    assert coordinator.block_ids("a") == [[0] * 6 + [-1, -2] + [0] * 6 + [1, 2]]
+    assert coordinator.pool.num_used_blocks == 2
+    coordinator.check_integrity({"a": long_prompt})
+    long_prompt.num_computed_tokens = 64
+    coordinator.update_computed(long_prompt)
+    assert coordinator.block_ids("a") == [[0] * 14 + [1, 2]]
+    coordinator.check_integrity({"a": long_prompt})
+
+
+def test_with_blocks_to_spare_the_old_window_stays_cached_and_the_middle_is_stored():
     coordinator = make_coordinator([9], num_blocks=40)
     long_prompt = request("a", list(range(160)))
     assert coordinator.allocate_slots(long_prompt, 32)
+    coordinator.use_slack_for_caching()  # positions 0..5 take free blocks, to be hashed
     long_prompt.num_computed_tokens = 32
     coordinator.update_computed(long_prompt)
-    # A query at 32 sees keys from 24: positions 6 and 7 stay, 0..5 went back to the pool.
-    assert coordinator.pool.num_used_blocks == 2
-    assert coordinator.allocate_slots(long_prompt, 8)  # the chunk 32..39: positions 8, 9
+    assert len(coordinator.pool.cached[0]) == 8 and coordinator.pool.num_used_blocks == 2
+    assert coordinator.allocate_slots(long_prompt, 32)  # the tail takes fresh blocks: 6, 7 stay cached
     assert coordinator.pool.num_used_blocks == 4
-    long_prompt.num_computed_tokens = 40
-    coordinator.update_computed(long_prompt)
-    assert coordinator.pool.num_used_blocks == 2
+    assert coordinator.use_slack_for_caching() == 6  # positions 8..13
     coordinator.check_integrity({"a": long_prompt})
+    long_prompt.num_computed_tokens = 64
+    coordinator.update_computed(long_prompt)
+    assert len(coordinator.pool.cached[0]) == 16 and coordinator.pool.num_used_blocks == 2
+    # A prompt sharing the first 48 tokens hits there: its window's blocks (positions 10, 11) are cached.
+    assert coordinator.find_longest_cache_hit(request("b", list(range(48)) + [500])).num_tokens == 48
 
 
 def test_stats_count_queries_hits_and_blocks_per_group():
@@ -164,15 +188,17 @@ def test_free_returns_every_block_of_every_group():
 def test_free_hit_block_of_a_sliding_group_is_not_evicted_by_the_full_groups_allocation():
     coordinator = make_coordinator([None, 5], num_blocks=7)  # blocks 1..6
     a = request("a", list(range(12)))
-    assert run_prefill(coordinator, a)  # full [1, 2, 3], sliding [4, 5, 6] then positions 0, 1 freed
+    # Full [1, 2, 3]; sliding: the tail (position 2) takes 4, the middle (0, 1) takes 5 and 6 for caching,
+    # which go back to the pool after the step, hashed, the deeper one first.
+    assert run_prefill(coordinator, a)
     coordinator.free("a")
-    assert free_order(coordinator) == [5, 4, 3, 2, 1, 6]  # the sliding group's hit block 5 leads
+    assert free_order(coordinator) == [6, 5, 3, 2, 1, 4]  # the sliding group's hit block 6 leads
     b = request("b", list(range(8)) + [40])
     hit = coordinator.find_longest_cache_hit(b)
-    assert [[blk.block_id for blk in group] for group in hit.blocks] == [[1, 2], [0, 5]]
+    assert [[blk.block_id for blk in group] for group in hit.blocks] == [[1, 2], [0, 6]]
     assert coordinator.allocate_slots(b, 1, hit)
-    assert coordinator.block_ids("b") == [[1, 2, 4], [0, 5, 3]]
-    assert coordinator.pool.blocks[5].block_hash == a.block_hashes[1]
+    assert coordinator.block_ids("b") == [[1, 2, 5], [0, 6, 3]]
+    assert coordinator.pool.blocks[6].block_hash == a.block_hashes[1]
     b.num_computed_tokens = hit.num_tokens
     coordinator.check_integrity({"b": b})
 

@@ -18,9 +18,20 @@ import pytest
 
 from hybridkv.kernels.triton_attention import launch_config
 
-# (kernel, pointer dtype, constexprs, compute capability); the launch shapes come from launch_config,
-# so this compiles exactly what a GPU launch would.
-Variant = tuple[str, str, dict, int]
+# (kernel, pointer dtype, cache pointer dtype, constexprs, compute capability); the launch shapes come
+# from launch_config, so this compiles exactly what a GPU launch would.
+Variant = tuple[str, str, str, dict, int]
+_CACHE_POINTERS = {"key_cache_ptr", "value_cache_ptr"}
+_FORMATS = {
+    "fp8e4nv": {"FP8_MAX": 448.0, "FP8_MANTISSA_BITS": 3, "FP8_MIN_EXPONENT": -6, "ROUND_TO_BF16": False},
+    "fp8e5": {"FP8_MAX": 57344.0, "FP8_MANTISSA_BITS": 2, "FP8_MIN_EXPONENT": -14, "ROUND_TO_BF16": False},
+}
+_PLAIN = {"FP8_MAX": 0.0, "FP8_MANTISSA_BITS": 0, "FP8_MIN_EXPONENT": 0, "ROUND_TO_BF16": False}
+
+
+def _format(dtype: str, cache_dtype: str) -> dict:
+    return _FORMATS.get(cache_dtype, {**_PLAIN, "ROUND_TO_BF16": cache_dtype == "bf16" and dtype == "fp32"})
+
 
 _INT32_POINTERS = {
     "block_table_ptr",
@@ -41,8 +52,11 @@ def _attention_variant(
     capability: int = 90,
     value_head_dim: int | None = None,
     chunk: bool = False,
+    cache_dtype: str | None = None,
+    in_flight: bool = True,
 ) -> Variant:
     block_m, block_q, tile_n = launch_config(queries_per_kv, interpreted=False)
+    cache_dtype = cache_dtype or dtype
     value_head_dim = value_head_dim or head_dim
     constexprs = {
         "QUERIES_PER_KV": queries_per_kv,
@@ -58,13 +72,23 @@ def _attention_variant(
         "USE_CHUNK": chunk,
         "USE_SOFTCAP": softcap,
         "USE_SINKS": sinks,
-        "UPCAST": False,
+        "IN_FLIGHT": in_flight,
+        **_format(dtype, cache_dtype),
+        "UPCAST": cache_dtype != dtype and not cache_dtype.startswith("fp8"),
     }
-    return ("attention", dtype, constexprs, capability)
+    return ("attention", dtype, cache_dtype, constexprs, capability)
 
 
-def _write_variant(dtype: str, head_dim: int, num_kv_heads: int = 4, value_head_dim: int | None = None) -> Variant:
+def _write_variant(
+    dtype: str,
+    head_dim: int,
+    num_kv_heads: int = 4,
+    value_head_dim: int | None = None,
+    cache_dtype: str | None = None,
+    capability: int = 90,
+) -> Variant:
     value_head_dim = value_head_dim or head_dim
+    cache_dtype = cache_dtype or dtype
     constexprs = {
         "NUM_KV_HEADS": num_kv_heads,
         "NUM_KV_HEADS_PADDED": 1 << (num_kv_heads - 1).bit_length(),
@@ -73,8 +97,9 @@ def _write_variant(dtype: str, head_dim: int, num_kv_heads: int = 4, value_head_
         "HEAD_DIM_V": value_head_dim,
         "HEAD_DIM_V_PADDED": 1 << (value_head_dim - 1).bit_length(),
         "BLOCK_SIZE": 16,
+        **_format(dtype, cache_dtype),
     }
-    return ("write", dtype, constexprs, 90)
+    return ("write", dtype, cache_dtype, constexprs, capability)
 
 
 def _variants() -> list[Variant]:
@@ -93,23 +118,37 @@ def _variants() -> list[Variant]:
         _attention_variant("bf16", 192, True, False, False, value_head_dim=128),  # K and V head dims differ
         _attention_variant("bf16", 512, False, False, False, queries_per_kv=8),  # Gemma 4's full layers
         _attention_variant("bf16", 128, False, False, False, queries_per_kv=5, chunk=True),  # Llama 4
+        _attention_variant("bf16", 128, True, True, True, in_flight=False),  # every key read from the cache
+        # Caches of another dtype than the model: fp8 (e4m3 from sm_89, e5m2 on sm_80 too) and 16/32-bit.
+        _attention_variant("bf16", 128, True, False, False, cache_dtype="fp8e4nv"),
+        _attention_variant("fp16", 256, False, True, True, cache_dtype="fp8e4nv"),
+        _attention_variant("bf16", 128, True, False, False, cache_dtype="fp8e5", capability=80),
+        _attention_variant("fp32", 64, True, False, False, cache_dtype="bf16"),
+        _attention_variant("bf16", 64, False, False, False, cache_dtype="fp32"),
     ]
     variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
     variants.append(_write_variant("bf16", 192, value_head_dim=128))
+    variants += [
+        _write_variant("bf16", 128, cache_dtype="fp8e4nv"),
+        _write_variant("fp32", 64, cache_dtype="fp8e5", capability=80),
+        _write_variant("fp32", 64, cache_dtype="bf16"),
+    ]
     return variants
 
 
-def _signature(kernel, dtype: str) -> dict[str, str]:
+def _signature(kernel, dtype: str, cache_dtype: str) -> dict[str, str]:
     signature = {}
     for name in kernel.arg_names:
         if name in _INT32_POINTERS:
             signature[name] = "*i32"
         elif name == "slot_mapping_ptr":
             signature[name] = "*i64"
+        elif name in _CACHE_POINTERS:
+            signature[name] = f"*{cache_dtype}"
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
-        elif name in ("scale", "softcap"):
+        elif name in ("scale", "softcap", "k_scale", "v_scale"):
             signature[name] = "fp32"
         elif name.isupper():
             signature[name] = "constexpr"
@@ -129,16 +168,23 @@ def _compile_all(variants: list[Variant]) -> list[str]:
 
     kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel}
     failures = []
-    for name, dtype, constexprs, capability in variants:
+    for name, dtype, cache_dtype, constexprs, capability in variants:
         kernel = kernels[name]
-        source = ASTSource(fn=kernel, signature=_signature(kernel, dtype), constexprs=constexprs)
+        source = ASTSource(fn=kernel, signature=_signature(kernel, dtype, cache_dtype), constexprs=constexprs)
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
             if not compiled.asm.get("cubin"):
-                failures.append(f"{name} {dtype} sm_{capability} {constexprs}: no cubin")
+                failures.append(f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: no cubin")
         except Exception as error:
-            failures.append(f"{name} {dtype} sm_{capability} {constexprs}: {type(error).__name__}: {error}")
+            failures.append(
+                f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: {type(error).__name__}: {error}"
+            )
     return failures
+
+
+def _refused_variants() -> list[Variant]:
+    """Variants Triton must refuse: the reason `check_fp8_device` sends e4m3 users of older GPUs to e5m2."""
+    return [_attention_variant("bf16", 128, True, False, False, cache_dtype="fp8e4nv", capability=80)]
 
 
 @pytest.mark.slow
@@ -148,15 +194,20 @@ def test_every_kernel_variant_compiles_for_cuda(tmp_path):
     # A fresh cache: a hit from an earlier run would skip the compile this test exists to run.
     environment["TRITON_CACHE_DIR"] = str(tmp_path)
     result = subprocess.run(
-        [sys.executable, __file__, json.dumps(_variants())],
+        [sys.executable, __file__, json.dumps(_variants()), json.dumps(_refused_variants())],
         env=environment,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    failures, refusals = json.loads(result.stdout.strip().splitlines()[-1])
+    assert failures == []
+    assert len(refusals) == len(_refused_variants())
+    assert all("fp8e4nv not supported in this architecture" in refusal for refusal in refusals), refusals
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_all([tuple(variant) for variant in json.loads(sys.argv[1])])))
+    compiled = _compile_all([tuple(variant) for variant in json.loads(sys.argv[1])])
+    refused = _compile_all([tuple(variant) for variant in json.loads(sys.argv[2])])
+    print(json.dumps([compiled, refused]))

@@ -1,7 +1,8 @@
 import pytest
 
 from hybridkv.block_pool import BlockPool
-from hybridkv.managers import ChunkedLocalManager, FullAttentionManager, SlidingWindowManager
+from hybridkv.managers import FullAttentionManager
+from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 
 BLOCK_SIZE = 4
 
@@ -66,13 +67,13 @@ def test_chunked_hit_needs_only_the_blocks_of_its_last_chunk(pattern, max_blocks
     assert hit_layout(manager.find_longest_cache_hit(hashes, max_blocks)) == expected
 
 
-def test_chunked_manager_returns_the_blocks_of_chunks_behind_the_query():
+def test_chunked_manager_holds_only_the_blocks_of_the_querys_chunk():
     pool = BlockPool(num_blocks=16, num_groups=1)
     manager = ChunkedLocalManager(0, pool, BLOCK_SIZE, attention_chunk_size=12)  # chunk ends inside block 2
-    manager.allocate_new_blocks("r", 0, 26)
-    manager.remove_skipped_blocks("r", 25)  # the query at 25 sees [24, 25]: blocks 0-5 are behind it
+    manager.allocate_new_blocks("r", 0, 26)  # the query at 26 sees [24, 26]: blocks 0-5 are read in flight
     assert hit_layout(manager.blocks_of("r")) == "nnnnnnb"
-    manager.allocate_new_blocks("r", 25, 30)
+    manager.remove_skipped_blocks("r", 26)
+    manager.allocate_new_blocks("r", 26, 30)
     assert hit_layout(manager.blocks_of("r")) == "nnnnnnbb"
     assert pool.num_free_blocks == 15 - 2
 
@@ -92,7 +93,7 @@ def test_full_attention_hit_is_the_cached_run_from_block_zero(pattern, expected)
 def test_out_of_window_blocks_return_to_the_pool(num_computed, nulled_positions):
     pool = BlockPool(num_blocks=10, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.allocate_new_blocks("r", 0, 32)  # blocks 1..8 at positions 0..7
+    manager.restore("r", [True] * 8)  # blocks 1..8 at positions 0..7 (a swapped-in request)
     manager.remove_skipped_blocks("r", num_computed)
     blocks = manager.blocks_of("r")
     assert [i for i, b in enumerate(blocks) if b.is_null] == nulled_positions
@@ -102,25 +103,25 @@ def test_out_of_window_blocks_return_to_the_pool(num_computed, nulled_positions)
     pool.check_integrity()
 
 
-def test_removal_stops_at_blocks_already_removed():
+def test_removal_resumes_where_the_last_one_ended():
     pool = BlockPool(num_blocks=10, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.allocate_new_blocks("r", 0, 32)
+    manager.restore("r", [True] * 8)
     manager.remove_skipped_blocks("r", 16)
     manager.remove_skipped_blocks("r", 20)
     assert hit_layout(manager.blocks_of("r")) == "nnnbbbbb"
     assert pool.num_free_blocks == 4
 
 
-def test_sliding_allocation_skips_blocks_outside_the_window_of_the_chunk():
+def test_sliding_allocation_stores_only_what_the_next_query_reads():
     pool = BlockPool(num_blocks=16, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    # Tokens 0..31 are known computed elsewhere (e.g. a hit), the chunk is 32..39: the chunk's
-    # first query at 32 sees keys from 24 on, so positions 0..5 are null and 6..9 are real.
-    assert manager.num_blocks_to_allocate("r", 32, 40, []) == 4
+    # Tokens 0..31 are known computed elsewhere (e.g. a hit), the chunk is 32..39: its queries read their
+    # own keys in flight, and after it the query at 40 sees keys from 32 on: positions 8 and 9.
+    assert manager.num_blocks_to_allocate("r", 32, 40, []) == 2
     new = manager.allocate_new_blocks("r", 32, 40)
-    assert len(new) == 4
-    assert hit_layout(manager.blocks_of("r")) == "nnnnnnbbbb"
+    assert len(new) == 2
+    assert hit_layout(manager.blocks_of("r")) == "nnnnnnnnbb"
 
 
 def test_full_allocation_counts_every_block():

@@ -185,11 +185,23 @@ def test_attention_backend_must_be_none_torch_or_triton():
         EngineConfig(attention_backend="cuda")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", torch.int8])
-def test_kv_cache_dtype_must_be_a_torch_floating_dtype(dtype):
-    with pytest.raises(
-        TypeError, match=r"^kv_cache_dtype must be None \(the model's dtype\) or a torch floating dtype"
-    ):
+def test_kv_cache_dtype_must_be_a_dtype_its_name_or_a_dict_of_them():
+    with pytest.raises(TypeError, match=r"^kv_cache_dtype must be None \(the model's dtype\), a torch dtype"):
+        EngineConfig(kv_cache_dtype=8)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "error"),
+    [
+        (torch.int8, r"^kv_cache_dtype=torch.int8 is not a KV page dtype; use torch.float32, .*float8_e5m2$"),
+        (torch.float64, r"^kv_cache_dtype=torch.float64 is not a KV page dtype"),
+        ("fp4", r"^kv_cache_dtype='fp4' is not a dtype; use torch.float32, .* \(or 'fp8', 'fp8_e5m2'\)$"),
+        ({"global": torch.bfloat16}, r"^kv_cache_dtype names layer kinds 'full', 'sliding', 'chunked', got 'global'$"),
+        ({"sliding": "int8"}, r"^kv_cache_dtype\['sliding'\]=torch.int8 is not a KV page dtype"),
+    ],
+)
+def test_kv_cache_dtype_must_be_one_pages_can_hold(dtype, error):
+    with pytest.raises(ValueError, match=error):
         EngineConfig(kv_cache_dtype=dtype)
 
 

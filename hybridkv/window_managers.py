@@ -1,0 +1,268 @@
+"""Windowed managers (sliding window, chunked local attention): a request holds only what later queries read.
+
+A step computes tokens [c0, c1) of a request. Each layer reads the keys before c0 from its pages and the
+step's own keys in flight (kernels: `attend(..., key=, value=)`), then stores the rows. So a windowed
+group must hold, per request, the blocks of the keys its first query sees before c0 (the old window,
+read this step) and, after the step, the blocks of the keys the next query, at c1, sees (the tail);
+the step's other tokens are read in flight only, and their positions keep the null block::
+
+    block positions:  null ... | old window: read | middle of the chunk  | tail: stored   |
+                               f0                 L0   (in flight only)   f1               e1
+    f0 = first_needed_block(c0), L0 = blocks held before the step, f1 = first_needed_block(c1),
+    e1 = ceil(c1 / block_size); the old window and the tail may overlap (a short chunk, a decode).
+
+A new tail position takes a block of the old window that the tail no longer needs and that only this
+request holds: the block moves (the table shows -b at its old position, read there, and b at the new
+one, stored into after each layer attended; its cached hash goes, since its keys will be overwritten).
+So a request holds at most `num_window_blocks + 1` blocks of a windowed group, whatever the chunk size.
+
+Moving costs the cache what the moved block held. With free blocks to spare the tail takes fresh blocks
+instead (`spare`), and the old window goes back to the pool hashed after the step; once scheduling is
+done, the middle's positions that no block caches yet take free blocks too (`fill_middle`), so they are
+stored and hashed, and go back to the pool at once. Neither costs concurrency: an allocation that lacks
+blocks first takes the spare fresh blocks of other requests' pending steps back (`reclaim`: their tails
+move after all), and the middle is filled only after every allocation of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.block_pool import BlockPool, KVBlock
+from hybridkv.managers import SingleTypeManager, num_window_blocks
+from hybridkv.utils import NULL_BLOCK_ID, cdiv
+
+
+@dataclass(slots=True)
+class WindowStep:
+    """A request's allocated, not yet computed step: its end, its first new position, the request's
+    block hashes (the live list), the fresh tail blocks given where an old-window block could have moved
+    (`spare`: (old position, tail position) pairs) and the middle positions given blocks for caching."""
+
+    end: int
+    first_new: int
+    block_hashes: Sequence[bytes]
+    spare: list[tuple[int, int]] = field(default_factory=list)
+    middle: list[int] = field(default_factory=list)
+
+
+class WindowedManager(SingleTypeManager):
+    """A group whose queries see only the keys from `first_needed_block` on (see the module docstring)."""
+
+    hits_are_prefix_closed = False
+
+    def __init__(self, group_id: int, pool: BlockPool, block_size: int, reach: int, hash_stride: int = 1) -> None:
+        super().__init__(group_id, pool, block_size, hash_stride)
+        # Real blocks a request needs at most, besides its query's own block: the reach - 1 keys before
+        # a query, wherever in a block they start.
+        self.num_window_blocks = num_window_blocks(reach, block_size)
+        self.steps: dict[str, WindowStep] = {}
+        # Per request, the first position that may hold a real block (every earlier one is null); a list
+        # that arrives some other way (a copy of another request's) is scanned once (`_window_start`).
+        self.window_start: dict[str, int] = {}
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """The most blocks a request holds between steps, and during one but for moves the pool paid
+        nothing for (`spare`, `middle`) and old-window blocks other requests hold too."""
+        return self.num_window_blocks + 1
+
+    def blocks_needed(
+        self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
+    ) -> tuple[int, int]:
+        """(fewest, most) free blocks the pool hands out to take `hit_blocks` and compute up to
+        `num_total_tokens`: fewest when every movable old-window block moves to the tail, most when the
+        tail takes only fresh blocks. A free hit block counts: taking it leaves the free queue."""
+        blocks = self.req_to_blocks.get(request_id) or hit_blocks
+        num_new_tail = len(self._new_tail(len(blocks), num_total_tokens))
+        # Positions before the first query's window hold null blocks (a hit's too): start there.
+        start = self.first_needed_block(num_computed_tokens)
+        num_movable = len(self._movable(blocks, start, num_total_tokens, holders=0 if hit_blocks else 1))
+        num_hit = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_hit + max(0, num_new_tail - num_movable), num_hit + num_new_tail
+
+    def num_blocks_to_allocate(
+        self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
+    ) -> int:
+        return self.blocks_needed(request_id, num_computed_tokens, num_total_tokens, hit_blocks)[0]
+
+    def take_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
+        super().take_hit_blocks(request_id, hit_blocks)
+        self.window_start[request_id] = _first_real(hit_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
+        return self.allocate_step(request_id, num_total_tokens, [], 0)
+
+    def allocate_step(
+        self, request_id: str, num_total_tokens: int, block_hashes: Sequence[bytes], num_spare: int
+    ) -> list[KVBlock]:
+        """Extend the request's list to `num_total_tokens`: the middle null, the tail from moved blocks
+        and fresh ones, `num_spare` more fresh ones than the fewest; returns the fresh blocks."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        block_ids = self.req_to_block_ids.setdefault(request_id, [])
+        self.num_cached_blocks.setdefault(request_id, 0)
+        start = self._window_start(request_id)
+        end = cdiv(num_total_tokens, self.block_size)
+        if end <= len(blocks):
+            return []
+        new_tail = self._new_tail(len(blocks), num_total_tokens)
+        first_new = len(blocks)
+        # Unhashed blocks move first: moving a hashed one loses what it caches.
+        movable = self._movable(blocks, start, num_total_tokens)
+        movable.sort(key=lambda i: blocks[i].block_hash is not None)
+        num_moves = max(0, min(len(movable), len(new_tail)) - num_spare)
+        fresh = self.pool.get_new_blocks(len(new_tail) - num_moves)
+        num_middle = (new_tail[0] if new_tail else end) - len(blocks)
+        blocks.extend([self.pool.null_block] * num_middle)
+        block_ids.extend([NULL_BLOCK_ID] * num_middle)
+        for old in movable[:num_moves]:
+            self._move(request_id, old, len(blocks))
+        blocks.extend(fresh)
+        block_ids.extend(b.block_id for b in fresh)
+        spare = list(zip(movable[num_moves:], new_tail[num_moves:], strict=False))
+        # Remembered while a middle, spare blocks or old-window blocks kept past the step's end exist (the
+        # integrity check reads it); most decodes have none.
+        dropping = range(start, min(self.first_needed_block(num_total_tokens), first_new))
+        if num_middle or spare or any(not blocks[i].is_null for i in dropping):
+            self.steps[request_id] = WindowStep(num_total_tokens, first_new, block_hashes, spare)
+        return fresh
+
+    def num_reclaimable(self, except_request: str | None = None, keep: Collection[int] = ()) -> int:
+        """Fresh tail blocks of pending steps that could go back to the pool (their tail moves instead),
+        but for blocks whose old-window partner is in `keep` (ids of blocks about to be taken as a hit)."""
+        return sum(
+            len(self._valid_spare(request_id, keep)) for request_id in self.steps if request_id != except_request
+        )
+
+    def reclaim(self, num_blocks: int, except_request: str | None = None, keep: Collection[int] = ()) -> int:
+        """Give up to `num_blocks` spare fresh tail blocks back to the pool (their old-window blocks move
+        into the tail after all; never one in `keep`); returns how many went back."""
+        released: list[KVBlock] = []
+        for request_id, step in self.steps.items():
+            if request_id == except_request:
+                continue
+            for old, new in self._valid_spare(request_id, keep):
+                if len(released) == num_blocks:
+                    break
+                released.append(self.req_to_blocks[request_id][new])
+                step.spare.remove((old, new))
+                self._move(request_id, old, new)
+        self.pool.free_blocks(released)
+        return len(released)
+
+    def fill_middle(self, max_blocks: int) -> int:
+        """Give the middles of pending steps free blocks, lowest positions first, up to `max_blocks`, where
+        the block's hash is known and no block caches it yet: they are stored this step and go back to
+        the pool hashed after it. Returns how many blocks were given."""
+        cached = self.pool.cached[self.group_id]
+        wanted: list[tuple[str, int]] = []
+        for request_id, step in self.steps.items():
+            blocks = self.req_to_blocks[request_id]
+            end = min(self.first_needed_block(step.end), self.num_hashed_blocks(step.block_hashes))
+            for position in range(step.first_new, end):
+                if len(wanted) == max_blocks:
+                    break
+                if blocks[position].is_null and self.block_hash(step.block_hashes, position) not in cached:
+                    wanted.append((request_id, position))
+        for (request_id, position), block in zip(wanted, self.pool.get_new_blocks(len(wanted)), strict=True):
+            self.req_to_blocks[request_id][position] = block
+            self.req_to_block_ids[request_id][position] = block.block_id
+            self.steps[request_id].middle.append(position)
+        return len(wanted)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """After a step: return the blocks no later query reads (the old window, the middle), deepest
+        first, still hashed if they were; the moved blocks' old positions become null."""
+        blocks = self.req_to_blocks.get(request_id)
+        self.steps.pop(request_id, None)
+        if not blocks:
+            return
+        block_ids = self.req_to_block_ids[request_id]
+        start = self._window_start(request_id)
+        end = min(self.first_needed_block(num_computed_tokens), len(blocks))
+        released = []
+        for i in range(end - 1, start - 1, -1):
+            if not blocks[i].is_null:
+                released.append(blocks[i])
+                blocks[i] = self.pool.null_block
+            block_ids[i] = NULL_BLOCK_ID
+        self.window_start[request_id] = max(start, end)
+        self.pool.free_blocks(released)
+
+    def restore(self, request_id: str, blocks: list[KVBlock]) -> None:
+        super().restore(request_id, blocks)
+        self.window_start[request_id] = _first_real(blocks)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Undo a pending step: moved blocks go back to their old positions, then the base's truncate."""
+        blocks, block_ids = self.req_to_blocks.get(request_id), self.req_to_block_ids.get(request_id)
+        if blocks:
+            for old, block_id in enumerate(block_ids):
+                if block_id < 0:
+                    new = block_ids.index(-block_id)
+                    blocks[old], blocks[new] = blocks[new], self.pool.null_block
+                    block_ids[old], block_ids[new] = -block_id, NULL_BLOCK_ID
+        self.steps.pop(request_id, None)
+        super().truncate(request_id, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.steps.pop(request_id, None)
+        self.window_start.pop(request_id, None)
+
+    def _move(self, request_id: str, old: int, new: int) -> None:
+        """Give the block at position `old` to position `new` (the list's end: appended): read at `old`
+        this step (-id in the table), stored into at `new`; its hash goes, its keys will be overwritten."""
+        blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
+        block = blocks[old]
+        self.pool.drop_hash(block)
+        blocks[old] = self.pool.null_block
+        block_ids[old] = -block.block_id
+        if new == len(blocks):
+            blocks.append(block)
+            block_ids.append(block.block_id)
+        else:
+            blocks[new] = block
+            block_ids[new] = block.block_id
+
+    def _window_start(self, request_id: str) -> int:
+        start = self.window_start.get(request_id)
+        if start is None:
+            start = self.window_start[request_id] = _first_real(self.req_to_blocks.get(request_id, ()))
+        return start
+
+    def _new_tail(self, num_held: int, num_total_tokens: int) -> list[int]:
+        """Positions past the held ones that the step's last tokens need after it (the tail)."""
+        first = max(num_held, self.first_needed_block(num_total_tokens))
+        return list(range(first, cdiv(num_total_tokens, self.block_size)))
+
+    def _movable(self, blocks: Sequence[KVBlock], start: int, num_total_tokens: int, holders: int = 1) -> list[int]:
+        """Positions from `start` of held blocks that no query after the step reads and that only this
+        request holds (`holders` references: 0 for a free hit block not yet taken)."""
+        end = min(self.first_needed_block(num_total_tokens), len(blocks))
+        return [i for i in range(start, end) if not blocks[i].is_null and blocks[i].ref_cnt == holders]
+
+    def _valid_spare(self, request_id: str, keep: Collection[int] = ()) -> list[tuple[int, int]]:
+        """The request's spare pairs whose old-window block is still held by it alone and not in `keep`."""
+        blocks = self.req_to_blocks[request_id]
+        return [
+            (old, new)
+            for old, new in self.steps[request_id].spare
+            if blocks[old].ref_cnt == 1 and blocks[old].block_id not in keep
+        ]
+
+    def bound_excess(self, request_id: str) -> int:
+        """Real blocks the request holds beyond `max_blocks_per_request` that the bound allows during a
+        step: spare fresh tails, middle blocks and old-window blocks other requests hold too."""
+        step = self.steps.get(request_id)
+        if step is None:
+            return 0
+        end = self.first_needed_block(step.end)
+        shared = sum(1 for b in self.req_to_blocks[request_id][:end] if not b.is_null and b.ref_cnt > 1)
+        return len(step.spare) + len(step.middle) + shared
+
+
+def _first_real(blocks: Sequence[KVBlock]) -> int:
+    """The first position of a real block (the list's length when there is none)."""
+    return next((i for i, block in enumerate(blocks) if not block.is_null), len(blocks))

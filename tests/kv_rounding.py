@@ -1,0 +1,56 @@
+"""transformers' own generate with every layer's K/V rounded as a hybridkv cache of another dtype holds
+them: the reference for 16-bit and fp8 pages (token-exact against it), where fp32 generate is not."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from hybridkv.kernels.quant import as_cached
+
+ROUNDED = "kv_rounded"
+
+
+@contextlib.contextmanager
+def kv_rounded_like(model: torch.nn.Module, llm) -> Iterator[None]:
+    """While active, the (unpatched) model's attention sees K and V as `llm`'s pages hold them: each layer's
+    rows rounded to its page dtype (fp8: divided by its scale, clamped, rounded, multiplied back); a
+    KV-sharing layer's rows as its source's pages hold them."""
+    sources = llm.kv_config.shared_layers
+    dtypes, scales = llm.layer_dtypes.dtypes, llm.layer_dtypes.scales
+    configs = {id(model.config): model.config}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs.setdefault(id(config), config)
+    originals = {key: config._attn_implementation or "eager" for key, config in configs.items()}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        layer_idx = sources.get(module.layer_idx, module.layer_idx)
+        k_scale, v_scale = scales[layer_idx]
+        key = as_cached(key, dtypes[layer_idx], k_scale).to(key.dtype) * k_scale
+        value = as_cached(value, dtypes[layer_idx], v_scale).to(value.dtype) * v_scale
+        original = originals.get(id(module.config), "sdpa")
+        if original == "eager":
+            function = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            function = ALL_ATTENTION_FUNCTIONS[original]
+        return function(module, query, key, value, attention_mask, **kwargs)
+
+    def mask(*args, config=None, **kwargs):
+        return ALL_MASK_ATTENTION_FUNCTIONS[originals.get(id(config), "sdpa")](*args, config=config, **kwargs)
+
+    AttentionInterface.register(ROUNDED, attention)
+    AttentionMaskInterface.register(ROUNDED, mask)
+    top = originals[id(model.config)]
+    model.set_attn_implementation(ROUNDED)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(top)
