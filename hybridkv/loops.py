@@ -138,7 +138,7 @@ def _params_for(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int, what: str
 ) -> list[SamplingParams]:
     """One SamplingParams per prompt: the same for all (None: the defaults), or one each."""
-    if isinstance(params, SamplingParams) or params is None:
+    if isinstance(params, (SamplingParams, BeamSearchParams)) or params is None:
         return [params or SamplingParams()] * count
     params = list(params)
     if len(params) != count:

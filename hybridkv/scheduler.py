@@ -188,7 +188,9 @@ class Scheduler:
                         "the request needs more KV blocks than the whole pool holds; raise num_blocks / "
                         "kv_cache_memory or lower max_tokens"
                     )
-                    out.failed.extend(self.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
+                    failed = self.finish_group(request.group, RequestStatus.FINISHED_ERROR, error)
+                    out.drop(failed)  # a beam search's beams scheduled earlier in this loop
+                    out.failed.extend(failed)
                     break
                 self._preempt(victim, out)
                 if request.status is not RequestStatus.RUNNING:

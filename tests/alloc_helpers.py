@@ -45,3 +45,10 @@ def run_prefill(coordinator: KVCacheCoordinator, request: KVRequest) -> bool:
 
 def free_order(coordinator: KVCacheCoordinator) -> list[int]:
     return [b.block_id for b in coordinator.pool.free_queue]
+
+
+def restore_layout(manager, request_id: str, real: list[bool]) -> None:
+    """Give a request that holds nothing a fresh block at each True position and the null block elsewhere
+    (as a swap-in does), in the order the pool hands blocks out."""
+    fresh = iter(manager.pool.get_new_blocks(sum(real)))
+    manager.restore(request_id, [next(fresh) if is_real else manager.pool.null_block for is_real in real])

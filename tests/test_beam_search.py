@@ -133,11 +133,16 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     expected = [hf_beam_search(model, p) for p in beam_prompts]
     greedy, _ = hf_greedy(model, greedy_prompt, MAX_NEW)
     settings = dict(block_size=8, max_model_len=96, max_num_batched_tokens=32, preemption_mode=mode)
+    # Room for the larger search alone and little more (found by trying pools from the smallest that holds
+    # one request up): the three requests together must wait and preempt.
+    params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)
+    num_blocks = hybridkv.min_num_blocks(model, **settings)
     if mode == "swap":
         settings["swap_space"] = 1 << 24
-    num_blocks = hybridkv.min_num_blocks(model, **{k: v for k, v in settings.items() if k != "swap_space"})
-    llm = patched(model, **settings, num_blocks=num_blocks + 4)
-    ids = [llm.add_request(p, BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)) for p in beam_prompts]
+    while not all(searches_alone(patched, model, settings, num_blocks, p, params) for p in beam_prompts):
+        num_blocks += 2
+    llm = patched(model, **settings, num_blocks=num_blocks + 2)
+    ids = [llm.add_request(p, params) for p in beam_prompts]
     ids.append(llm.add_request(greedy_prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
     done = {}
     while llm.has_unfinished_requests():
@@ -188,6 +193,14 @@ def test_ignore_eos_runs_every_beam_to_max_tokens(patched):
         model.generation_config.eos_token_id = None
     assert_same_beams(output, expected)
     assert {s.finish_reason for s in output.sequences} == {"length"}
+
+
+def searches_alone(patched, model, settings, num_blocks, prompt, params) -> bool:
+    """Whether a beam search alone finishes (no error) on a pool of num_blocks."""
+    llm = patched(model, **settings, num_blocks=num_blocks)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    hybridkv.unpatch(model)
+    return output.error is None
 
 
 def peak_blocks(llm, prompt, params) -> int:

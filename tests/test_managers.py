@@ -4,6 +4,8 @@ from hybridkv.block_pool import BlockPool
 from hybridkv.managers import FullAttentionManager
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 
+from alloc_helpers import restore_layout
+
 BLOCK_SIZE = 4
 
 
@@ -93,7 +95,7 @@ def test_full_attention_hit_is_the_cached_run_from_block_zero(pattern, expected)
 def test_out_of_window_blocks_return_to_the_pool(num_computed, nulled_positions):
     pool = BlockPool(num_blocks=10, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.restore("r", [True] * 8)  # blocks 1..8 at positions 0..7 (a swapped-in request)
+    restore_layout(manager, "r", [True] * 8)  # blocks 1..8 at positions 0..7 (a swapped-in request)
     manager.remove_skipped_blocks("r", num_computed)
     blocks = manager.blocks_of("r")
     assert [i for i, b in enumerate(blocks) if b.is_null] == nulled_positions
@@ -106,7 +108,7 @@ def test_out_of_window_blocks_return_to_the_pool(num_computed, nulled_positions)
 def test_removal_resumes_where_the_last_one_ended():
     pool = BlockPool(num_blocks=10, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.restore("r", [True] * 8)
+    restore_layout(manager, "r", [True] * 8)
     manager.remove_skipped_blocks("r", 16)
     manager.remove_skipped_blocks("r", 20)
     assert hit_layout(manager.blocks_of("r")) == "nnnbbbbb"

@@ -6,6 +6,8 @@ from __future__ import annotations
 from hybridkv.block_pool import BlockPool
 from hybridkv.window_kinds import SlidingWindowManager
 
+from alloc_helpers import restore_layout
+
 BLOCK_SIZE = 4
 HASHES = [f"h{i}".encode() for i in range(20)]
 
@@ -14,7 +16,7 @@ def manager_after_32_tokens(num_blocks: int = 16) -> tuple[BlockPool, SlidingWin
     """W = 9 (2 window blocks): a request that computed 32 tokens holds positions 6 and 7 (blocks 1, 2)."""
     pool = BlockPool(num_blocks=num_blocks, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.restore("r", [False] * 6 + [True] * 2)
+    restore_layout(manager, "r", [False] * 6 + [True] * 2)
     assert manager.block_table("r") == [0] * 6 + [1, 2]
     return pool, manager
 
@@ -34,7 +36,7 @@ def test_a_long_chunk_moves_the_old_window_into_its_tail_and_needs_no_block():
 def test_unhashed_blocks_move_first_and_a_moved_block_forgets_its_hash():
     pool = BlockPool(num_blocks=16, num_groups=1)
     manager = SlidingWindowManager(0, pool, BLOCK_SIZE, sliding_window=9)
-    manager.restore("r", [False] * 6 + [True] * 3)  # after 33 tokens: positions 6, 7, 8 (blocks 1, 2, 3)
+    restore_layout(manager, "r", [False] * 6 + [True] * 3)  # after 33 tokens: positions 6, 7, 8 (blocks 1, 2, 3)
     pool.cache_blocks(pool.blocks[1:3], HASHES[6:8], 0)
     pool.blocks[2].block_hash = None  # only block 1 still caches something
     del pool.cached[0][HASHES[7]]
