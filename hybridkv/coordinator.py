@@ -7,6 +7,7 @@ hold different numbers of tokens per block (hybridkv/grouping.py); token counts 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hybridkv.block_pool import BlockPool, KVBlock
@@ -285,13 +286,9 @@ class KVCacheCoordinator:
         for request_id, rows in tables.items():
             for manager, row in zip(self.managers, rows, strict=True):
                 manager.restore(request_id, [null if swap_id is None else fresh[swap_id] for swap_id in row])
-        for block in fresh.values():
-            block.ref_cnt = 0
-        for rows in tables.values():
-            for row in rows:
-                for swap_id in row:
-                    if swap_id is not None:
-                        fresh[swap_id].ref_cnt += 1
+        holders = Counter(swap_id for rows in tables.values() for row in rows for swap_id in row)
+        for swap_id, block in fresh.items():
+            block.ref_cnt = holders[swap_id]  # one reference per request that holds it
         if len(tables) > 1:
             self._may_share.update(tables)
         return [(swap_id, block.block_id) for swap_id, block in fresh.items()]

@@ -58,10 +58,8 @@ def test_in_flight_rows_with_sinks_gqa_and_narrower_values_match_reference(backe
     assert in_flight_error(batch, backend, scale=0.5, sliding_window=20, sinks=sinks) <= FP32_TOLERANCE
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_reading_in_flight_gives_what_reading_the_stored_rows_gives(backend):
-    batch = make_paged_batch([1, 30, 12], [50, 30, 80], sliding_window=24)
-    options = dict(scale=0.125, sliding_window=24, backend=backend)
+def stored_and_in_flight(batch, options):
+    """The batch's attention reading the step's rows from pages (stored first), then in flight."""
     stored = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **options)
     in_flight = paged_attention(
         batch.query,
@@ -72,6 +70,14 @@ def test_reading_in_flight_gives_what_reading_the_stored_rows_gives(backend):
         value=batch.step_values,
         **options,
     )
+    return stored, in_flight
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reading_in_flight_gives_what_reading_the_stored_rows_gives(backend):
+    batch = make_paged_batch([1, 30, 12], [50, 30, 80], sliding_window=24)
+    options = dict(scale=0.125, sliding_window=24, backend=backend)
+    stored, in_flight = stored_and_in_flight(batch, options)
     if backend == "torch":  # the same keys in the same workspace: the same bits
         assert torch.equal(in_flight, stored)
     else:  # another loop order over the same keys
@@ -86,16 +92,7 @@ def test_rows_in_flight_are_rounded_as_the_cache_would_hold_them(backend, cache_
     scales = {"k_scale": 0.03, "v_scale": 0.05} if cache_dtype.itemsize == 1 else {}
     batch = make_paged_batch([1, 30, 12], [50, 30, 80], sliding_window=24, cache_dtype=cache_dtype, **scales)
     options = dict(scale=0.125, sliding_window=24, backend=backend, **scales)
-    stored = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **options)
-    in_flight = paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata,
-        key=batch.step_keys,
-        value=batch.step_values,
-        **options,
-    )
+    stored, in_flight = stored_and_in_flight(batch, options)
     if backend == "torch":
         assert torch.equal(in_flight, stored)
     else:
