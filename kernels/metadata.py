@@ -28,8 +28,9 @@ from .cache import NULL_BLOCK_ID
 if TYPE_CHECKING:
     from .torch_plan import TorchAttentionPlan, TorchLayout
 
-# Visibility of a layer: (sliding window, attention chunk size), (None, None) for full attention.
-Visibility = tuple[int | None, int | None]
+# A torch plan's key: what a layer sees, (sliding window, attention chunk size), (None, None) for full
+# attention, and whether decode rows go to the CPU decode kernel.
+PlanKey = tuple[int | None, int | None, bool]
 
 
 @dataclass(slots=True)
@@ -60,10 +61,10 @@ class StepMetadata:
     seq_lens: torch.Tensor
     num_query_tokens: int
     backend: Backend
-    # Filled on first use. Keyed by tile height; by (block size, window, chunk size) (torch_plan.py);
+    # Filled on first use. Keyed by tile height; by (block size, window, chunk size, decode batching) (torch_plan.py);
     # by (block size, table width): each query row's flat block table index and offset in its block.
     triton_tiles_by_height: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
-    torch_layouts: dict[tuple[int, int | None, int | None], TorchLayout] = field(default_factory=dict, repr=False)
+    torch_layouts: dict[tuple[int, int | None, int | None, bool], TorchLayout] = field(default_factory=dict, repr=False)
     _slot_indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -188,8 +189,8 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     block_table_rows: list[list[int]]
-    # The torch path's gather plans, by visibility, filled by torch_plan.py on first use.
-    torch_plans: dict[Visibility, TorchAttentionPlan] = field(default_factory=dict, repr=False)
+    # The torch path's gather plans, by visibility and decode batching, filled by torch_plan.py on first use.
+    torch_plans: dict[PlanKey, TorchAttentionPlan] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(

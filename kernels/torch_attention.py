@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import cpu_decode
 from .metadata import PagedAttentionMetadata
 from .quant import as_cached, byte_view
-from .torch_plan import torch_plan
+from .torch_plan import DecodeRows, TorchAttentionPlan, torch_plan
 
 # Bounds the fp32 score matrix of one chunk of query rows (64 MiB), so long prefills stay in memory.
 _SCORE_BUDGET_ELEMENTS = 1 << 24
@@ -93,31 +94,135 @@ def torch_paged_attention(
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
-    plan = torch_plan(metadata, sliding_window, attention_chunk_size)
     num_tokens, num_q_heads, head_dim = query.shape
     value_head_dim = value_cache.shape[-1]
     num_query_tokens = metadata.num_query_tokens
+    batch_decodes = query.device.type == "cpu" and cpu_decode.accepts(
+        num_q_heads // key_cache.shape[2], head_dim, value_head_dim
+    )
+    plan = torch_plan(metadata, sliding_window, attention_chunk_size, batch_decodes)
+    out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
+    out[num_query_tokens:] = 0
+    # Rows are computed in fp32; a 16-bit model's output is rounded once, at the end.
+    result = out
+    if query.dtype != torch.float32:
+        result = _WORKSPACE.get("out", tuple(out.shape), torch.float32, query.device)
+    if plan.decode is not None:
+        _decode_rows(
+            plan.decode,
+            query,
+            key_cache,
+            value_cache,
+            metadata,
+            result,
+            scale,
+            softcap,
+            sinks,
+            key,
+            value,
+            k_scale,
+            v_scale,
+        )
+    if plan.sequences:
+        _gathered_rows(
+            plan,
+            query[:num_query_tokens],
+            key_cache,
+            value_cache,
+            result,
+            scale,
+            softcap,
+            sinks,
+            key,
+            value,
+            k_scale,
+            v_scale,
+        )
+    if result is not out:
+        out[:num_query_tokens].copy_(result[:num_query_tokens])
+    return out
+
+
+def _decode_rows(
+    decode: DecodeRows,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+    result: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """The decode rows through the CPU kernel, straight from the pages, into the fp32 ``result``."""
+    key_rows = value_rows = None
+    if key is not None and value is not None:
+        key_rows = _last_dim_contiguous(as_cached(key, key_cache.dtype, k_scale))
+        value_rows = _last_dim_contiguous(as_cached(value, value_cache.dtype, v_scale))
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    cpu_decode.paged_decode(
+        decode.as_tuple(),
+        _last_dim_contiguous(query.float()),
+        result,
+        key_cache,
+        value_cache,
+        metadata.block_table,
+        key_rows,
+        value_rows,
+        scale * k_scale,
+        v_scale,
+        softcap,
+        sinks,
+    )
+
+
+def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _gathered_rows(
+    plan: TorchAttentionPlan,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    result: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """The plan's gathered sequences: one gather of their blocks, then attention per sequence, into the
+    fp32 ``result``. ``query`` holds the step's rows (of the metadata), no more."""
+    num_rows, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     keys = _gather_blocks(key_cache, plan.gather_block_ids, "key")
     values = _gather_blocks(value_cache, plan.gather_block_ids, "value")
-    if key is not None:
+    if key is not None and value is not None:
         # The step's own rows, as the cache would hold them, over whatever their blocks held.
-        rows_as_cached = as_cached(key[:num_query_tokens], key_cache.dtype, k_scale)
-        byte_view(keys).index_copy_(0, plan.row_keys, byte_view(rows_as_cached))
-        rows_as_cached = as_cached(value[:num_query_tokens], value_cache.dtype, v_scale)
-        byte_view(values).index_copy_(0, plan.row_keys, byte_view(rows_as_cached))
+        for source, cache, gathered, cache_scale in (
+            (key, key_cache, keys, k_scale),
+            (value, value_cache, values, v_scale),
+        ):
+            own = source[:num_rows] if plan.gathered_rows is None else source.index_select(0, plan.gathered_rows)
+            byte_view(gathered).index_copy_(0, plan.row_keys, byte_view(as_cached(own, cache.dtype, cache_scale)))
     keys, values = keys.transpose(0, 1), values.transpose(0, 1)
     # Once per layer, not per sequence: fp32, pre-scaled (by the K scale too: an fp8 page holds
     # key / k_scale), laid out [kv_head, token, group, dim] so that a sequence's rows for one kv head are
-    # one contiguous [tokens * group, dim] matrix.
-    grouped_shape = (num_kv_heads, num_query_tokens, group, head_dim)
+    # one contiguous [tokens * group, dim] matrix. Rows of decode sequences the kernel took are idle here.
+    grouped_shape = (num_kv_heads, num_rows, group, head_dim)
     rows = _WORKSPACE.get("rows", grouped_shape, torch.float32, query.device)
-    rows.copy_(query[:num_query_tokens].reshape(num_query_tokens, num_kv_heads, group, head_dim).transpose(0, 1))
+    rows.copy_(query.reshape(num_rows, num_kv_heads, group, head_dim).transpose(0, 1))
     rows.mul_(scale * k_scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
-    out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
-    out[num_query_tokens:] = 0
     for seq in plan.sequences:
         # fp32 math: 16-bit bmm on CPU measured slower than upcast + fp32 bmm, and fp32 keeps the logits
         # exact. Upcasting one sequence at a time keeps the copy in cache and the workspace 16-bit.
@@ -129,8 +234,7 @@ def torch_paged_attention(
             hidden = None
             if seq.hidden is not None:
                 hidden = seq.hidden[start - seq.query_start : end - seq.query_start]
-            _attend(rows[:, start:end], seq_keys, seq_values, out[start:end], softcap, sink_logits, hidden, v_scale)
-    return out
+            _attend(rows[:, start:end], seq_keys, seq_values, result[start:end], softcap, sink_logits, hidden, v_scale)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:

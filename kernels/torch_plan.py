@@ -6,6 +6,11 @@ window, an attention chunk size, or neither), so the KV cache groups of one bloc
 is cached on their `StepMetadata`. A `TorchAttentionPlan` adds one group's block ids and is cached on
 the group's `PagedAttentionMetadata`. Both are built by the first layer that asks; the others only
 look them up. Only blocks that hold a visible key are gathered, so null blocks are never read.
+
+With `batch_decodes` (the torch path sets it on CPU tensors when the decode kernel is built), the
+decode rows (sequences of one query row) are not gathered: the layout lists them as `DecodeRows` and
+`cpu_decode` reads their keys from the pages; the gather and the per-sequence loop are left to the
+prefill chunks.
 """
 
 from __future__ import annotations
@@ -34,25 +39,47 @@ class SequencePlan:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The step's decode rows for the CPU decode kernel (int32): row ``rows[i]`` of the step is the one
+    query of sequence ``seq_ids[i]`` and sees positions ``first_positions[i] .. seq_lens[i] - 1``,
+    ``num_keys`` keys in all."""
+
+    seq_ids: torch.Tensor
+    rows: torch.Tensor
+    first_positions: torch.Tensor
+    seq_lens: torch.Tensor
+    num_keys: int
+
+    def as_tuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        return self.seq_ids, self.rows, self.first_positions, self.seq_lens, self.num_keys
+
+
+@dataclass(slots=True)
 class TorchLayout:
     """The sequences' plans for one (block size, visibility) of a step, and the block table entries
     the workspace holds, in order: entry ``(gather_seqs[i], gather_blocks[i])`` is gathered block i.
-    ``row_keys[t]`` is the workspace token where query row t's own key goes when the step's K/V are
-    read in flight (over whatever its block held: nothing, if it is not stored)."""
+    ``row_keys[i]`` is the workspace token where the own key of the step's row ``gathered_rows[i]``
+    goes when the step's K/V are read in flight (over whatever its block held: nothing, if it is not
+    stored); ``gathered_rows`` is None when every row of the step is gathered (no ``decode`` rows)."""
 
     sequences: list[SequencePlan]
     gather_seqs: torch.Tensor
     gather_blocks: torch.Tensor
     row_keys: torch.Tensor
+    gathered_rows: torch.Tensor | None
+    decode: DecodeRows | None
 
 
 @dataclass(slots=True)
 class TorchAttentionPlan:
-    """The block ids one layer of a group gathers (``TorchLayout``'s entries of the group's table)."""
+    """The block ids one layer of a group gathers (``TorchLayout``'s entries of the group's table), and the
+    layout's rows."""
 
     gather_block_ids: torch.Tensor
     sequences: list[SequencePlan]
     row_keys: torch.Tensor
+    gathered_rows: torch.Tensor | None
+    decode: DecodeRows | None
 
     @property
     def num_gathered_blocks(self) -> int:
@@ -60,38 +87,54 @@ class TorchAttentionPlan:
 
 
 def torch_plan(
-    metadata: PagedAttentionMetadata, sliding_window: int | None, attention_chunk_size: int | None = None
+    metadata: PagedAttentionMetadata,
+    sliding_window: int | None,
+    attention_chunk_size: int | None = None,
+    batch_decodes: bool = False,
 ) -> TorchAttentionPlan:
-    """The gather plan of a group for a window or a chunk size (neither: full attention)."""
-    visibility = (sliding_window, attention_chunk_size)
+    """The gather plan of a group for a window or a chunk size (neither: full attention); with
+    ``batch_decodes``, decode rows are listed for the CPU decode kernel instead of gathered."""
+    visibility = (sliding_window, attention_chunk_size, batch_decodes)
     plan = metadata.torch_plans.get(visibility)
     if plan is None:
-        layout = torch_layout(metadata.step, metadata.block_size, sliding_window, attention_chunk_size)
+        layout = torch_layout(metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes)
         table = metadata.block_table
         flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
         block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
-        plan = TorchAttentionPlan(gather_block_ids=block_ids, sequences=layout.sequences, row_keys=layout.row_keys)
+        plan = TorchAttentionPlan(block_ids, layout.sequences, layout.row_keys, layout.gathered_rows, layout.decode)
         metadata.torch_plans[visibility] = plan
     return plan
 
 
 def torch_layout(
-    step: StepMetadata, block_size: int, sliding_window: int | None, attention_chunk_size: int | None
+    step: StepMetadata,
+    block_size: int,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    batch_decodes: bool = False,
 ) -> TorchLayout:
     """The step's layout for a block size and visibility, built on first use and kept on the step."""
-    key = (block_size, sliding_window, attention_chunk_size)
+    key = (block_size, sliding_window, attention_chunk_size, batch_decodes)
     layout = step.torch_layouts.get(key)
     if layout is None:
-        layout = _build_layout(step, block_size, sliding_window, attention_chunk_size)
+        layout = _build_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
         step.torch_layouts[key] = layout
     return layout
 
 
 def _build_layout(
-    step: StepMetadata, block_size: int, sliding_window: int | None, attention_chunk_size: int | None
+    step: StepMetadata,
+    block_size: int,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    batch_decodes: bool,
 ) -> TorchLayout:
     device = step.device
     sequences: list[SequencePlan] = []
+    # Decode rows for the kernel: (sequence, row, first visible position, length).
+    decodes: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+    gathered_seqs: list[int] = []
+    gathered_rows: list[int] = []
     block_counts: list[int] = []
     # Per sequence: its first gathered block's index in its table row minus its index in the workspace.
     block_shifts: list[int] = []
@@ -99,13 +142,20 @@ def _build_layout(
     row_shifts: list[int] = []
     num_gathered = 0
     query_start = 0
-    for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
+    for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
         first_query_position = seq_len - query_len
         first_key_position = 0
         if sliding_window is not None:
             first_key_position = max(0, first_query_position - sliding_window + 1)
         elif attention_chunk_size is not None:
             first_key_position = first_query_position // attention_chunk_size * attention_chunk_size
+        if batch_decodes and query_len == 1:
+            for column, value in zip(decodes, (seq, query_start, first_key_position, seq_len), strict=True):
+                column.append(value)
+            query_start += 1
+            continue
+        gathered_seqs.append(seq)
+        gathered_rows.extend(range(query_start, query_start + query_len))
         first_block = first_key_position // block_size
         end_block = (seq_len - 1) // block_size + 1
         workspace_start = (num_gathered - first_block) * block_size
@@ -132,15 +182,33 @@ def _build_layout(
         )
         query_start += query_len
     counts = int_tensor(block_counts, torch.int64, device)
-    gather_seqs = torch.repeat_interleave(torch.arange(len(sequences), device=device), counts, output_size=num_gathered)
+    gather_seqs = torch.repeat_interleave(
+        int_tensor(gathered_seqs, torch.int64, device), counts, output_size=num_gathered
+    )
     shifts = torch.repeat_interleave(int_tensor(block_shifts, torch.int64, device), counts, output_size=num_gathered)
+    rows = int_tensor(gathered_rows, torch.int64, device)
     row_shifts_per_row = torch.repeat_interleave(
         int_tensor(row_shifts, torch.int64, device),
-        int_tensor(step.query_lens_list, torch.int64, device),
-        output_size=query_start,
+        int_tensor([plan.query_end - plan.query_start for plan in sequences], torch.int64, device),
+        output_size=len(gathered_rows),
     )
-    row_keys = torch.arange(query_start, device=device) + row_shifts_per_row
-    return TorchLayout(sequences, gather_seqs, torch.arange(num_gathered, device=device) + shifts, row_keys)
+    row_keys = rows + row_shifts_per_row
+    decode = None
+    if decodes[0]:
+        seq_ids, decode_rows, first_positions, seq_lens = (
+            int_tensor(column, torch.int32, device) for column in decodes
+        )
+        num_keys = sum(decodes[3]) - sum(decodes[2])
+        decode = DecodeRows(seq_ids, decode_rows, first_positions, seq_lens, num_keys)
+    all_gathered = len(gathered_rows) == query_start
+    return TorchLayout(
+        sequences,
+        gather_seqs,
+        torch.arange(num_gathered, device=device) + shifts,
+        row_keys,
+        None if all_gathered else rows,
+        decode,
+    )
 
 
 def _hidden_keys(

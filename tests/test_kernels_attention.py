@@ -7,30 +7,33 @@ included, is NaN unless a test says otherwise, so a single read of one shows as 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridkv.kernels import paged_attention
+from hybridkv.kernels import cpu_decode, paged_attention
 
 from kernel_reference import make_paged_batch, max_abs_error, reference_attention
 
-BACKENDS = ["torch", "triton"]
+# "torch-loop": the torch path with the CPU decode kernel off (its own per-sequence loop for decode rows).
+BACKENDS = ["torch", "torch-loop", "triton"]
 FP32_TOLERANCE = 1e-5
 TOLERANCE = {torch.float32: FP32_TOLERANCE, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def attention(backend, query, key_cache, value_cache, metadata, **options) -> torch.Tensor:
+    """``paged_attention`` on a backend of ``BACKENDS``."""
+    with cpu_decode.disabled() if backend == "torch-loop" else contextlib.nullcontext():
+        return paged_attention(
+            query, key_cache, value_cache, metadata, backend=backend.removesuffix("-loop"), **options
+        )
+
+
 def attention_error(batch, backend, *, scale=0.125, **options) -> float:
-    out = paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata,
-        scale=scale,
-        backend=backend,
-        **options,
-    )
+    out = attention(backend, batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=scale, **options)
     assert out.shape == (*batch.query.shape[:2], batch.value_cache.shape[-1])
     assert out.dtype == batch.query.dtype
     return max_abs_error(out, reference_attention(batch, scale=scale, **options))
@@ -86,14 +89,8 @@ def test_null_block_contents_never_change_the_output(backend):
     outputs = []
     for garbage in (float("nan"), 1e4, -1e4):
         batch = make_paged_batch([1, 20, 1], [120, 100, 77], sliding_window=16, garbage=garbage)
-        out = paged_attention(
-            batch.query,
-            batch.key_cache,
-            batch.value_cache,
-            batch.metadata,
-            scale=0.125,
-            sliding_window=16,
-            backend=backend,
+        out = attention(
+            backend, batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, sliding_window=16
         )
         outputs.append(out)
     assert torch.isfinite(outputs[0]).all()
@@ -125,18 +122,10 @@ def test_sinks_match_reference(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinks_take_probability_mass_from_the_keys(backend):
     batch = make_paged_batch([1], [30])
-    without = paged_attention(
-        batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, backend=backend
-    )
+    without = attention(backend, batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
     huge_sinks = torch.full((4,), 50.0)
-    with_sinks = paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.metadata,
-        scale=0.125,
-        sinks=huge_sinks,
-        backend=backend,
+    with_sinks = attention(
+        backend, batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, sinks=huge_sinks
     )
     assert without.abs().max() > 0.1
     assert with_sinks.abs().max() < 1e-12
@@ -195,9 +184,7 @@ def test_block_sizes_other_than_the_tile_match_reference(backend):
 def test_padding_query_rows_come_back_as_zeros(backend):
     batch = make_paged_batch([1, 6], [20, 6])
     padded_query = torch.cat([batch.query, torch.randn(3, 4, 64)])
-    out = paged_attention(
-        padded_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, backend=backend
-    )
+    out = attention(backend, padded_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
     assert torch.equal(out[7:], torch.zeros(3, 4, 64))
     assert max_abs_error(out[:7], reference_attention(batch, scale=0.125)) <= FP32_TOLERANCE
 
@@ -251,6 +238,12 @@ def test_torch_path_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch")
 
 
+@settings(max_examples=60, deadline=None)
+@given(shape=paged_shapes())
+def test_torch_path_without_the_decode_kernel_matches_reference_on_drawn_shapes(shape):
+    _check_drawn_shape(shape, "torch-loop")
+
+
 @settings(max_examples=40, deadline=None)
 @given(shape=paged_shapes())
 def test_triton_kernel_matches_reference_on_drawn_shapes(shape):
@@ -263,7 +256,5 @@ def test_non_contiguous_query_matches_reference(backend):
     # HF hands attention [batch, heads, tokens, dim]; a caller's transpose gives a strided query.
     strided_query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
     assert not strided_query.is_contiguous()
-    out = paged_attention(
-        strided_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125, backend=backend
-    )
+    out = attention(backend, strided_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
     assert max_abs_error(out, reference_attention(batch, scale=0.125)) <= FP32_TOLERANCE

@@ -1,0 +1,199 @@
+"""The CPU decode kernel (``cpu_decode.c``): built on first use with the machine's C compiler, loaded
+with ctypes, and called by the torch path for a step's decode rows on CPU tensors.
+
+The library is compiled once per source, compiler and CPU (``-O3 -march=native -fopenmp``) into
+``$HYBRIDKV_CACHE_DIR`` (default ``~/.cache/hybridkv``), about a second, and reused by every later
+process. It links the libgomp that torch has already loaded, so its threads are torch's threads.
+Where no compiler works, or ``HYBRIDKV_CPU_KERNEL=0`` is set, ``available()`` is False and the torch
+path attends to decode rows itself (same results to fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .quant import is_fp8
+
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
+_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+_disabled = 0
+_luts: dict[torch.dtype, torch.Tensor] = {}
+# cpu_decode.c's TILE, and its bound on the floats one work item keeps on its stack (it returns 1 past it).
+_TILE = 32
+_MAX_ITEM_FLOATS = 65536
+
+_c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_ARGTYPES = (
+    [_c_int64, _ptr, _ptr, _ptr, _ptr]  # rows and their sequences, first positions, lengths
+    + [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64]  # query, out
+    + [_ptr, _c_int64, _c_int64, _c_int64] * 2  # key and value pages
+    + [_ptr, _c_int64]  # block table
+    + [_ptr, _c_int64, _c_int64] * 2  # the step's own key and value rows (in flight)
+    + [_c_int, _c_int, _ptr]  # element format, size, lookup table
+    + [_c_int] * 5  # q heads, kv heads, head dim, value dim, block size
+    + [_c_float, _c_float, _c_float, _ptr, _c_int, _c_int64]  # scale, v_scale, softcap, sinks, threads, work
+)
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it on the first call)."""
+    return _load() is not None
+
+
+def accepts(group: int, head_dim: int, value_dim: int) -> bool:
+    """Whether the kernel is available and its stack buffers hold a GQA group's rows (any real model's do)."""
+    floats = group * (head_dim + value_dim + 2) + _TILE * (head_dim + value_dim)
+    return not _disabled and floats <= _MAX_ITEM_FLOATS and available()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside, the torch path attends to decode rows itself (tests and benchmarks compare the two)."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None while it is True or not yet asked)."""
+    return _failure
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _failure
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
+                _failure = "HYBRIDKV_CPU_KERNEL=0"
+            else:
+                try:
+                    library = ctypes.CDLL(str(_build()))
+                    library.hybridkv_paged_decode.argtypes = _ARGTYPES
+                    library.hybridkv_paged_decode.restype = ctypes.c_int
+                    _library = library
+                except (OSError, RuntimeError) as error:
+                    _failure = str(error)
+    return _library
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    source = _SOURCE.read_bytes()
+    cache_dir = Path(os.environ.get("HYBRIDKV_CACHE_DIR") or Path.home() / ".cache" / "hybridkv")
+    errors = []
+    for flags in _FLAG_SETS:
+        digest = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+        target = cache_dir / f"cpu_decode-{digest}.so"
+        if target.exists():
+            return target
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
+            built = Path(scratch) / target.name
+            command = [compiler, *flags, "-fPIC", "-shared", "-fopenmp", str(_SOURCE), "-o", str(built), "-lm"]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode == 0:
+                os.replace(built, target)  # atomic: a process racing this one loads a whole file
+                return target
+            errors.append(f"{' '.join(command)}: {result.stderr.strip()[-500:]}")
+    raise RuntimeError("could not build the CPU decode kernel: " + " | ".join(errors))
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on one CPU may not run on another."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def element_format(dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
+    """The kernel's element format for a cache dtype, with the lookup table of its values if it needs one."""
+    if dtype == torch.float32:
+        return 0, None
+    if dtype == torch.bfloat16:
+        return 1, None
+    lut = _luts.get(dtype)
+    if lut is None:
+        if dtype.itemsize == 2:
+            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+        elif is_fp8(dtype):
+            bits = torch.arange(1 << 8, dtype=torch.int32).to(torch.uint8)
+        else:
+            raise ValueError(f"no CPU decode format for {dtype}")
+        lut = bits.view(dtype).float()
+        _luts[dtype] = lut
+    return (2 if dtype.itemsize == 2 else 3), lut
+
+
+def paged_decode(
+    rows_info: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+    query: torch.Tensor,
+    out: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    key_rows: torch.Tensor | None,
+    value_rows: torch.Tensor | None,
+    scale: float,
+    v_scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    """Attend every listed decode row (for a head shape the kernel ``accepts``).
+
+    ``rows_info`` is (sequence ids, row indices, first visible positions, sequence lengths; int32) and
+    the number of keys they see. ``query`` is fp32 ``[rows, q_heads, dim]`` (unscaled), ``out`` fp32
+    ``[rows, q_heads, value_dim]``; both with a contiguous last dimension. ``key_rows``/``value_rows``
+    are the step's rows as the cache holds them (its last position of each row is read from them), or
+    None when the rows are already stored. ``scale`` includes the K scale.
+    """
+    library = _load()
+    assert library is not None, "call available() first"
+    seq_ids, rows, first_positions, seq_lens, num_keys = rows_info
+    fmt, lut = element_format(key_cache.dtype)
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    _, block_size, num_kv_heads, value_dim = value_cache.shape
+    in_flight = key_rows is not None and value_rows is not None
+    threads = torch.get_num_threads()
+    status = library.hybridkv_paged_decode(
+        rows.numel(), seq_ids.data_ptr(), rows.data_ptr(), first_positions.data_ptr(), seq_lens.data_ptr(),
+        query.data_ptr(), query.stride(0), query.stride(1),
+        out.data_ptr(), out.stride(0), out.stride(1),
+        key_cache.data_ptr(), *key_cache.stride()[:3],
+        value_cache.data_ptr(), *value_cache.stride()[:3],
+        block_table.data_ptr(), block_table.stride(0),
+        key_rows.data_ptr() if in_flight else None, *(key_rows.stride()[:2] if in_flight else (0, 0)),
+        value_rows.data_ptr() if in_flight else None, *(value_rows.stride()[:2] if in_flight else (0, 0)),
+        fmt, key_cache.element_size(), None if lut is None else lut.data_ptr(),
+        num_q_heads, num_kv_heads, head_dim, value_dim, block_size,
+        scale, v_scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
+        num_keys * num_q_heads * head_dim,
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(
+            f"the CPU decode kernel refused {num_q_heads} q heads, {num_kv_heads} kv heads, dims {head_dim}/{value_dim}"
+        )

@@ -1,0 +1,130 @@
+"""The CPU decode kernel (kernels/cpu_decode.c): which rows it takes, every page format against the
+per-sequence torch path, and what happens where it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hybridkv.kernels import PagedAttentionMetadata, cpu_decode, paged_attention
+from hybridkv.kernels.quant import FP8_DTYPES
+from hybridkv.kernels.torch_plan import torch_plan
+
+from kernel_reference import make_paged_batch, max_abs_error, reference_attention
+
+
+def test_the_kernel_builds_on_a_machine_with_a_c_compiler():
+    assert cpu_decode.available(), cpu_decode.unavailable_reason()
+
+
+def test_decode_rows_go_to_the_kernel_and_prefill_chunks_are_gathered():
+    metadata = PagedAttentionMetadata.build([1, 7, 1], [30, 7, 50], [[1, 2], [3], [4, 5, 6, 7]], 16)
+    plan = torch_plan(metadata, None, None, batch_decodes=True)
+    assert plan.decode.rows.tolist() == [0, 8]
+    assert plan.decode.seq_ids.tolist() == [0, 2]
+    assert plan.decode.seq_lens.tolist() == [30, 50]
+    assert plan.decode.num_keys == 80
+    assert [(seq.query_start, seq.query_end) for seq in plan.sequences] == [(1, 8)]
+    assert plan.gather_block_ids.tolist() == [3]
+    assert plan.gathered_rows.tolist() == list(range(1, 8))
+
+
+def test_a_window_starts_each_decode_row_at_its_first_visible_position():
+    metadata = PagedAttentionMetadata.build([1, 1], [10, 100], [[1], [0, 0, 0, 2, 3, 4, 5]], 16)
+    plan = torch_plan(metadata, 24, None, batch_decodes=True)
+    assert plan.decode.first_positions.tolist() == [0, 76]
+    assert plan.decode.num_keys == 10 + 24
+
+
+def _kernel_and_loop(batch, **options):
+    kernel = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **options)
+    with cpu_decode.disabled():
+        loop = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, **options)
+    return kernel, loop
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16, *FP8_DTYPES])
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_every_page_format_matches_the_per_sequence_path(cache_dtype, in_flight):
+    scales = {"k_scale": 0.05, "v_scale": 0.03} if cache_dtype in FP8_DTYPES else {}
+    batch = make_paged_batch(
+        [1, 1, 9, 1],
+        [70, 1, 40, 133],
+        num_q_heads=8,
+        num_kv_heads=2,
+        cache_dtype=cache_dtype,
+        in_flight=in_flight,
+        **scales,
+    )
+    step_rows = {"key": batch.step_keys, "value": batch.step_values} if in_flight else {}
+    kernel, loop = _kernel_and_loop(batch, scale=0.125, **scales, **step_rows)
+    assert max_abs_error(kernel, loop) <= 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_models_get_their_output_rounded_once(dtype):
+    batch = make_paged_batch([1, 1, 5], [40, 90, 5], dtype=dtype)
+    kernel, loop = _kernel_and_loop(batch, scale=0.125)
+    assert kernel.dtype == dtype
+    assert max_abs_error(kernel, reference_attention(batch, scale=0.125)) <= 2e-2
+    # Both paths compute in fp32 and round once: they differ by at most one rounding step.
+    assert max_abs_error(kernel, loop) <= 8e-3
+
+
+def test_softcap_sinks_and_window_together_match_the_reference():
+    batch = make_paged_batch([1, 1, 1], [5, 64, 200], num_q_heads=8, num_kv_heads=2, sliding_window=48)
+    sinks = torch.linspace(-2.0, 2.0, 8)
+    options = {"scale": 0.125, "sliding_window": 48, "softcap": 5.0, "sinks": sinks}
+    kernel, loop = _kernel_and_loop(batch, **options)
+    assert max_abs_error(kernel, reference_attention(batch, **options)) <= 1e-5
+    assert max_abs_error(kernel, loop) <= 1e-6
+
+
+def test_a_group_too_large_for_the_kernel_takes_the_per_sequence_path():
+    assert cpu_decode.accepts(group=16, head_dim=256, value_dim=256)  # Gemma's heads
+    assert not cpu_decode.accepts(group=64, head_dim=512, value_dim=512)
+    batch = make_paged_batch([1, 1], [30, 70], num_q_heads=64, num_kv_heads=1, head_dim=512)
+    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.04)
+    assert max_abs_error(out, reference_attention(batch, scale=0.04)) <= 1e-5
+
+
+def _in_a_fresh_process(environment: dict[str, str], cache_dir) -> str:
+    script = textwrap.dedent(
+        """
+        from hybridkv.kernels import cpu_decode, paged_attention
+        from kernel_reference import make_paged_batch, max_abs_error, reference_attention
+        batch = make_paged_batch([1, 4], [50, 4])
+        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
+        assert max_abs_error(out, reference_attention(batch, scale=0.125)) <= 1e-5
+        print(cpu_decode.available(), cpu_decode.unavailable_reason())
+        """
+    )
+    env = {**os.environ, "HYBRIDKV_CACHE_DIR": str(cache_dir), **environment}
+    tests_dir = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_without_a_compiler_the_torch_path_serves_decode_rows(tmp_path):
+    printed = _in_a_fresh_process({"CC": "/bin/false"}, tmp_path)
+    assert printed.startswith("False could not build the CPU decode kernel")
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_hybridkv_cpu_kernel_0_turns_the_kernel_off(tmp_path):
+    assert _in_a_fresh_process({"HYBRIDKV_CPU_KERNEL": "0"}, tmp_path) == "False HYBRIDKV_CPU_KERNEL=0"
+
+
+def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
+    assert _in_a_fresh_process({}, tmp_path) == "True None"
+    (library,) = tmp_path.glob("cpu_decode-*.so")
+    built_at = library.stat().st_mtime_ns
+    assert _in_a_fresh_process({}, tmp_path) == "True None"
+    assert library.stat().st_mtime_ns == built_at
