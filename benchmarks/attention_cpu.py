@@ -6,7 +6,8 @@ Two steps of one attention layer (16 q heads, 4 kv heads, head dim 64, block siz
 The dense baseline is ``transformers.integrations.sdpa_attention.sdpa_attention_forward`` over a
 ``[batch, kv_heads, max_len, head_dim]`` cache holding the same tokens, with a padding (+ causal)
 mask; for the mixed step every sequence's query is padded to 256 rows, as a padded batch would be.
-Also timed: the alternatives that docs/kernels.md compares (each checked against the torch path).
+Also timed: the torch path with the CPU decode kernel off, and the alternatives that docs/kernels.md
+compares (each checked against the torch path).
 
     .venv/bin/python benchmarks/attention_cpu.py [--dtype bfloat16] [--threads 1] [--repeats 20]
 """
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hybridkv.kernels import PagedAttentionMetadata, paged_attention
+from hybridkv.kernels import PagedAttentionMetadata, cpu_decode, paged_attention
 from hybridkv.kernels.torch_plan import torch_plan
 from hybridkv.utils import cdiv
 
@@ -204,7 +205,11 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
     dense = lambda: hf_dense_sdpa(step, dense_query, dense_mask)  # noqa: E731
     dense_error = (dense_rows(step, dense()).float() - expected).abs().max().item()
 
-    paged_ms, dense_ms = median_ms(paged, dense, repeats=repeats)
+    def paged_loop():
+        with cpu_decode.disabled():
+            return paged()
+
+    paged_ms, dense_ms, loop_ms = median_ms(paged, dense, paged_loop, repeats=repeats)
     total_tokens = sum(step.metadata.seq_lens_list)
     padded_tokens = step.metadata.num_seqs * step.dense_keys.shape[2]
     print(
@@ -214,6 +219,10 @@ def run_step(name: str, step, query_rows: int, repeats: int) -> None:
     print(f"  hybridkv torch path             {paged_ms:8.2f} ms")
     print(f"  transformers sdpa, padded dense {dense_ms:8.2f} ms   (max |diff| {dense_error:.1e})")
     print(f"  ratio dense / paged             {dense_ms / paged_ms:8.2f}x")
+    print(
+        f"  torch path, decode kernel off   {loop_ms:8.2f} ms   (decode rows gathered, one bmm pair per sequence;"
+        f" kernel {'built' if cpu_decode.available() else 'unavailable'})"
+    )
 
     (metadata_ms,) = median_ms(
         lambda: torch_plan(

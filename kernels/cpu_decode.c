@@ -93,6 +93,104 @@ static inline void to_float(const char *src, int format, const float *lut, int c
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The lane sums of eight vectors, in order: two rounds of pairwise adds, then the halves. */
+static inline __m256 sum_lanes_of_8(const __m256 *sums) {
+    const __m256 pairs01 = _mm256_hadd_ps(sums[0], sums[1]), pairs23 = _mm256_hadd_ps(sums[2], sums[3]);
+    const __m256 pairs45 = _mm256_hadd_ps(sums[4], sums[5]), pairs67 = _mm256_hadd_ps(sums[6], sums[7]);
+    const __m256 quads0123 = _mm256_hadd_ps(pairs01, pairs23), quads4567 = _mm256_hadd_ps(pairs45, pairs67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads0123, quads4567, 0x20),
+                         _mm256_permute2f128_ps(quads0123, quads4567, 0x31));
+}
+#endif
+
+/* scores[j] = q_row . key_ptrs[j] for a tile's keys. With AVX2, eight keys at a time, their lane sums
+   reduced together (a dot this short is mostly its horizontal sum); a last partial group of eight
+   reads the tile's first key again and drops those scores. */
+static inline void tile_scores(const float *q_row, const float *const *key_ptrs, int count, int head_dim,
+                               float *scores) {
+    int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0) {
+        for (; j < count; j += 8) {
+            __m256 sums[8];
+            const float *keys[8];
+            for (int k = 0; k < 8; k++) {
+                sums[k] = _mm256_setzero_ps();
+                keys[k] = key_ptrs[j + k < count ? j + k : 0];
+            }
+            for (int d = 0; d < head_dim; d += 8) {
+                const __m256 q = _mm256_loadu_ps(q_row + d);
+                for (int k = 0; k < 8; k++) sums[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys[k] + d), sums[k]);
+            }
+            float all[8];
+            _mm256_storeu_ps(all, sum_lanes_of_8(sums));
+            for (int k = 0; k < 8 && j + k < count; k++) scores[j + k] = all[k];
+        }
+        return;
+    }
+#endif
+    for (; j < count; j++) scores[j] = dot(q_row, key_ptrs[j], head_dim);
+}
+
+/* The largest of a tile's TILE scores and `start`, in LANES running maxima (exact in any order). */
+static inline float max_of_tile(const float *scores, float start) {
+    float lanes[LANES];
+    for (int i = 0; i < LANES; i++) lanes[i] = start;
+    for (int j = 0; j < TILE; j += LANES)
+        for (int i = 0; i < LANES; i++) lanes[i] = scores[j + i] > lanes[i] ? scores[j + i] : lanes[i];
+    float result = lanes[0];
+    for (int i = 1; i < LANES; i++) result = lanes[i] > result ? lanes[i] : result;
+    return result;
+}
+
+/* The sum of a tile's first `count` weights, in LANES partial sums added as a fixed tree. */
+static inline float sum_of_tile(const float *weights, int count) {
+    float part[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= count; j += LANES)
+        for (int i = 0; i < LANES; i++) part[i] += weights[j + i];
+    float sum = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+    for (; j < count; j++) sum += weights[j];
+    return sum;
+}
+
+/* out_row += sum_j weights[j] * value_ptrs[j], 8 lanes at a time in register accumulators (up to 16 of
+   them per pass over the tile): the sum over a tile's keys is a chain of multiply-adds, and kept in
+   memory each link would wait for the previous store. */
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4)));
+
+#define DEFINE_ADD_WEIGHTED(CHUNKS)                                                                           \
+    static void add_weighted_##CHUNKS(float *out, const float *weights, const float *const *value_ptrs,      \
+                                      int count, int offset) {                                               \
+        lanes8 sums[CHUNKS];                                                                                 \
+        for (int c = 0; c < CHUNKS; c++) sums[c] = *(const lanes8_unaligned *)(out + offset + 8 * c);        \
+        for (int j = 0; j < count; j++) {                                                                    \
+            const float weight = weights[j];                                                                 \
+            const float *value = value_ptrs[j] + offset;                                                     \
+            for (int c = 0; c < CHUNKS; c++) sums[c] += weight * *(const lanes8_unaligned *)(value + 8 * c); \
+        }                                                                                                    \
+        for (int c = 0; c < CHUNKS; c++) *(lanes8_unaligned *)(out + offset + 8 * c) = sums[c];              \
+    }
+DEFINE_ADD_WEIGHTED(1)
+DEFINE_ADD_WEIGHTED(2)
+DEFINE_ADD_WEIGHTED(4)
+DEFINE_ADD_WEIGHTED(8)
+
+static inline void add_weighted_values(float *out, const float *weights, const float *const *value_ptrs, int count,
+                                       int value_dim) {
+    int offset = 0;
+    for (; offset + 64 <= value_dim; offset += 64) add_weighted_8(out, weights, value_ptrs, count, offset);
+    if (offset + 32 <= value_dim) add_weighted_4(out, weights, value_ptrs, count, offset), offset += 32;
+    if (offset + 16 <= value_dim) add_weighted_2(out, weights, value_ptrs, count, offset), offset += 16;
+    if (offset + 8 <= value_dim) add_weighted_1(out, weights, value_ptrs, count, offset), offset += 8;
+    for (; offset < value_dim; offset++)
+        for (int j = 0; j < count; j++) out[offset] += weights[j] * value_ptrs[j][offset];
+}
+
 /* A tile of `count` keys folded into the group's online softmax: scores, running max and sum, output. */
 static inline __attribute__((always_inline)) void fold_tile(int group, int head_dim, int value_dim, const float *q,
                                                             const float *const *key_ptrs, const float *const *value_ptrs,
@@ -101,10 +199,10 @@ static inline __attribute__((always_inline)) void fold_tile(int group, int head_
     float scores[TILE];
     for (int g = 0; g < group; g++) {
         const float *q_row = q + g * head_dim;
-        for (int j = 0; j < count; j++) scores[j] = dot(q_row, key_ptrs[j], head_dim);
+        tile_scores(q_row, key_ptrs, count, head_dim, scores);
         if (softcap > 0.0f) softcap_tile(scores, count, softcap);
-        float tile_max = row_max[g];
-        for (int j = 0; j < count; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+        for (int j = count; j < TILE; j++) scores[j] = -INFINITY; /* exp gives 0: unused keys weigh nothing */
+        const float tile_max = max_of_tile(scores, row_max[g]);
         float *out_row = acc + g * value_dim;
         if (tile_max > row_max[g]) {
             const float correction = row_max[g] == -INFINITY ? 0.0f : expf(row_max[g] - tile_max);
@@ -114,11 +212,8 @@ static inline __attribute__((always_inline)) void fold_tile(int group, int head_
         }
         for (int j = 0; j < count; j++) scores[j] -= row_max[g];
         exp_tile(scores, count);
-        for (int j = 0; j < count; j++) {
-            row_sum[g] += scores[j];
-            const float weight = scores[j], *value = value_ptrs[j];
-            for (int d = 0; d < value_dim; d++) out_row[d] += weight * value[d];
-        }
+        row_sum[g] += sum_of_tile(scores, count);
+        add_weighted_values(out_row, scores, value_ptrs, count, value_dim);
     }
 }
 
