@@ -23,6 +23,8 @@ class EngineConfig:
     `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `kv_cache_dtype`: the pages' dtype,
     one for every layer or one per layer kind, fp8 included (hybridkv/kv_dtypes.py). `swap_space` bytes of CPU memory
     hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool).
+    `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
+    leave free, at most torch's count; hybridkv/threads.py), a count, or None (torch's setting as it is).
 
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
@@ -42,6 +44,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: int = 0
     attention_backend: str | None = None
+    cpu_threads: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -73,6 +76,10 @@ class EngineConfig:
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.cpu_threads is not None and self.cpu_threads != "auto":
+            if isinstance(self.cpu_threads, str):
+                raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
+            set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
 
     @classmethod
     def from_kwargs(cls, **config: Any) -> EngineConfig:

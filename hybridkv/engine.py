@@ -38,6 +38,7 @@ from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.stats import engine_stats
 from hybridkv.stopping import StopRules
+from hybridkv.threads import StepThreads
 
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
@@ -73,6 +74,8 @@ class LLMEngine(RunLoops):
             model, self.kv_config, layout.module_names, num_blocks, self.layer_dtypes, config.attention_backend
         )
         self.runner.allocate_swap_space(num_swap_blocks)
+        on_cpu = all(device.type == "cpu" for device in self.runner.devices)
+        self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
         self.inputs = InputProcessor(model, tokenizer)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
@@ -212,6 +215,10 @@ class LLMEngine(RunLoops):
         """Run one scheduling step. Returns the state of every request that produced tokens or
         finished in it (finished ones for the last time): each request's live record, updated in place
         by later steps."""
+        with self.step_threads.for_step():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         touched = {state.group.request_id: state for state in self._unreported}
         self._unreported = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.kernels import cpu_decode
+
 if TYPE_CHECKING:
     from hybridkv.engine import LLMEngine
 
@@ -53,4 +55,10 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "schedule_seconds": engine.schedule_seconds,
         "prepare_seconds": engine.runner.prepare_seconds,
         "update_seconds": engine.update_seconds,
+        # The torch threads the last step ran with (None: left to torch), and the CPU cores other
+        # processes were measured using (hybridkv/threads.py).
+        "step_threads": engine.step_threads.threads if engine.step_threads.setting is not None else None,
+        "others_busy_cores": engine.step_threads.others_busy_cores,
+        # Whether decode rows on the CPU take the C decode kernel (else the torch path's own loop).
+        "cpu_decode_kernel": cpu_decode.available(),
     }
