@@ -234,7 +234,18 @@ def _gathered_rows(
             hidden = None
             if seq.hidden is not None:
                 hidden = seq.hidden[start - seq.query_start : end - seq.query_start]
-            _attend(rows[:, start:end], seq_keys, seq_values, result[start:end], softcap, sink_logits, hidden, v_scale)
+            causal = seq.causal and rows_per_chunk >= seq.query_end - seq.query_start
+            _attend(
+                rows[:, start:end],
+                seq_keys,
+                seq_values,
+                result[start:end],
+                softcap,
+                sink_logits,
+                hidden,
+                v_scale,
+                causal,
+            )
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
@@ -255,9 +266,11 @@ def _attend(
     sink_logits: torch.Tensor | None,
     hidden: torch.Tensor | None,
     v_scale: float,
+    causal: bool = False,
 ) -> None:
     """Scaled rows ``[kv_heads, queries, group, dim]`` over ``[kv_heads, keys, dim]`` and values
-    ``[kv_heads, keys, v_dim]`` (times ``v_scale``), into ``out`` ``[queries, q_heads, v_dim]``."""
+    ``[kv_heads, keys, v_dim]`` (times ``v_scale``), into ``out`` ``[queries, q_heads, v_dim]``; with
+    ``causal``, query i sees keys 0..i and ``hidden`` says the same."""
     num_kv_heads, num_queries, group, head_dim = rows.shape
     num_keys = keys.shape[1]
     value_head_dim = values.shape[-1]
@@ -265,9 +278,15 @@ def _attend(
         # Prefill rows: torch's fused SDPA never materialises the [queries, keys] probabilities
         # (measured 2.4x faster than bmm + softmax on 2,048-token chunks over 4k contexts).
         query = rows.permute(0, 2, 1, 3).reshape(1, num_kv_heads * group, num_queries, head_dim)
-        mask = None if hidden is None else ~hidden.view(1, 1, num_queries, num_keys)
+        mask = None if hidden is None or causal else ~hidden.view(1, 1, num_queries, num_keys)
         result = F.scaled_dot_product_attention(
-            query, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=1.0, enable_gqa=group > 1
+            query,
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=1.0,
+            enable_gqa=group > 1,
         )
         if v_scale != 1.0:
             result.mul_(v_scale)

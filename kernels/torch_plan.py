@@ -28,7 +28,9 @@ class SequencePlan:
 
     Keys ``key_start:key_end`` of the gather workspace are the absolute positions
     ``first_key_position .. seq_len - 1``; ``hidden`` (bool ``[num_queries, 1, num_keys]``, True =
-    not visible) is None when every query row sees every gathered key (decode rows).
+    not visible) is None when every query row sees every gathered key (decode rows). ``causal``: row i
+    sees exactly keys 0..i (a chunk from position 0 that no window or attention chunk cuts), so fused
+    attention may skip the mask.
     """
 
     query_start: int
@@ -36,6 +38,7 @@ class SequencePlan:
     key_start: int
     key_end: int
     hidden: torch.Tensor | None
+    causal: bool = False
 
 
 @dataclass(slots=True)
@@ -178,6 +181,10 @@ def _build_layout(
                     attention_chunk_size,
                     device,
                 ),
+                causal=query_len > 1
+                and first_query_position == 0
+                and (sliding_window is None or sliding_window >= query_len)
+                and (attention_chunk_size is None or attention_chunk_size >= seq_len),
             )
         )
         query_start += query_len
