@@ -178,9 +178,11 @@ class WindowedManager(SingleTypeManager):
         self.steps.pop(request_id, None)
         if not blocks:
             return
-        block_ids = self.req_to_block_ids[request_id]
         start = self._window_start(request_id)
         end = min(self.first_needed_block(num_computed_tokens), len(blocks))
+        if end <= start:  # most steps: the window has not left a block behind
+            return
+        block_ids = self.req_to_block_ids[request_id]
         released = []
         for i in range(end - 1, start - 1, -1):
             if not blocks[i].is_null:

@@ -285,6 +285,24 @@ int hybridkv_paged_decode(
                     value_ptrs[j] = values_tile + j * value_dim;
                 }
             }
+            /* The next tile's blocks, requested now: each block is a fresh memory stream, and the pages of
+               a step's rows are rarely in cache (the model's weights have just gone through it). */
+            for (int64_t position = tile_start + TILE; position < tile_start + 2 * TILE && position < cached_end;
+                 position += block_size - position % block_size) {
+                const int64_t block_id = table[position / block_size];
+                const int64_t offset = position % block_size;
+                const int64_t last = (position / block_size + 1) * block_size;
+                const int tokens = (int)((last < cached_end ? last : cached_end) - position);
+                for (int t = 0; t < tokens; t++) {
+                    const char *key_src = keys.data + (block_id * keys.block_stride + (offset + t) * keys.token_stride +
+                                                       kv_head * keys.head_stride) * element_size;
+                    const char *value_src = values.data + (block_id * values.block_stride +
+                                                           (offset + t) * values.token_stride +
+                                                           kv_head * values.head_stride) * element_size;
+                    for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(key_src + byte);
+                    for (int byte = 0; byte < value_dim * element_size; byte += 64) __builtin_prefetch(value_src + byte);
+                }
+            }
             fold_tile(group, head_dim, value_dim, q, key_ptrs, value_ptrs, count, softcap, row_max, row_sum, acc);
         }
         for (int g = 0; g < group; g++) {

@@ -122,15 +122,13 @@ class StepMetadata:
         for seq, (row, seq_len) in enumerate(zip(rows, self.seq_lens_list, strict=True)):
             if len(row) * block_size < seq_len:
                 raise ValueError(f"sequence {seq}: {len(row)} blocks of {block_size} cannot hold {seq_len} tokens")
-        row_lens = [len(row) for row in rows]
-        width = max(row_lens, default=0)
+        width = max(map(len, rows), default=0)
+        padding = [NULL_BLOCK_ID] * width
         flat: list[int] = []
         for row in rows:
             flat += row
-        # Padded on the tensor side: one scatter instead of a Python loop over every padding entry.
-        table = torch.full((len(rows), width), NULL_BLOCK_ID, dtype=torch.int32, device=self.device)
-        in_row = torch.arange(width, device=self.device) < int_tensor(row_lens, torch.int32, self.device)[:, None]
-        table.masked_scatter_(in_row, int_tensor(flat, torch.int32, self.device))
+            flat += padding[len(row) :]
+        table = int_tensor(flat, torch.int32, self.device).view(len(rows), width)
         slot_index, offsets = self._slot_index(block_size, width)
         entries = table.view(-1)[slot_index].to(torch.int64)
         slot_mapping = torch.where(entries > NULL_BLOCK_ID, entries * block_size + offsets, -1)
