@@ -118,7 +118,7 @@ def throughput_row(model_name, workload_name, model):
         f"{model_name:<7}{workload_name:<8}{generated / gen_s:>10.1f}{generated / batch_s:>10.1f}"
         f"{generated / ours_s:>10.1f}{gen_s / ours_s:>9.2f}x{batch_s / ours_s:>9.2f}x"
         f"{matches(batch_tokens, reference):>9}{matches(ours_tokens, reference):>9}{scheduling:>11.1%}{overhead:>8.1%}"
-        f"{host_ms:>9.2f}{stats['prefix_cache_hit_rate']:>9.0%}"
+        f"{host_ms:>9.2f}{stats['prefix_cache_hit_rate']:>9.0%}{stats['step_threads']:>9}"
     )
 
 
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"torch {torch.__version__}, {args.threads} threads{busy}; tokens/s = generated tokens / wall seconds")
     print(
         f"{'model':<7}{'load':<8}{'generate':>10}{'gen_batch':>10}{'hybridkv':>10}{'vs gen':>10}{'vs batch':>10}"
-        f"{'batch ok':>9}{'ours ok':>9}{'sched+meta':>11}{'host':>8}{'host ms':>9}{'hits':>9}"
+        f"{'batch ok':>9}{'ours ok':>9}{'sched+meta':>11}{'host':>8}{'host ms':>9}{'hits':>9}{'threads':>9}"
     )
     workloads = args.workloads.split(",")
     builders = {"hybrid": hybrid_model, "llama": llama_model}
@@ -197,7 +197,8 @@ def run(args: argparse.Namespace) -> None:
     print(
         "'ok' = requests whose greedy tokens equal model.generate's; sched+meta = scheduling, inputs and metadata,"
         " update / hybridkv step time; host = all work outside the forward (sampling included) / step time;"
-        " host ms = that work per step"
+        " host ms = that work per step; threads = torch threads of hybridkv's last step (cpu_threads='auto': the"
+        " cores other processes leave; transformers runs on torch's count)"
     )
 
 
