@@ -16,7 +16,19 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
 
 SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
+
+
 # The flag of every `patch` setting `hybridkv serve` takes: its type, or its choices.
+def cpu_threads_flag(text: str) -> int | str:
+    """`--cpu-threads`: "auto" or a thread count."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count, got {text!r}") from None
+
+
 PATCH_FLAGS: dict[str, Any] = {
     "block_size": int,
     "num_blocks": int,
@@ -31,6 +43,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "preemption_mode": ["recompute", "swap"],
     "swap_space": int,
     "attention_backend": ["torch", "triton"],
+    "cpu_threads": cpu_threads_flag,
 }
 DEMO_PROMPTS = [
     "Once upon a time",

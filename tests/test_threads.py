@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -113,3 +115,12 @@ def test_proc_stat_readings_grow_with_time():
     sum(i * i for i in range(200_000))
     second = read_proc_stat()
     assert second[0] >= first[0] and second[1] >= first[1]
+
+
+def test_serve_takes_cpu_threads_as_auto_or_a_count():
+    from hybridkv.cli import cpu_threads_flag
+
+    assert cpu_threads_flag("auto") == "auto"
+    assert cpu_threads_flag("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="'auto' or a thread count"):
+        cpu_threads_flag("many")
