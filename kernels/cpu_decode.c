@@ -4,7 +4,8 @@
    the row's visible keys [first_position, seq_len) are read in tiles of TILE keys through the block
    table, converted to fp32 where the page holds another dtype, and folded into an online softmax
    (running max, running sum, output accumulator per q head). The last position is read from the
-   step's own rows when they are given (in flight: not stored yet). Items run in parallel on torch's
+   step's own rows when they are given (in flight: not stored yet), and with `store_slots` the item then
+   stores them into their slot (slot -1: not stored). Items run in parallel on torch's
    OpenMP pool (the library loads torch's libgomp, so no second pool spins beside it).
 
    The loops are vectorizable without -ffast-math: independent lanes, fixed reduction trees, exp as a
@@ -226,7 +227,7 @@ int hybridkv_paged_decode(
     const int32_t *block_table, int64_t table_width,
     const char *key_rows, int64_t key_row_stride, int64_t key_row_head_stride,
     const char *value_rows, int64_t value_row_stride, int64_t value_row_head_stride,
-    int format, int element_size, const float *lut,
+    const int64_t *store_slots, int format, int element_size, const float *lut,
     int num_q_heads, int num_kv_heads, int head_dim, int value_dim, int block_size,
     float scale, float v_scale, float softcap, const float *sinks, int num_threads, int64_t work) {
     const int group = num_q_heads / num_kv_heads;
@@ -306,6 +307,20 @@ int hybridkv_paged_decode(
             float *dst = out + row * out_row_stride + (int64_t)(kv_head * group + g) * out_head_stride;
             const float normalizer = v_scale / row_sum[g];
             for (int d = 0; d < value_dim; d++) dst[d] = acc[g * value_dim + d] * normalizer;
+        }
+        /* The row's own K/V into its slot, after this item's reads: no other item reads this head's slot
+           (a block a step writes is held by this sequence alone). */
+        if (store_slots && key_rows && store_slots[row] >= 0) {
+            const int64_t slot = store_slots[row], block = slot / block_size, offset = slot - block * block_size;
+            memcpy((char *)keys.data +
+                       (block * keys.block_stride + offset * keys.token_stride + kv_head * keys.head_stride) *
+                           element_size,
+                   key_rows + (row * key_row_stride + kv_head * key_row_head_stride) * element_size,
+                   (size_t)head_dim * element_size);
+            memcpy((char *)values.data + (block * values.block_stride + offset * values.token_stride +
+                                          kv_head * values.head_stride) * element_size,
+                   value_rows + (row * value_row_stride + kv_head * value_row_head_stride) * element_size,
+                   (size_t)value_dim * element_size);
         }
     }
     return 0;

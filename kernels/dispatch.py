@@ -122,7 +122,8 @@ def paged_attention(
         raise ValueError(f"sinks must be [num_q_heads={num_q_heads}], got {tuple(sinks.shape)}")
     backend = metadata.step.backend if backend is None else resolve_backend(backend, query.device)
     options = _Options(scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale)
-    return _attention(backend, query, key_cache, value_cache, metadata, options)
+    out, _ = _attention(backend, query, key_cache, value_cache, metadata, options)
+    return out
 
 
 def store_kv(
@@ -154,9 +155,12 @@ def attend(
     value: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    store: bool = False,
 ) -> torch.Tensor:
     """``paged_attention`` with the step's backend, for an engine's hot path: it checks only the query's
-    dtype (autocast may change it from call to call).
+    dtype (autocast may change it from call to call). With ``store`` the step's ``key``/``value`` rows
+    are in the cache when it returns, as ``store_kv`` puts them (after the attention read them: the
+    CPU decode kernel stores them itself on a step of decode rows only).
 
     The caller guarantees what ``paged_attention`` would check: the cache passed ``check_layer_cache``
     with the query's head count, the query (and ``key``/``value``, the step's own rows, when given)
@@ -165,7 +169,10 @@ def attend(
     """
     _check_rows_dtype("query", query)
     options = _Options(scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale)
-    return _attention(metadata.step.backend, query, key_cache, value_cache, metadata, options)
+    out, stored = _attention(metadata.step.backend, query, key_cache, value_cache, metadata, options, store)
+    if store and not stored and key is not None and value is not None:
+        store_kv(key, value, key_cache, value_cache, metadata, k_scale, v_scale)
+    return out
 
 
 def check_layer_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, num_q_heads: int | None = None) -> None:
@@ -227,12 +234,15 @@ def _attention(
     value_cache: torch.Tensor,
     metadata: PagedAttentionMetadata,
     options: _Options,
-) -> torch.Tensor:
+    store: bool = False,
+) -> tuple[torch.Tensor, bool]:
+    """The attention, and whether it stored the step's rows too (asked to ``store``; only the CPU decode
+    kernel does)."""
     if backend == "triton":
         from .triton_attention import triton_paged_attention
 
-        return triton_paged_attention(query, key_cache, value_cache, metadata, *options)
-    return torch_paged_attention(query, key_cache, value_cache, metadata, *options)
+        return triton_paged_attention(query, key_cache, value_cache, metadata, *options), False
+    return torch_paged_attention(query, key_cache, value_cache, metadata, *options, store=store)
 
 
 def _check_rows_dtype(name: str, rows: torch.Tensor) -> None:

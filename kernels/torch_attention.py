@@ -92,8 +92,11 @@ def torch_paged_attention(
     value: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
+    store: bool = False,
+) -> tuple[torch.Tensor, bool]:
+    """Paged attention of ``query`` rows over the cache (see ``hybridkv.kernels.paged_attention``), and
+    whether the step's rows were stored as well: asked to ``store``, the decode kernel stores them on a
+    step of decode rows only (one pass instead of a separate write); otherwise the caller stores them."""
     num_tokens, num_q_heads, head_dim = query.shape
     value_head_dim = value_cache.shape[-1]
     num_query_tokens = metadata.num_query_tokens
@@ -107,22 +110,14 @@ def torch_paged_attention(
     result = out
     if query.dtype != torch.float32:
         result = _WORKSPACE.get("out", tuple(out.shape), torch.float32, query.device)
+    stored = False
     if plan.decode is not None:
+        stored = store and not plan.sequences and key is not None and value is not None
+        store_slots = metadata.slot_mapping if stored else None
         _decode_rows(
-            plan.decode,
-            query,
-            key_cache,
-            value_cache,
-            metadata,
-            result,
-            scale,
-            softcap,
-            sinks,
-            key,
-            value,
-            k_scale,
-            v_scale,
-        )
+            plan.decode, query, key_cache, value_cache, metadata, result,
+            scale, softcap, sinks, key, value, k_scale, v_scale, store_slots,
+        )  # fmt: skip
     if plan.sequences:
         _gathered_rows(
             plan,
@@ -140,7 +135,7 @@ def torch_paged_attention(
         )
     if result is not out:
         out[:num_query_tokens].copy_(result[:num_query_tokens])
-    return out
+    return out, stored
 
 
 def _decode_rows(
@@ -157,8 +152,10 @@ def _decode_rows(
     value: torch.Tensor | None,
     k_scale: float,
     v_scale: float,
+    store_slots: torch.Tensor | None,
 ) -> None:
-    """The decode rows through the CPU kernel, straight from the pages, into the fp32 ``result``."""
+    """The decode rows through the CPU kernel, straight from the pages, into the fp32 ``result`` (and
+    their own K/V into ``store_slots``, when given)."""
     key_rows = value_rows = None
     if key is not None and value is not None:
         key_rows = _last_dim_contiguous(as_cached(key, key_cache.dtype, k_scale))
@@ -178,6 +175,7 @@ def _decode_rows(
         v_scale,
         softcap,
         sinks,
+        store_slots,
     )
 
 

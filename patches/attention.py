@@ -156,8 +156,9 @@ def hybridkv_attention(
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's
     # own keys are read in flight (a sharing layer receives its source's rows), earlier ones from the
-    # pages; the rows are stored afterwards, because a windowed group may store them into a block that
-    # held keys this attention reads (docs/design.md, "Window-only sliding groups").
+    # pages; the rows are stored afterwards (by `attend`, `store=True`), because a windowed group may store
+    # them into a block that held keys this attention reads (docs/design.md, "Window-only sliding groups").
+    store_now = layer.writes_kv and not layer.defers_store
     out = attend(
         query_rows,
         layer.key_cache,
@@ -172,11 +173,10 @@ def hybridkv_attention(
         value=value_rows,
         k_scale=layer.k_scale,
         v_scale=layer.v_scale,
+        store=store_now,
     )
     if layer.defers_store:
         step.deferred[module.layer_idx] = (key_rows, value_rows)
-    elif layer.writes_kv:
-        step.store(module.layer_idx, key_rows, value_rows)
     step.store_deferred(layer.stores_after)
     return out.unsqueeze(0), None
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from hybridkv.kernels import PagedAttentionMetadata, cpu_decode, paged_attention
+from hybridkv.kernels import PagedAttentionMetadata, attend, cpu_decode, paged_attention, store_kv
 from hybridkv.kernels.quant import FP8_DTYPES
 from hybridkv.kernels.torch_plan import torch_plan
 
@@ -128,3 +128,29 @@ def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
     built_at = library.stat().st_mtime_ns
     assert _in_a_fresh_process({}, tmp_path) == "True None"
     assert library.stat().st_mtime_ns == built_at
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, *FP8_DTYPES])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 6, 1]], ids=["decode-only", "mixed"])
+def test_attend_with_store_leaves_the_pages_as_a_separate_store_does(cache_dtype, query_lens):
+    """On a decode-only step the kernel stores the rows itself; either way the pages end the same."""
+    scales = {"k_scale": 0.05, "v_scale": 0.03} if cache_dtype in FP8_DTYPES else {}
+    pages = []
+    outputs = []
+    for fused in (True, False):
+        batch = make_paged_batch(
+            query_lens, [40, 70, 19], in_pages=True, in_flight=True, cache_dtype=cache_dtype, **scales
+        )
+        options = {"scale": 0.125, "key": batch.step_keys, "value": batch.step_values, **scales}
+        caches = (batch.key_cache, batch.value_cache, batch.metadata)
+        before = batch.key_cache.clone()
+        if fused:
+            outputs.append(attend(batch.query, *caches, store=True, **options))
+        else:
+            outputs.append(attend(batch.query, *caches, **options))
+            store_kv(batch.step_keys, batch.step_values, *caches, **scales)
+        pages.append((batch.key_cache.clone(), batch.value_cache.clone()))
+        assert not torch.equal(before.view(torch.uint8), batch.key_cache.view(torch.uint8))  # rows were stored
+    assert torch.equal(outputs[0], outputs[1])
+    for fused_pages, stored_pages in zip(*pages, strict=True):
+        assert torch.equal(fused_pages.view(torch.uint8), stored_pages.view(torch.uint8))
