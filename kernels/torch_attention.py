@@ -105,7 +105,8 @@ def torch_paged_attention(
     )
     plan = torch_plan(metadata, sliding_window, attention_chunk_size, batch_decodes)
     out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
-    out[num_query_tokens:] = 0
+    if num_tokens > num_query_tokens:
+        out[num_query_tokens:] = 0
     # Rows are computed in fp32; a 16-bit model's output is rounded once, at the end.
     result = out
     if query.dtype != torch.float32:
