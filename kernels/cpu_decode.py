@@ -27,7 +27,9 @@ import torch
 from .quant import is_fp8
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
-_FLAG_SETS = (["-O3", "-march=native"], ["-O3"])
+# Tried in order: a compiler without -march=native or without OpenMP (the kernel then runs on one
+# thread) still builds it.
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
@@ -111,7 +113,7 @@ def _build() -> Path:
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags, "-fPIC", "-shared", "-fopenmp", str(_SOURCE), "-o", str(built), "-lm"]
+            command = [compiler, *flags, "-fPIC", "-shared", str(_SOURCE), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: a process racing this one loads a whole file
