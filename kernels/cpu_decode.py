@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .quant import is_fp8
+from .torch_plan import DecodeRows
 
 _SOURCE = Path(__file__).with_name("cpu_decode.c")
 # Tried in order: a compiler without -march=native or without OpenMP (the kernel then runs on one
@@ -152,7 +153,7 @@ def element_format(dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
 
 
 def paged_decode(
-    rows_info: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+    decode: DecodeRows,
     query: torch.Tensor,
     out: torch.Tensor,
     key_cache: torch.Tensor,
@@ -170,15 +171,15 @@ def paged_decode(
     (int64, a slot per row of the step, -1: none) also store each row's ``key_rows``/``value_rows``
     into its slot, after reading.
 
-    ``rows_info`` is (sequence ids, row indices, first visible positions, sequence lengths; int32) and
-    the number of keys they see. ``query`` is fp32 ``[rows, q_heads, dim]`` (unscaled), ``out`` fp32
-    ``[rows, q_heads, value_dim]``; both with a contiguous last dimension. ``key_rows``/``value_rows``
-    are the step's rows as the cache holds them (its last position of each row is read from them), or
-    None when the rows are already stored. ``scale`` includes the K scale.
+    ``decode`` lists the rows, their sequences, first visible positions and lengths. ``query`` is fp32
+    ``[rows, q_heads, dim]`` (unscaled), ``out`` fp32 ``[rows, q_heads, value_dim]``; both with a
+    contiguous last dimension. ``key_rows``/``value_rows`` are the step's rows as the cache holds them
+    (the last position of each row is read from them), or None when the rows are already stored.
+    ``scale`` includes the K scale.
     """
     library = _load()
     assert library is not None, "call available() first"
-    seq_ids, rows, first_positions, seq_lens, num_keys = rows_info
+    seq_ids, rows, first_positions, seq_lens = decode.seq_ids, decode.rows, decode.first_positions, decode.seq_lens
     fmt, lut = element_format(key_cache.dtype)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, value_dim = value_cache.shape
@@ -197,7 +198,7 @@ def paged_decode(
         fmt, key_cache.element_size(), None if lut is None else lut.data_ptr(),
         num_q_heads, num_kv_heads, head_dim, value_dim, block_size,
         scale, v_scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,
-        num_keys * num_q_heads * head_dim,
+        decode.num_keys * num_q_heads * head_dim,
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(

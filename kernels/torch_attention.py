@@ -9,6 +9,8 @@ reuse, explicit matmul instead of SDPA, fp32 upcast per sequence, layout).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,18 @@ class _Workspace:
 
 
 _WORKSPACE = _Workspace()
+
+
+class _RowOptions(NamedTuple):
+    """What both ways of attending (the decode kernel, the gathered sequences) take past the tensors."""
+
+    scale: float
+    softcap: float | None
+    sinks: torch.Tensor | None
+    key: torch.Tensor | None
+    value: torch.Tensor | None
+    k_scale: float
+    v_scale: float
 
 
 def torch_write_kv(
@@ -111,29 +125,14 @@ def torch_paged_attention(
     result = out
     if query.dtype != torch.float32:
         result = _WORKSPACE.get("out", tuple(out.shape), torch.float32, query.device)
+    rows = _RowOptions(scale, softcap, sinks, key, value, k_scale, v_scale)
     stored = False
     if plan.decode is not None:
         stored = store and not plan.sequences and key is not None and value is not None
         store_slots = metadata.slot_mapping if stored else None
-        _decode_rows(
-            plan.decode, query, key_cache, value_cache, metadata, result,
-            scale, softcap, sinks, key, value, k_scale, v_scale, store_slots,
-        )  # fmt: skip
+        _decode_rows(plan.decode, query, key_cache, value_cache, metadata, result, rows, store_slots)
     if plan.sequences:
-        _gathered_rows(
-            plan,
-            query[:num_query_tokens],
-            key_cache,
-            value_cache,
-            result,
-            scale,
-            softcap,
-            sinks,
-            key,
-            value,
-            k_scale,
-            v_scale,
-        )
+        _gathered_rows(plan, query[:num_query_tokens], key_cache, value_cache, result, rows)
     if result is not out:
         out[:num_query_tokens].copy_(result[:num_query_tokens])
     return out, stored
@@ -146,17 +145,12 @@ def _decode_rows(
     value_cache: torch.Tensor,
     metadata: PagedAttentionMetadata,
     result: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    k_scale: float,
-    v_scale: float,
+    options: _RowOptions,
     store_slots: torch.Tensor | None,
 ) -> None:
     """The decode rows through the CPU kernel, straight from the pages, into the fp32 ``result`` (and
     their own K/V into ``store_slots``, when given)."""
+    scale, softcap, sinks, key, value, k_scale, v_scale = options
     key_rows = value_rows = None
     if key is not None and value is not None:
         key_rows = _last_dim_contiguous(as_cached(key, key_cache.dtype, k_scale))
@@ -164,7 +158,7 @@ def _decode_rows(
     if sinks is not None:
         sinks = sinks.float().contiguous()
     cpu_decode.paged_decode(
-        decode.as_tuple(),
+        decode,
         _last_dim_contiguous(query.float()),
         result,
         key_cache,
@@ -190,16 +184,11 @@ def _gathered_rows(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     result: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-    key: torch.Tensor | None,
-    value: torch.Tensor | None,
-    k_scale: float,
-    v_scale: float,
+    options: _RowOptions,
 ) -> None:
     """The plan's gathered sequences: one gather of their blocks, then attention per sequence, into the
     fp32 ``result``. ``query`` holds the step's rows (of the metadata), no more."""
+    scale, softcap, sinks, key, value, k_scale, v_scale = options
     num_rows, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads

@@ -53,9 +53,6 @@ class DecodeRows:
     seq_lens: torch.Tensor
     num_keys: int
 
-    def as_tuple(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        return self.seq_ids, self.rows, self.first_positions, self.seq_lens, self.num_keys
-
 
 @dataclass(slots=True)
 class TorchLayout:
