@@ -10,7 +10,10 @@
 
    The loops are vectorizable without -ffast-math: independent lanes, fixed reduction trees, exp as a
    polynomial (within 1 ulp of the C library's expf on [-87, 0]). With AVX2 the scores of 8 keys share
-   one horizontal reduction; output sums stay in registers over a tile.
+   one horizontal reduction. The weighted values of a tile are summed for several q heads of the group
+   in one pass, in register sums (each value chunk loaded once for them all, and enough independent
+   sums that the adder's latency never waits). A tile's key addresses are laid out per run of tokens of
+   one block; a row's kv heads go to one thread together (they share the pages' cache lines).
 
    Element formats: 0 fp32, 1 bf16 (upper half of an fp32), 2 any other 16-bit and 3 any 8-bit
    format, both read through a lookup table of their 65,536 or 256 values. */
@@ -155,55 +158,115 @@ static inline float sum_of_tile(const float *weights, int count) {
     return sum;
 }
 
-/* out_row += sum_j weights[j] * value_ptrs[j], 8 lanes at a time in register accumulators (up to 8 of
-   them per pass over the tile): the sum over a tile's keys is a chain of multiply-adds, and kept in
-   memory each link would wait for the previous store. */
+/* acc[h] += sum_j weights[h][j] * value_ptrs[j] for a GQA group's q heads h, 8 lanes at a time, in register
+   accumulators: HEADS q heads by CHUNKS chunks of 8 lanes per pass over the tile's keys. Each value
+   chunk is loaded once for all HEADS heads, and the HEADS * CHUNKS accumulators are independent chains
+   of multiply-adds (one chain per chunk would wait on the adder's latency at every key). */
 typedef float lanes8 __attribute__((vector_size(32)));
 typedef float lanes8_unaligned __attribute__((vector_size(32), aligned(4)));
 
-#define DEFINE_ADD_WEIGHTED(CHUNKS)                                                                           \
-    static void add_weighted_##CHUNKS(float *out, const float *weights, const float *const *value_ptrs,      \
-                                      int count, int offset) {                                               \
-        lanes8 sums[CHUNKS];                                                                                 \
-        for (int c = 0; c < CHUNKS; c++) sums[c] = *(const lanes8_unaligned *)(out + offset + 8 * c);        \
-        for (int j = 0; j < count; j++) {                                                                    \
-            const float weight = weights[j];                                                                 \
-            const float *value = value_ptrs[j] + offset;                                                     \
-            for (int c = 0; c < CHUNKS; c++) sums[c] += weight * *(const lanes8_unaligned *)(value + 8 * c); \
-        }                                                                                                    \
-        for (int c = 0; c < CHUNKS; c++) *(lanes8_unaligned *)(out + offset + 8 * c) = sums[c];              \
-    }
-DEFINE_ADD_WEIGHTED(1)
-DEFINE_ADD_WEIGHTED(2)
-DEFINE_ADD_WEIGHTED(4)
-DEFINE_ADD_WEIGHTED(8)
+#if defined(__AVX512F__)
+#define ACCUMULATORS 16 /* 32 vector registers: 16 sums, the chunks and the weights fit */
+#else
+#define ACCUMULATORS 8
+#endif
 
-static inline void add_weighted_values(float *out, const float *weights, const float *const *value_ptrs, int count,
-                                       int value_dim) {
-    int offset = 0;
-    for (; offset + 64 <= value_dim; offset += 64) add_weighted_8(out, weights, value_ptrs, count, offset);
-    if (offset + 32 <= value_dim) add_weighted_4(out, weights, value_ptrs, count, offset), offset += 32;
-    if (offset + 16 <= value_dim) add_weighted_2(out, weights, value_ptrs, count, offset), offset += 16;
-    if (offset + 8 <= value_dim) add_weighted_1(out, weights, value_ptrs, count, offset), offset += 8;
-    for (; offset < value_dim; offset++)
-        for (int j = 0; j < count; j++) out[offset] += weights[j] * value_ptrs[j][offset];
+#define DEFINE_ADD_WEIGHTED(HEADS, CHUNKS)                                                                    \
+    static void add_weighted_##HEADS##x##CHUNKS(float *acc, int value_dim, const float *weights,             \
+                                                const float *const *value_ptrs, int count, int offset) {    \
+        lanes8 sums[HEADS][CHUNKS];                                                                          \
+        for (int h = 0; h < HEADS; h++)                                                                      \
+            for (int c = 0; c < CHUNKS; c++)                                                                 \
+                sums[h][c] = *(const lanes8_unaligned *)(acc + h * value_dim + offset + 8 * c);              \
+        for (int j = 0; j < count; j++) {                                                                    \
+            const float *value = value_ptrs[j] + offset;                                                     \
+            lanes8 chunk[CHUNKS];                                                                            \
+            for (int c = 0; c < CHUNKS; c++) chunk[c] = *(const lanes8_unaligned *)(value + 8 * c);          \
+            for (int h = 0; h < HEADS; h++) {                                                                \
+                const float weight = weights[h * TILE + j];                                                  \
+                for (int c = 0; c < CHUNKS; c++) sums[h][c] += weight * chunk[c];                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int h = 0; h < HEADS; h++)                                                                      \
+            for (int c = 0; c < CHUNKS; c++)                                                                 \
+                *(lanes8_unaligned *)(acc + h * value_dim + offset + 8 * c) = sums[h][c];                    \
+    }
+DEFINE_ADD_WEIGHTED(1, 1)
+DEFINE_ADD_WEIGHTED(1, 2)
+DEFINE_ADD_WEIGHTED(1, 4)
+DEFINE_ADD_WEIGHTED(1, 8)
+DEFINE_ADD_WEIGHTED(2, 1)
+DEFINE_ADD_WEIGHTED(2, 2)
+DEFINE_ADD_WEIGHTED(2, 4)
+DEFINE_ADD_WEIGHTED(4, 1)
+DEFINE_ADD_WEIGHTED(4, 2)
+#if ACCUMULATORS >= 16
+DEFINE_ADD_WEIGHTED(2, 8)
+DEFINE_ADD_WEIGHTED(4, 4)
+#endif
+
+typedef void (*AddWeighted)(float *, int, const float *, const float *const *, int, int);
+
+/* The pass for `heads` (1, 2 or 4) q heads by `chunks` (1, 2, 4 or 8) chunks, at most ACCUMULATORS sums. */
+static AddWeighted add_weighted_pass(int heads, int chunks) {
+    static const AddWeighted passes[3][4] = {
+        {add_weighted_1x1, add_weighted_1x2, add_weighted_1x4, add_weighted_1x8},
+        {add_weighted_2x1, add_weighted_2x2, add_weighted_2x4,
+#if ACCUMULATORS >= 16
+         add_weighted_2x8
+#else
+         0
+#endif
+        },
+        {add_weighted_4x1, add_weighted_4x2,
+#if ACCUMULATORS >= 16
+         add_weighted_4x4,
+#else
+         0,
+#endif
+         0},
+    };
+    return passes[heads == 4 ? 2 : heads - 1][chunks == 8 ? 3 : chunks == 4 ? 2 : chunks - 1];
 }
 
-/* A tile of `count` keys folded into the group's online softmax: scores, running max and sum, output. */
+/* acc[h] += sum_j weights[h * TILE + j] * value_ptrs[j] for the group's `group` q heads. */
+static inline void add_weighted_values(float *acc, int group, const float *weights, const float *const *value_ptrs,
+                                       int count, int value_dim) {
+    int offset = 0;
+    while (offset + 8 <= value_dim) {
+        const int left = (value_dim - offset) / 8;
+        const int chunks = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const int most_heads = ACCUMULATORS / chunks;
+        for (int h = 0; h < group;) {
+            int heads = group - h;
+            heads = heads > most_heads ? most_heads : heads;
+            heads = heads >= 4 ? 4 : heads >= 2 ? 2 : 1;
+            add_weighted_pass(heads, chunks)(acc + h * value_dim, value_dim, weights + h * TILE, value_ptrs, count,
+                                             offset);
+            h += heads;
+        }
+        offset += 8 * chunks;
+    }
+    for (; offset < value_dim; offset++)
+        for (int h = 0; h < group; h++)
+            for (int j = 0; j < count; j++) acc[h * value_dim + offset] += weights[h * TILE + j] * value_ptrs[j][offset];
+}
+
+/* A tile of `count` keys folded into the group's online softmax: each q head's scores, running max and
+   sum (its output rescaled where the max grows), then the weighted values of all the group's heads. */
 static inline __attribute__((always_inline)) void fold_tile(int group, int head_dim, int value_dim, const float *q,
                                                             const float *const *key_ptrs, const float *const *value_ptrs,
                                                             int count, float softcap, float *row_max, float *row_sum,
-                                                            float *acc) {
-    float scores[TILE];
+                                                            float *acc, float *weights) {
     for (int g = 0; g < group; g++) {
-        const float *q_row = q + g * head_dim;
-        tile_scores(q_row, key_ptrs, count, head_dim, scores);
+        float *scores = weights + g * TILE;
+        tile_scores(q + g * head_dim, key_ptrs, count, head_dim, scores);
         if (softcap > 0.0f) softcap_tile(scores, count, softcap);
         for (int j = count; j < TILE; j++) scores[j] = -INFINITY; /* exp gives 0: unused keys weigh nothing */
         const float tile_max = max_of_tile(scores, row_max[g]);
-        float *out_row = acc + g * value_dim;
         if (tile_max > row_max[g]) {
             const float correction = row_max[g] == -INFINITY ? 0.0f : expf(row_max[g] - tile_max);
+            float *out_row = acc + g * value_dim;
             row_sum[g] *= correction;
             for (int d = 0; d < value_dim; d++) out_row[d] *= correction;
             row_max[g] = tile_max;
@@ -211,8 +274,8 @@ static inline __attribute__((always_inline)) void fold_tile(int group, int head_
         for (int j = 0; j < count; j++) scores[j] -= row_max[g];
         exp_tile(scores, count);
         row_sum[g] += sum_of_tile(scores, count);
-        add_weighted_values(out_row, scores, value_ptrs, count, value_dim);
     }
+    add_weighted_values(acc, group, weights, value_ptrs, count, value_dim);
 }
 
 /* Returns 0, or 1 if a GQA group's rows are too large for the stack buffers (the caller takes the torch
@@ -231,13 +294,18 @@ int hybridkv_paged_decode(
     int num_q_heads, int num_kv_heads, int head_dim, int value_dim, int block_size,
     float scale, float v_scale, float softcap, const float *sinks, int num_threads, int64_t work) {
     const int group = num_q_heads / num_kv_heads;
-    if ((int64_t)group * (head_dim + value_dim + 2) + (int64_t)TILE * (head_dim + value_dim) > 65536) return 1;
+    if ((int64_t)group * (head_dim + value_dim + 2 + TILE) + (int64_t)TILE * (head_dim + value_dim) > 65536) return 1;
     const Pages keys = {key_cache, key_block_stride, key_token_stride, key_head_stride};
     const Pages values = {value_cache, value_block_stride, value_token_stride, value_head_stride};
     const int64_t num_items = num_rows * num_kv_heads;
     const int parallel = num_threads > 1 && work >= 65536;
+    const int64_t key_token_bytes = key_token_stride * element_size, value_token_bytes = value_token_stride * element_size;
+    const int key_bytes = head_dim * element_size, value_bytes = value_dim * element_size;
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (parallel)
+    /* A row's kv heads share its pages' cache lines (and the hardware's prefetches of them): one thread takes
+       them together, unless the rows are too few to keep every thread busy. */
+    const int64_t chunk = num_rows >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (parallel)
     for (int64_t item = 0; item < num_items; item++) {
         const int64_t index = item / num_kv_heads;
         const int kv_head = (int)(item % num_kv_heads);
@@ -248,7 +316,7 @@ int hybridkv_paged_decode(
         /* q: the group's rows, scaled; a tile's keys and values as fp32 where the page holds another
            format (fp32 pages are read in place, through key_ptrs and value_ptrs). */
         float q[group * head_dim], acc[group * value_dim], row_max[group], row_sum[group];
-        float keys_f32[TILE * head_dim], values_f32[TILE * value_dim];
+        float keys_f32[TILE * head_dim], values_f32[TILE * value_dim], weights[group * TILE];
         const float *key_ptrs[TILE], *value_ptrs[TILE];
         for (int g = 0; g < group; g++) {
             const float *src = query + row * query_row_stride + (int64_t)(kv_head * group + g) * query_head_stride;
@@ -259,49 +327,60 @@ int hybridkv_paged_decode(
         memset(acc, 0, sizeof acc);
         for (int64_t tile_start = first; tile_start < seq_len; tile_start += TILE) {
             const int count = seq_len - tile_start < TILE ? (int)(seq_len - tile_start) : TILE;
-            int64_t block = tile_start / block_size, offset = tile_start - block * block_size;
-            for (int j = 0; j < count; j++, offset++) {
-                if (offset == block_size) block++, offset = 0;
-                const char *key_src, *value_src;
-                if (tile_start + j < cached_end) {
-                    const int64_t block_id = table[block];
-                    key_src = keys.data + (block_id * keys.block_stride + offset * keys.token_stride +
-                                           kv_head * keys.head_stride) * element_size;
-                    value_src = values.data + (block_id * values.block_stride + offset * values.token_stride +
-                                               kv_head * values.head_stride) * element_size;
-                } else {
-                    key_src = key_rows + (row * key_row_stride + kv_head * key_row_head_stride) * element_size;
-                    value_src = value_rows + (row * value_row_stride + kv_head * value_row_head_stride) * element_size;
+            /* The tile's keys and values: runs of consecutive tokens of one block, then the row's own (in flight). */
+            const int64_t tile_end = tile_start + count, stored_end = tile_end < cached_end ? tile_end : cached_end;
+            const char *key_srcs[TILE], *value_srcs[TILE];
+            int j = 0;
+            for (int64_t position = tile_start; position < stored_end;) {
+                const int64_t block = position / block_size, offset = position - block * block_size;
+                const int64_t block_id = table[block];
+                const int64_t run_end = position - offset + block_size < stored_end ? position - offset + block_size
+                                                                                     : stored_end;
+                const char *key_src = keys.data + (block_id * keys.block_stride + offset * keys.token_stride +
+                                                   kv_head * keys.head_stride) * element_size;
+                const char *value_src = values.data + (block_id * values.block_stride + offset * values.token_stride +
+                                                       kv_head * values.head_stride) * element_size;
+                for (; position < run_end; position++, j++) {
+                    key_srcs[j] = key_src, value_srcs[j] = value_src;
+                    key_src += key_token_bytes, value_src += value_token_bytes;
                 }
-                if (format == FORMAT_F32) {
-                    key_ptrs[j] = (const float *)key_src;
-                    value_ptrs[j] = (const float *)value_src;
-                } else {
-                    to_float(key_src, format, lut, head_dim, keys_f32 + j * head_dim);
+            }
+            if (j < count) { /* the last position, read from the step's own rows */
+                key_srcs[j] = key_rows + (row * key_row_stride + kv_head * key_row_head_stride) * element_size;
+                value_srcs[j] = value_rows + (row * value_row_stride + kv_head * value_row_head_stride) * element_size;
+            }
+            if (format == FORMAT_F32) {
+                for (j = 0; j < count; j++) {
+                    key_ptrs[j] = (const float *)key_srcs[j];
+                    value_ptrs[j] = (const float *)value_srcs[j];
+                }
+            } else {
+                for (j = 0; j < count; j++) {
+                    to_float(key_srcs[j], format, lut, head_dim, keys_f32 + j * head_dim);
                     key_ptrs[j] = keys_f32 + j * head_dim;
-                    to_float(value_src, format, lut, value_dim, values_f32 + j * value_dim);
+                    to_float(value_srcs[j], format, lut, value_dim, values_f32 + j * value_dim);
                     value_ptrs[j] = values_f32 + j * value_dim;
                 }
             }
             /* The next tile's blocks, requested now: each block is a fresh memory stream, and the pages of
                a step's rows are rarely in cache (the model's weights have just gone through it). */
-            for (int64_t position = tile_start + TILE; position < tile_start + 2 * TILE && position < cached_end;
-                 position += block_size - position % block_size) {
-                const int64_t block_id = table[position / block_size];
-                const int64_t offset = position % block_size;
-                const int64_t last = (position / block_size + 1) * block_size;
-                const int tokens = (int)((last < cached_end ? last : cached_end) - position);
-                for (int t = 0; t < tokens; t++) {
-                    const char *key_src = keys.data + (block_id * keys.block_stride + (offset + t) * keys.token_stride +
-                                                       kv_head * keys.head_stride) * element_size;
-                    const char *value_src = values.data + (block_id * values.block_stride +
-                                                           (offset + t) * values.token_stride +
-                                                           kv_head * values.head_stride) * element_size;
-                    for (int byte = 0; byte < head_dim * element_size; byte += 64) __builtin_prefetch(key_src + byte);
-                    for (int byte = 0; byte < value_dim * element_size; byte += 64) __builtin_prefetch(value_src + byte);
+            const int64_t next_end = tile_end + TILE < cached_end ? tile_end + TILE : cached_end;
+            for (int64_t position = tile_end; position < next_end;) {
+                const int64_t block = position / block_size, offset = position - block * block_size;
+                const int64_t block_id = table[block];
+                const int64_t run_end = position - offset + block_size < next_end ? position - offset + block_size
+                                                                                   : next_end;
+                const char *key_src = keys.data + (block_id * keys.block_stride + offset * keys.token_stride +
+                                                   kv_head * keys.head_stride) * element_size;
+                const char *value_src = values.data + (block_id * values.block_stride + offset * values.token_stride +
+                                                       kv_head * values.head_stride) * element_size;
+                for (; position < run_end; position++) {
+                    for (int byte = 0; byte < key_bytes; byte += 64) __builtin_prefetch(key_src + byte);
+                    for (int byte = 0; byte < value_bytes; byte += 64) __builtin_prefetch(value_src + byte);
+                    key_src += key_token_bytes, value_src += value_token_bytes;
                 }
             }
-            fold_tile(group, head_dim, value_dim, q, key_ptrs, value_ptrs, count, softcap, row_max, row_sum, acc);
+            fold_tile(group, head_dim, value_dim, q, key_ptrs, value_ptrs, count, softcap, row_max, row_sum, acc, weights);
         }
         for (int g = 0; g < group; g++) {
             float *dst = out + row * out_row_stride + (int64_t)(kv_head * group + g) * out_head_stride;

@@ -60,7 +60,7 @@ def available() -> bool:
 
 def accepts(group: int, head_dim: int, value_dim: int) -> bool:
     """Whether the kernel is available and its stack buffers hold a GQA group's rows (any real model's do)."""
-    floats = group * (head_dim + value_dim + 2) + _TILE * (head_dim + value_dim)
+    floats = group * (head_dim + value_dim + 2 + _TILE) + _TILE * (head_dim + value_dim)
     return not _disabled and floats <= _MAX_ITEM_FLOATS and available()
 
 

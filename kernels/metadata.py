@@ -116,24 +116,39 @@ class StepMetadata:
         step at a null or negative entry get slot -1, so the cache write skips them. Groups of one
         block size share the step's layouts.
         """
-        rows = [list(row) for row in block_table]
-        if len(rows) != self.num_seqs:
-            raise ValueError(f"the block table has {len(rows)} rows for the step's {self.num_seqs} sequences")
-        for seq, (row, seq_len) in enumerate(zip(rows, self.seq_lens_list, strict=True)):
-            if len(row) * block_size < seq_len:
-                raise ValueError(f"sequence {seq}: {len(row)} blocks of {block_size} cannot hold {seq_len} tokens")
-        width = max(map(len, rows), default=0)
+        return self.for_groups([block_table], block_size)[0]
+
+    def for_groups(
+        self, block_tables: Sequence[Sequence[Sequence[int]]], block_size: int
+    ) -> list[PagedAttentionMetadata]:
+        """``for_group`` of several groups of one block size at once: their tables are padded to one width
+        and go to the device as one tensor, and their slots are computed together (each group's table
+        and slot mapping are views of those), so the tensor work per step does not grow with the groups."""
+        group_rows = [[list(row) for row in block_table] for block_table in block_tables]
+        seq_lens = self.seq_lens_list
+        width = 0
+        for rows in group_rows:
+            if len(rows) != self.num_seqs:
+                raise ValueError(f"the block table has {len(rows)} rows for the step's {self.num_seqs} sequences")
+            for seq, (row, seq_len) in enumerate(zip(rows, seq_lens, strict=True)):
+                if len(row) * block_size < seq_len:
+                    raise ValueError(f"sequence {seq}: {len(row)} blocks of {block_size} cannot hold {seq_len} tokens")
+                width = max(width, len(row))
         padding = [NULL_BLOCK_ID] * width
         flat: list[int] = []
-        for row in rows:
-            flat += row
-            flat += padding[len(row) :]
-        table = int_tensor(flat, torch.int32, self.device).view(len(rows), width)
+        for rows in group_rows:
+            for row in rows:
+                flat += row
+                flat += padding[len(row) :]
+        tables = int_tensor(flat, torch.int32, self.device).view(len(group_rows), self.num_seqs, width)
         slot_index, offsets = self._slot_index(block_size, width)
-        entries = table.view(-1)[slot_index].to(torch.int64)
-        slot_mapping = torch.where(entries > NULL_BLOCK_ID, entries * block_size + offsets, -1)
-        table.abs_()
-        return PagedAttentionMetadata(self, table, slot_mapping, block_size, rows)
+        entries = tables.view(len(group_rows), -1)[:, slot_index].to(torch.int64)
+        slot_mappings = torch.where(entries > NULL_BLOCK_ID, entries * block_size + offsets, -1)
+        tables.abs_()
+        return [
+            PagedAttentionMetadata(self, table, slot_mapping, block_size, rows)
+            for table, slot_mapping, rows in zip(tables, slot_mappings, group_rows, strict=True)
+        ]
 
     def triton_tiles(self, block_q: int) -> TritonQueryTiles:
         """Query tiles of ``block_q`` tokens, built on the first layer that asks for them."""
@@ -238,11 +253,22 @@ def build_step_metadata(
 ) -> list[PagedAttentionMetadata]:
     """One step's metadata for every (device, KV cache group): entry ``d * num_groups + g`` is group g
     (block table ``group_block_tables[g]``, blocks of ``group_block_sizes[g]``) on ``devices[d]``."""
+    if len(group_block_tables) != len(group_block_sizes):
+        raise ValueError(
+            f"{len(group_block_tables)} block tables for {len(group_block_sizes)} block sizes: one of each per group"
+        )
+    groups_by_size: dict[int, list[int]] = {}
+    for group, block_size in enumerate(group_block_sizes):
+        groups_by_size.setdefault(block_size, []).append(group)
     metadata: list[PagedAttentionMetadata] = []
     for device in devices:
         step = StepMetadata.build(query_lens, seq_lens, device, backend)
-        for block_table, block_size in zip(group_block_tables, group_block_sizes, strict=True):
-            metadata.append(step.for_group(block_table, block_size))
+        step_groups: list[PagedAttentionMetadata | None] = [None] * len(group_block_sizes)
+        for block_size, groups in groups_by_size.items():
+            built = step.for_groups([group_block_tables[g] for g in groups], block_size)
+            for group, group_metadata in zip(groups, built, strict=True):
+                step_groups[group] = group_metadata
+        metadata.extend(step_groups)  # type: ignore[arg-type]  # every group was built
     return metadata
 
 

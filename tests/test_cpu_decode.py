@@ -66,6 +66,29 @@ def test_every_page_format_matches_the_per_sequence_path(cache_dtype, in_flight)
     assert max_abs_error(kernel, loop) <= 2e-6
 
 
+@pytest.mark.parametrize(
+    ("queries_per_kv", "num_kv_heads", "head_dim", "value_head_dim"),
+    [(3, 2, 20, 12), (8, 1, 72, 72), (5, 3, 16, 136), (1, 4, 8, 4), (16, 1, 256, 256)],
+)
+def test_every_head_grouping_and_width_matches_the_reference(queries_per_kv, num_kv_heads, head_dim, value_head_dim):
+    """The kernel sums values for up to four q heads by up to eight 8-lane chunks per pass, then the rest
+    (a chunk tail of fewer than 8 lanes one by one): odd groups and widths take every combination."""
+    batch = make_paged_batch(
+        [1, 1, 1, 1],
+        [45, 1, 77, 260],
+        num_q_heads=queries_per_kv * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        value_head_dim=value_head_dim,
+        in_flight=True,
+    )
+    options = {"scale": head_dim**-0.5, "key": batch.step_keys, "value": batch.step_values}
+    kernel, loop = _kernel_and_loop(batch, **options)
+    assert max_abs_error(kernel, loop) <= 2e-6
+    reference = reference_attention(batch, scale=head_dim**-0.5)
+    assert max_abs_error(kernel, reference) <= 2e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_models_get_their_output_rounded_once(dtype):
     batch = make_paged_batch([1, 1, 5], [40, 90, 5], dtype=dtype)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hybridkv.sampler import SamplingRow, _apply_penalties, _filtered_probs, sample
+from hybridkv.sampler import SamplingRow, _apply_penalties, _filtered_probs, greedy_tokens, sample
 from hybridkv.sampling_params import SamplingParams
 
 
@@ -120,3 +120,24 @@ def test_greedy_ties_go_to_the_first_index_as_in_transformers():
     logits = torch.zeros(2, 1000)
     logits[:, 7] = logits[:, 500] = 1.0
     assert sample(logits, [row(temperature=0), row(temperature=0)])[0] == [7, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_equal_torch_argmax_with_ties_nans_and_infinities(dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 32_000, generator=generator).to(dtype)
+    logits[1, 9] = logits[1, 20_000] = 50  # a tie: the first index
+    logits[2, 5], logits[2, 31_000] = float("nan"), float("nan")  # NaN ranks first, the first NaN wins
+    logits[3] = float("-inf")
+    logits[3, 123] = float("inf")
+    logits[4, 700] = logits[4, 900] = float("inf")
+    logits[5] = 0.0  # all equal: index 0
+    logits[5, 1] = -0.0
+    expected = torch.argmax(logits, dim=-1).tolist()
+    assert expected[1:] == [9, 5, 123, 700, 0]
+    assert torch.as_tensor(greedy_tokens(logits)).tolist() == expected
+    # A strided view (rows of a larger batch) and the mixed greedy/random path agree too.
+    assert torch.as_tensor(greedy_tokens(logits[::2])).tolist() == expected[::2]
+    rows = [row(temperature=0), row(temperature=1.0, seed=1)] * 3
+    tokens, _ = sample(logits.float(), rows)
+    assert tokens[::2] == expected[::2]
