@@ -14,6 +14,7 @@ them. Per-layer Python work is the cost that dominates on the CPU, so layers onl
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -124,22 +125,25 @@ class StepMetadata:
         """``for_group`` of several groups of one block size at once: their tables are padded to one width
         and go to the device as one tensor, and their slots are computed together (each group's table
         and slot mapping are views of those), so the tensor work per step does not grow with the groups."""
-        group_rows = [[list(row) for row in block_table] for block_table in block_tables]
-        seq_lens = self.seq_lens_list
-        width = 0
+        group_rows = [table if isinstance(table, list) else list(table) for table in block_tables]
+        needed = [-(-seq_len // block_size) for seq_len in self.seq_lens_list]
+        group_lengths = []
         for rows in group_rows:
             if len(rows) != self.num_seqs:
                 raise ValueError(f"the block table has {len(rows)} rows for the step's {self.num_seqs} sequences")
-            for seq, (row, seq_len) in enumerate(zip(rows, seq_lens, strict=True)):
-                if len(row) * block_size < seq_len:
-                    raise ValueError(f"sequence {seq}: {len(row)} blocks of {block_size} cannot hold {seq_len} tokens")
-                width = max(width, len(row))
+            lengths = list(map(len, rows))
+            if any(map(operator.lt, lengths, needed)):
+                seq = next(s for s, (length, need) in enumerate(zip(lengths, needed, strict=True)) if length < need)
+                seq_len = self.seq_lens_list[seq]
+                raise ValueError(f"sequence {seq}: {lengths[seq]} blocks of {block_size} cannot hold {seq_len} tokens")
+            group_lengths.append(lengths)
+        width = max(map(max, group_lengths), default=0) if self.num_seqs else 0
         padding = [NULL_BLOCK_ID] * width
         flat: list[int] = []
-        for rows in group_rows:
-            for row in rows:
+        for rows, lengths in zip(group_rows, group_lengths, strict=True):
+            for row, length in zip(rows, lengths, strict=True):
                 flat += row
-                flat += padding[len(row) :]
+                flat += padding[length:]
         tables = int_tensor(flat, torch.int32, self.device).view(len(group_rows), self.num_seqs, width)
         slot_index, offsets = self._slot_index(block_size, width)
         entries = tables.view(len(group_rows), -1)[:, slot_index].to(torch.int64)
@@ -192,9 +196,10 @@ class PagedAttentionMetadata:
 
     ``block_table`` (int32) holds the group's block ids per sequence, padded with the null block (0);
     entries at or beyond ``ceil(seq_lens[s] / block_size)`` are never read. ``slot_mapping[t]``
-    (int64) is the cache slot of query row t, -1 where the row is not stored. The lengths are the
-    step's (``step``), also readable here: ``cu_seqlens_q``, ``seq_lens``, ``query_lens_list``,
-    ``seq_lens_list``, ``num_seqs``, ``num_query_tokens``.
+    (int64) is the cache slot of query row t, -1 where the row is not stored. ``block_table_rows``
+    are the rows as given (not copied: an engine passes its managers' live lists, read during the step).
+    The lengths are the step's (``step``), also readable here: ``cu_seqlens_q``, ``seq_lens``,
+    ``query_lens_list``, ``seq_lens_list``, ``num_seqs``, ``num_query_tokens``.
     """
 
     step: StepMetadata

@@ -98,9 +98,11 @@ def torch_plan(
     plan = metadata.torch_plans.get(visibility)
     if plan is None:
         layout = torch_layout(metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes)
-        table = metadata.block_table
-        flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
-        block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
+        block_ids = layout.gather_blocks  # empty when nothing is gathered (a step of decode rows only)
+        if layout.sequences:
+            table = metadata.block_table
+            flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
+            block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
         plan = TorchAttentionPlan(block_ids, layout.sequences, layout.row_keys, layout.gathered_rows, layout.decode)
         metadata.torch_plans[visibility] = plan
     return plan
@@ -129,6 +131,19 @@ def _build_layout(
     attention_chunk_size: int | None,
     batch_decodes: bool,
 ) -> TorchLayout:
+    if batch_decodes and step.num_query_tokens == step.num_seqs:
+        return _decode_only_layout(step, sliding_window, attention_chunk_size)
+    return _general_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
+
+
+def _general_layout(
+    step: StepMetadata,
+    block_size: int,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    batch_decodes: bool,
+) -> TorchLayout:
+    """Any step: sequences of more than one row (all of them without ``batch_decodes``) are gathered."""
     device = step.device
     sequences: list[SequencePlan] = []
     # Decode rows for the kernel: (sequence, row, first visible position, length).
@@ -213,6 +228,31 @@ def _build_layout(
         None if all_gathered else rows,
         decode,
     )
+
+
+def _decode_only_layout(
+    step: StepMetadata, sliding_window: int | None, attention_chunk_size: int | None
+) -> TorchLayout:
+    """A step of decode rows only, every row to the decode kernel: nothing is gathered. Row s is
+    sequence s; it sees from ``seq_len - W`` (a window W), its chunk's start, or 0."""
+    device = step.device
+    seq_lens = step.seq_lens_list
+    if sliding_window is not None:
+        first_positions = [max(0, seq_len - sliding_window) for seq_len in seq_lens]
+    elif attention_chunk_size is not None:
+        first_positions = [(seq_len - 1) // attention_chunk_size * attention_chunk_size for seq_len in seq_lens]
+    else:
+        first_positions = [0] * len(seq_lens)
+    rows = torch.arange(step.num_seqs, dtype=torch.int32, device=device)
+    nothing = torch.empty(0, dtype=torch.int64, device=device)
+    decode = DecodeRows(
+        rows,
+        rows,
+        int_tensor(first_positions, torch.int32, device),
+        step.seq_lens,
+        sum(seq_lens) - sum(first_positions),
+    )
+    return TorchLayout([], nothing, nothing, nothing, nothing, decode)
 
 
 def _hidden_keys(

@@ -13,7 +13,7 @@ import torch
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, cpu_decode, paged_attention, store_kv
 from hybridkv.kernels.quant import FP8_DTYPES
-from hybridkv.kernels.torch_plan import torch_plan
+from hybridkv.kernels.torch_plan import _decode_only_layout, _general_layout, torch_plan
 
 from kernel_reference import make_paged_batch, max_abs_error, reference_attention
 
@@ -177,3 +177,17 @@ def test_attend_with_store_leaves_the_pages_as_a_separate_store_does(cache_dtype
     assert torch.equal(outputs[0], outputs[1])
     for fused_pages, stored_pages in zip(*pages, strict=True):
         assert torch.equal(fused_pages.view(torch.uint8), stored_pages.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("window", "chunk"), [(None, None), (24, None), (None, 32)])
+def test_a_step_of_decode_rows_only_gets_the_layout_the_general_builder_gives(window, chunk):
+    step = PagedAttentionMetadata.build([1, 1, 1], [10, 100, 33], [[1], [2] * 7, [3] * 3], 16).step
+    fast = _decode_only_layout(step, window, chunk)
+    general = _general_layout(step, 16, window, chunk, batch_decodes=True)
+    assert fast.sequences == general.sequences == []
+    for name in ("seq_ids", "rows", "first_positions", "seq_lens"):
+        assert getattr(fast.decode, name).tolist() == getattr(general.decode, name).tolist(), name
+        assert getattr(fast.decode, name).dtype == torch.int32
+    assert fast.decode.num_keys == general.decode.num_keys
+    for name in ("gather_seqs", "gather_blocks", "row_keys", "gathered_rows"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist() == [], name

@@ -10,6 +10,7 @@ from hybridkv.kernels import (
     StepMetadata,
     allocate_kv_cache,
     allocate_kv_pages,
+    build_step_metadata,
     kv_page_views,
     num_blocks_for_budget,
     num_blocks_for_memory_utilization,
@@ -200,6 +201,29 @@ def test_groups_of_other_block_sizes_get_their_own_layouts():
     assert torch_plan(large, None).gather_block_ids.tolist() == [8, 9, 10, 11]
     assert torch_plan(small, None).sequences is not torch_plan(large, None).sequences
     assert large.slot_mapping.tolist() == [9 * 32 + 7, 11 * 32 + 31]
+
+
+def test_a_step_builds_all_its_groups_at_once_as_each_would_be_built_alone():
+    """build_step_metadata pads the tables of every group of one block size to one width and computes
+    their slots together: each group's table and slots equal its own for_group's (at that width),
+    with moved blocks (negative) and null blocks not stored, and groups of another size apart."""
+    query_lens, seq_lens = [1, 6, 1], [40, 6, 90]
+    tables = [
+        [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10]],  # full attention
+        [[0, 2, -3], [4], [0, 0, 0, 0, 11, 12]],  # a window: null blocks, a block moved this step
+        [[13, 14], [15], [16, 17, 18]],  # blocks of 32
+    ]
+    built = build_step_metadata(query_lens, seq_lens, tables, [16, 16, 32], [torch.device("cpu")])
+    assert len(built) == 3 and built[0].step is built[1].step is built[2].step
+    for group, (table, block_size) in enumerate(zip(tables, [16, 16, 32], strict=True)):
+        alone = StepMetadata.build(query_lens, seq_lens).for_group(table, block_size)
+        assert built[group].block_table.tolist() == alone.block_table.tolist()
+        assert built[group].slot_mapping.tolist() == alone.slot_mapping.tolist()
+        assert built[group].block_table_rows == table
+    assert built[1].slot_mapping.tolist() == [-1, *(4 * 16 + i for i in range(6)), 12 * 16 + 9]
+    assert built[1].block_table[0].tolist() == [0, 2, 3, 0, 0, 0]
+    with pytest.raises(ValueError, match="sequence 2: 2 blocks of 32 cannot hold 90 tokens"):
+        build_step_metadata(query_lens, seq_lens, [tables[0], [[1, 2], [3], [4, 5]]], [16, 32], ["cpu"])
 
 
 def test_a_group_table_for_another_steps_sequences_is_refused():
