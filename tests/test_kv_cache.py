@@ -226,6 +226,20 @@ def test_a_step_builds_all_its_groups_at_once_as_each_would_be_built_alone():
         build_step_metadata(query_lens, seq_lens, [tables[0], [[1, 2], [3], [4, 5]]], [16, 32], ["cpu"])
 
 
+def test_a_step_of_decode_rows_only_maps_each_row_to_its_last_slot():
+    """Decode rows' slots are looked up in Python (not through the tensor index): the same rule, a null or
+    moved (negative) entry at the row's position is not stored."""
+    seq_lens = [40, 1, 90, 33]
+    tables = [[[0, 2, -3], [4], [0, 0, 0, 0, 11, 12], [7, 8, 9]], [[13, 14], [15], [16, 17, -18], [0, 19]]]
+    built = build_step_metadata([1] * 4, seq_lens, tables, [16, 32], [torch.device("cpu")])
+    assert built[0].slot_mapping.tolist() == [-1, 4 * 16, 12 * 16 + 9, 9 * 16]
+    assert built[1].slot_mapping.tolist() == [14 * 32 + 7, 15 * 32, -1, 19 * 32]
+    assert built[0].block_table.tolist()[0] == [0, 2, 3, 0, 0, 0] and built[1].block_table.tolist()[2] == [16, 17, 18]
+    # The same rows with one more row in the step go through the tensor path: the decode rows agree.
+    mixed = StepMetadata.build([1, 1, 1, 1, 2], [*seq_lens, 2]).for_group([*tables[0], [5]], 16)
+    assert mixed.slot_mapping.tolist()[:4] == built[0].slot_mapping.tolist()
+
+
 def test_a_group_table_for_another_steps_sequences_is_refused():
     step = StepMetadata.build([1, 1], [40, 64])
     with pytest.raises(ValueError, match="the block table has 3 rows for the step's 2 sequences"):
