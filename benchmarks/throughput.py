@@ -1,6 +1,7 @@
 """End-to-end throughput: hybridkv vs transformers' generate (padded batch) and generate_batch.
 
-One run, same model and workload for every system, greedy, fp32, on the CPU:
+Same model and workload for every system, greedy, fp32, on the CPU; each system runs --repeats times
+(in turn, so that none always runs first) and a row gives the median of its runs:
   1. mixed:  32 requests, prompts of 20-300 tokens (seeded), 64 new tokens each
   2. shared: 32 requests sharing a 1,024-token system prompt plus 8-40 unique tokens, 32 new tokens
   3. long:   4k-token prompts on the hybrid model at a fixed KV budget: how many run at once, tokens/s
@@ -10,6 +11,7 @@ Models: a tiny Gemma-3-style hybrid (5 sliding : 1 full) and a Llama-style model
 (scheduling, inputs and metadata, update; and with sampling) is printed as a share of its step time.
 
     python benchmarks/throughput.py [--workloads mixed,shared,long] [--models hybrid,llama] [--threads N] [--busy]
+                                    [--repeats 3]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -98,17 +101,36 @@ def run_hybridkv(model, prompts, max_new, **settings):
     return seconds, [o.outputs[0].token_ids for o in outputs], stats
 
 
-def matches(tokens, reference) -> str:
-    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+def matches(runs, reference) -> str:
+    """Requests whose tokens equal the reference's in every run, of all requests."""
+    same = sum(all(run[i] == expected for run in runs) for i, expected in enumerate(reference))
     return f"{same}/{len(reference)}"
 
 
-def throughput_row(model_name, workload_name, model):
+def throughput_row(model_name, workload_name, model, repeats):
+    """One model and workload: every system `repeats` times, in turn (round r starts with system r mod 3, so
+    none always runs first or just after another), each timed alone; the row gives the median seconds of
+    each, and counts a request as matching only if its tokens equal generate's in every run."""
     prompts, max_new = workload(workload_name)
     generated = len(prompts) * max_new
-    gen_s, reference = run_generate(model, prompts, max_new)
-    batch_s, batch_tokens = run_generate_batch(model, prompts, max_new)
-    ours_s, ours_tokens, stats = run_hybridkv(model, prompts, max_new)
+    systems = ("generate", "generate_batch", "hybridkv")
+    seconds: dict[str, list[float]] = {name: [] for name in systems}
+    tokens: dict[str, list[list[list[int]]]] = {name: [] for name in systems}
+    stats = {}
+    for round_index in range(repeats):
+        for name in systems[round_index % 3 :] + systems[: round_index % 3]:
+            if name == "generate":
+                run_s, run_tokens = run_generate(model, prompts, max_new)
+            elif name == "generate_batch":
+                run_s, run_tokens = run_generate_batch(model, prompts, max_new)
+            else:
+                run_s, run_tokens, stats = run_hybridkv(model, prompts, max_new)
+            seconds[name].append(run_s)
+            tokens[name].append(run_tokens)
+    gen_s, batch_s, ours_s = (statistics.median(seconds[name]) for name in systems)
+    reference = tokens["generate"][0]
+    if any(run != reference for run in tokens["generate"]):
+        print(f"  note: generate's own tokens differed between runs on {model_name} {workload_name}")
     overhead = stats["overhead_seconds"] / stats["step_seconds"]
     host_ms = stats["overhead_seconds"] / stats["num_steps"] * 1e3
     scheduling = (stats["schedule_seconds"] + stats["prepare_seconds"] + stats["update_seconds"]) / stats[
@@ -117,7 +139,8 @@ def throughput_row(model_name, workload_name, model):
     print(
         f"{model_name:<7}{workload_name:<8}{generated / gen_s:>10.1f}{generated / batch_s:>10.1f}"
         f"{generated / ours_s:>10.1f}{gen_s / ours_s:>9.2f}x{batch_s / ours_s:>9.2f}x"
-        f"{matches(batch_tokens, reference):>9}{matches(ours_tokens, reference):>9}{scheduling:>11.1%}{overhead:>8.1%}"
+        f"{matches(tokens['generate_batch'], reference):>9}{matches(tokens['hybridkv'], reference):>9}"
+        f"{scheduling:>11.1%}{overhead:>8.1%}"
         f"{host_ms:>9.2f}{stats['prefix_cache_hit_rate']:>9.0%}{stats['step_threads']:>9}"
     )
 
@@ -159,9 +182,14 @@ def main() -> None:
     parser.add_argument("--models", default="hybrid,llama")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each system per row, in turn; the row gives the medians"
+    )
+    parser.add_argument(
         "--busy", action="store_true", help="keep one core busy with another process during the run (a shared machine)"
     )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     torch.set_num_threads(args.threads)
     with busy_core() if args.busy else contextlib.nullcontext():
         run(args)
@@ -180,7 +208,10 @@ def busy_core():
 
 def run(args: argparse.Namespace) -> None:
     busy = ", one core kept busy by another process" if args.busy else ""
-    print(f"torch {torch.__version__}, {args.threads} threads{busy}; tokens/s = generated tokens / wall seconds")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads{busy}; tokens/s = generated tokens / wall seconds, "
+        f"median of {args.repeats} runs per system (mixed and shared; long: one run), the systems in turn"
+    )
     print(
         f"{'model':<7}{'load':<8}{'generate':>10}{'gen_batch':>10}{'hybridkv':>10}{'vs gen':>10}{'vs batch':>10}"
         f"{'batch ok':>9}{'ours ok':>9}{'sched+meta':>11}{'host':>8}{'host ms':>9}{'hits':>9}{'threads':>9}"
@@ -191,7 +222,7 @@ def run(args: argparse.Namespace) -> None:
         model = builders[model_name]()
         for workload_name in ("mixed", "shared"):
             if workload_name in workloads:
-                throughput_row(model_name, workload_name, model)
+                throughput_row(model_name, workload_name, model, args.repeats)
         if model_name == "hybrid" and "long" in workloads:
             long_prompt_row(model, budget_bytes=16 * 2**20)
     print(
