@@ -13,7 +13,8 @@
    one horizontal reduction. The weighted values of a tile are summed for several q heads of the group
    in one pass, in register sums (each value chunk loaded once for them all, and enough independent
    sums that the adder's latency never waits). A tile's key addresses are laid out per run of tokens of
-   one block; a row's kv heads go to one thread together (they share the pages' cache lines).
+   one block; a row's kv heads go to one thread together (they share the pages' cache lines), unless
+   one row holds so much of the work that the threads could not share it evenly.
 
    Element formats: 0 fp32, 1 bf16 (upper half of an fp32), 2 any other 16-bit and 3 any 8-bit
    format, both read through a lookup table of their 65,536 or 256 values. */
@@ -303,8 +304,14 @@ int hybridkv_paged_decode(
     const int key_bytes = head_dim * element_size, value_bytes = value_dim * element_size;
 
     /* A row's kv heads share its pages' cache lines (and the hardware's prefetches of them): one thread takes
-       them together, unless the rows are too few to keep every thread busy. */
-    const int64_t chunk = num_rows >= 2 * (int64_t)num_threads ? num_kv_heads : 1;
+       them together, unless one row holds too much of the work for the threads to share it evenly. */
+    int64_t total_keys = 0, longest = 0;
+    for (int64_t index = 0; index < num_rows; index++) {
+        const int64_t keys = seq_lens[index] - first_positions[index];
+        total_keys += keys;
+        longest = keys > longest ? keys : longest;
+    }
+    const int64_t chunk = longest * 2 * num_threads <= total_keys ? num_kv_heads : 1;
 #pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (parallel)
     for (int64_t item = 0; item < num_items; item++) {
         const int64_t index = item / num_kv_heads;
