@@ -279,6 +279,21 @@ static inline __attribute__((always_inline)) void fold_tile(int group, int head_
     add_weighted_values(acc, group, weights, value_ptrs, count, value_dim);
 }
 
+/* The positions from `position` up to `end` that share its block end at the returned position; `key_src` and
+   `value_src` get the first one's key and value for `kv_head` (the next are a token stride apart). */
+static inline int64_t block_run(const Pages *keys, const Pages *values, const int32_t *table, int64_t position,
+                                int64_t end, int block_size, int kv_head, int element_size, const char **key_src,
+                                const char **value_src) {
+    const int64_t block = position / block_size, offset = position - block * block_size;
+    const int64_t block_id = table[block];
+    *key_src = keys->data +
+               (block_id * keys->block_stride + offset * keys->token_stride + kv_head * keys->head_stride) * element_size;
+    *value_src = values->data + (block_id * values->block_stride + offset * values->token_stride +
+                                 kv_head * values->head_stride) * element_size;
+    const int64_t block_end = position - offset + block_size;
+    return block_end < end ? block_end : end;
+}
+
 /* Returns 0, or 1 if a GQA group's rows are too large for the stack buffers (the caller takes the torch
    path). */
 int hybridkv_paged_decode(
@@ -339,14 +354,9 @@ int hybridkv_paged_decode(
             const char *key_srcs[TILE], *value_srcs[TILE];
             int j = 0;
             for (int64_t position = tile_start; position < stored_end;) {
-                const int64_t block = position / block_size, offset = position - block * block_size;
-                const int64_t block_id = table[block];
-                const int64_t run_end = position - offset + block_size < stored_end ? position - offset + block_size
-                                                                                     : stored_end;
-                const char *key_src = keys.data + (block_id * keys.block_stride + offset * keys.token_stride +
-                                                   kv_head * keys.head_stride) * element_size;
-                const char *value_src = values.data + (block_id * values.block_stride + offset * values.token_stride +
-                                                       kv_head * values.head_stride) * element_size;
+                const char *key_src, *value_src;
+                const int64_t run_end = block_run(&keys, &values, table, position, stored_end, block_size, kv_head,
+                                                  element_size, &key_src, &value_src);
                 for (; position < run_end; position++, j++) {
                     key_srcs[j] = key_src, value_srcs[j] = value_src;
                     key_src += key_token_bytes, value_src += value_token_bytes;
@@ -373,14 +383,9 @@ int hybridkv_paged_decode(
                a step's rows are rarely in cache (the model's weights have just gone through it). */
             const int64_t next_end = tile_end + TILE < cached_end ? tile_end + TILE : cached_end;
             for (int64_t position = tile_end; position < next_end;) {
-                const int64_t block = position / block_size, offset = position - block * block_size;
-                const int64_t block_id = table[block];
-                const int64_t run_end = position - offset + block_size < next_end ? position - offset + block_size
-                                                                                   : next_end;
-                const char *key_src = keys.data + (block_id * keys.block_stride + offset * keys.token_stride +
-                                                   kv_head * keys.head_stride) * element_size;
-                const char *value_src = values.data + (block_id * values.block_stride + offset * values.token_stride +
-                                                       kv_head * values.head_stride) * element_size;
+                const char *key_src, *value_src;
+                const int64_t run_end = block_run(&keys, &values, table, position, next_end, block_size, kv_head,
+                                                  element_size, &key_src, &value_src);
                 for (; position < run_end; position++) {
                     for (int byte = 0; byte < key_bytes; byte += 64) __builtin_prefetch(key_src + byte);
                     for (int byte = 0; byte < value_bytes; byte += 64) __builtin_prefetch(value_src + byte);

@@ -283,12 +283,11 @@ def build_step_metadata(
     metadata: list[PagedAttentionMetadata] = []
     for device in devices:
         step = StepMetadata.build(query_lens, seq_lens, device, backend)
-        step_groups: list[PagedAttentionMetadata | None] = [None] * len(group_block_sizes)
+        by_group: dict[int, PagedAttentionMetadata] = {}
         for block_size, groups in groups_by_size.items():
             built = step.for_groups([group_block_tables[g] for g in groups], block_size)
-            for group, group_metadata in zip(groups, built, strict=True):
-                step_groups[group] = group_metadata
-        metadata.extend(step_groups)  # type: ignore[arg-type]  # every group was built
+            by_group.update(zip(groups, built, strict=True))
+        metadata.extend(by_group[group] for group in range(len(group_block_sizes)))
     return metadata
 
 

@@ -119,21 +119,12 @@ def torch_layout(
     key = (block_size, sliding_window, attention_chunk_size, batch_decodes)
     layout = step.torch_layouts.get(key)
     if layout is None:
-        layout = _build_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
+        if batch_decodes and step.num_query_tokens == step.num_seqs:
+            layout = _decode_only_layout(step, sliding_window, attention_chunk_size)
+        else:
+            layout = _general_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
         step.torch_layouts[key] = layout
     return layout
-
-
-def _build_layout(
-    step: StepMetadata,
-    block_size: int,
-    sliding_window: int | None,
-    attention_chunk_size: int | None,
-    batch_decodes: bool,
-) -> TorchLayout:
-    if batch_decodes and step.num_query_tokens == step.num_seqs:
-        return _decode_only_layout(step, sliding_window, attention_chunk_size)
-    return _general_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
 
 
 def _general_layout(
