@@ -4,8 +4,10 @@ cost of the checked and unchecked attention calls.
 A decode step of 32 sequences (contexts 100..2,000) and a mixed step (4 prefill chunks of 256 + 28
 decodes), block size 16, for a model with 1 group and one with 7 (Gemma-3-1B's layout: 6 sliding
 groups + 1 full). Each group gets its own block table and its torch gather plan (which the first layer
-of each group builds). "shared" builds one `StepMetadata` and every group from it (`for_group`: one
-layout per window per step, as the engine does); "separate" builds a step per group.
+of each group builds). "separate" builds a step per group; "shared" builds one `StepMetadata` and every
+group from it (`for_group`: one layout per window per step); "together" is what the engine calls,
+`build_step_metadata`: the groups of one block size as one tensor (`for_groups`), decode-only slots
+and layouts without the tensor bookkeeping.
 
 Per layer: a tiny decode step (4 sequences, contexts 20..50, 4 q heads, 2 kv heads, head dim 16) on
 the torch path, timing `paged_attention` / `write_kv` (every input checked, backend picked per call)
@@ -29,6 +31,7 @@ from hybridkv.kernels import (
     StepMetadata,
     allocate_kv_cache,
     attend,
+    build_step_metadata,
     paged_attention,
     store_kv,
     write_kv,
@@ -55,10 +58,17 @@ def tables(seq_lens: list[int], num_groups: int) -> list[list[list[int]]]:
     ]
 
 
-def build_step(query_lens, seq_lens, group_tables, windows, shared: bool) -> None:
+def build_step(query_lens, seq_lens, group_tables, windows, how: str) -> None:
+    if how == "together":
+        built = build_step_metadata(
+            query_lens, seq_lens, group_tables, [BLOCK_SIZE] * len(windows), [torch.device("cpu")]
+        )
+        for metadata, window in zip(built, windows, strict=True):
+            torch_plan(metadata, window)
+        return
     step_metadata = StepMetadata.build(query_lens, seq_lens)
     for rows, window in zip(group_tables, windows, strict=True):
-        if not shared:
+        if how == "separate":
             step_metadata = StepMetadata.build(query_lens, seq_lens)
         torch_plan(step_metadata.for_group(rows, BLOCK_SIZE), window)
 
@@ -109,16 +119,16 @@ def per_layer_calls() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    print(f"{'step':<8}{'groups':>7}{'separate ms':>13}{'shared ms':>11}")
+    print(f"{'step':<8}{'groups':>7}{'separate ms':>13}{'shared ms':>11}{'together ms':>13}")
     for kind in ("decode", "mixed"):
         query_lens, seq_lens = step(kind)
         for windows in ([None], [WINDOW] * 6 + [None]):
             group_tables = tables(seq_lens, len(windows))
             timings = [
-                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, shared))
-                for shared in (False, True)
+                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, how))
+                for how in ("separate", "shared", "together")
             ]
-            print(f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}")
+            print(f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}{timings[2]:>13.2f}")
     per_layer_calls()
 
 
