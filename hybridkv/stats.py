@@ -59,6 +59,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # processes were measured using (hybridkv/threads.py).
         "step_threads": engine.step_threads.threads if engine.step_threads.setting is not None else None,
         "others_busy_cores": engine.step_threads.others_busy_cores,
-        # Whether decode rows on the CPU take the C decode kernel (else the torch path's own loop).
-        "cpu_decode_kernel": cpu_decode.available(),
+        # Whether decode rows on the CPU take the C decode kernel (else the torch path's own loop); False for
+        # an engine on another device, which never builds it.
+        "cpu_decode_kernel": all(device.type == "cpu" for device in engine.runner.devices) and cpu_decode.available(),
     }

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hybridkv
+from hybridkv.kernels import cpu_decode
 from hybridkv.threads import SAMPLE_SECONDS, StepThreads, read_proc_stat, threads_for
 from hybridkv.tiny import tiny_model
 
@@ -100,6 +101,7 @@ def test_the_engine_runs_its_forward_on_the_configured_threads(two_torch_threads
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == 2
     assert llm.stats()["step_threads"] == 1
+    assert llm.stats()["cpu_decode_kernel"] is cpu_decode.available() is True  # this machine has a compiler
     hybridkv.unpatch(model)
 
 
