@@ -20,7 +20,7 @@ import torch
 
 from hybridkv.kernels import paged_attention, write_kv
 
-from attention_cpu import SCALE, dense_inputs, dense_rows, hf_dense_sdpa, make_step
+from attention_cpu import HEAD_DIM, NUM_KV_HEADS, SCALE, dense_inputs, dense_rows, hf_dense_sdpa, make_step
 
 
 def time_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -51,7 +51,8 @@ def to_device(step, device: torch.device):
     return step
 
 
-def run_step(name: str, step, query_rows: int, repeats: int, device: torch.device) -> None:
+def run_step(name: str, step, query_rows: int, repeats: int, device: torch.device) -> float:
+    """Print the step's timings; return the paged kernel's milliseconds."""
     paged = lambda: paged_attention(  # noqa: E731
         step.query, step.key_cache, step.value_cache, step.metadata, scale=SCALE, backend="triton"
     )
@@ -70,6 +71,23 @@ def run_step(name: str, step, query_rows: int, repeats: int, device: torch.devic
     new_keys = new_keys.to(step.key_cache.dtype)
     write = lambda: write_kv(new_keys, new_keys, step.key_cache, step.value_cache, slots, backend="triton")  # noqa: E731
     print(f"  cache write of {slots.numel()} tokens      {time_ms(write, repeats, device):8.3f} ms")
+    return paged_ms
+
+
+def bandwidth(dtype: torch.dtype, repeats: int, device: torch.device) -> None:
+    """Decode of 64 sequences of 2,048 tokens: the K/V bytes the kernel reads per millisecond, against a
+    device-to-device copy's bytes read and written (the device's measured memory bandwidth)."""
+    step = to_device(make_step([1] * 64, [2048] * 64, dtype), device)
+    paged_ms = run_step("decode, batch 64 x 2,048 tokens", step, 1, repeats, device)
+    kv_bytes = 2 * 64 * 2048 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_ms = time_ms(lambda: target.copy_(source), repeats, device)
+    copy_gbs = 2 * source.numel() / copy_ms / 1e6
+    kernel_gbs = kv_bytes / paged_ms / 1e6
+    print(f"  K/V read                        {kernel_gbs:8.0f} GB/s")
+    print(f"  device copy (read + write)      {copy_gbs:8.0f} GB/s")
+    print(f"  kernel / copy bandwidth         {kernel_gbs / copy_gbs:8.2f}")
 
 
 def main() -> None:
@@ -107,6 +125,8 @@ def main() -> None:
     for name, query_lens, seq_lens, query_rows in steps:
         step = to_device(make_step(query_lens, seq_lens, dtype), device)
         run_step(name, step, query_rows, repeats, device)
+    if not args.smoke:
+        bandwidth(dtype, repeats, device)
 
 
 if __name__ == "__main__":

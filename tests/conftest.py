@@ -11,6 +11,8 @@ import torch
 
 import hybridkv
 
+from tiny_models import DEVICE
+
 # Two OpenMP threads on this 2-core machine spin against any other busy process: tiny-model steps
 # measured 50x slower. The tests' tensors are small, one thread is the fast setting.
 torch.set_num_threads(1)
@@ -23,6 +25,10 @@ def patched():
     models = []
 
     def patch(model, **settings):
+        if DEVICE.type == "cuda" and not {"num_blocks", "kv_cache_memory", "gpu_memory_utilization"} & settings.keys():
+            # The CPU's default budget: 0.9 of an H200 is ~15 million blocks of a tiny model (seconds of block
+            # objects), and a fraction of the device is shared with the other test workers' processes.
+            settings["kv_cache_memory"] = 1 << 30
         llm = hybridkv.patch(model, **settings)
         models.append(model)
         return llm

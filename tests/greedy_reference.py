@@ -4,7 +4,7 @@ once per test session), and the token-for-token comparison every equivalence tes
 from __future__ import annotations
 
 from model_zoo import ZOO
-from tiny_models import hf_greedy, prompts
+from tiny_models import DEVICE, hf_greedy, prompts
 
 MAX_NEW = 16
 LENGTHS = (7, 33, 70, 150)
@@ -16,7 +16,7 @@ _cache: dict[str, tuple] = {}
 def family(name):
     """The model and HF's reference for the standard prompts, built once per family."""
     if name not in _cache:
-        model = ZOO[name]()
+        model = ZOO[name]().to(DEVICE)
         batch = prompts(LENGTHS)
         _cache[name] = (model, batch, [hf_greedy(model, p, MAX_NEW) for p in batch])
     return _cache[name]

@@ -7,6 +7,9 @@ real token (the null block included) is filled with ``garbage`` so that any read
 null block, the engine's layout for a window's middle of a chunk): they come as ``step_keys`` and
 ``step_values``, for attention to read in flight. A ``cache_dtype`` other than ``dtype`` (16-bit, or
 fp8 with ``k_scale``/``v_scale``) stores every key as the engine's cache would (``quant.as_cached``).
+
+With HYBRIDKV_TEST_ON_GPU=1 (benchmarks/gpu_check.sh) the batch's query, caches and metadata are on the
+GPU, so that the "triton" backend runs compiled; the reference stays on the CPU in fp64.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from hybridkv.kernels import PagedAttentionMetadata, kv_page_views
 from hybridkv.kernels.quant import as_cached
+
+from tiny_models import DEVICE
 
 
 @dataclass
@@ -68,7 +74,15 @@ def make_paged_batch(
     if in_pages:
         slot_bytes = block_size * num_kv_heads * (head_dim + value_head_dim) * cache_dtype.itemsize
         pages = torch.full((num_blocks, 3 * slot_bytes // cache_dtype.itemsize), garbage).to(cache_dtype)
-        key_cache, value_cache = kv_page_views(pages, slot_bytes, block_size, num_kv_heads, head_dim, value_head_dim)
+        page_views = partial(
+            kv_page_views,
+            offset_bytes=slot_bytes,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            value_head_dim=value_head_dim,
+        )
+        key_cache, value_cache = page_views(pages)
     else:
         key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), garbage).to(cache_dtype)
         value_cache = torch.full((num_blocks, block_size, num_kv_heads, value_head_dim), garbage).to(cache_dtype)
@@ -99,10 +113,22 @@ def make_paged_batch(
         dense_keys.append(keys)
         dense_values.append(values)
     query = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=generator).to(dtype)
-    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, block_table, block_size)
+    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, block_table, block_size, DEVICE)
+    if DEVICE.type != "cpu":
+        query = query.to(DEVICE)
+        key_cache, value_cache = (
+            page_views(pages.to(DEVICE)) if in_pages else (key_cache.to(DEVICE), value_cache.to(DEVICE))
+        )
     step_keys = torch.cat([keys[len(keys) - n :] for keys, n in zip(dense_keys, query_lens, strict=True)])
     step_values = torch.cat([values[len(values) - n :] for values, n in zip(dense_values, query_lens, strict=True)])
-    return PagedBatch(query, key_cache, value_cache, metadata, dense_keys, dense_values, step_keys, step_values)
+    return PagedBatch(
+        query, key_cache, value_cache, metadata, dense_keys, dense_values, step_keys.to(DEVICE), step_values.to(DEVICE)
+    )
+
+
+def on_device(options: dict) -> dict:
+    """Keyword arguments of a kernel call with every tensor (sinks) on the batch's device."""
+    return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in options.items()}
 
 
 def reference_attention(
@@ -120,7 +146,7 @@ def reference_attention(
     outputs = []
     query_start = 0
     for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)):
-        query = batch.query[query_start : query_start + query_len].double().transpose(0, 1)
+        query = batch.query[query_start : query_start + query_len].cpu().double().transpose(0, 1)
         query_start += query_len
         group = num_q_heads // batch.dense_keys[seq].shape[1]
         keys = batch.dense_keys[seq].double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -137,7 +163,7 @@ def reference_attention(
             visible &= key_positions // attention_chunk_size == query_positions // attention_chunk_size
         logits = logits.masked_fill(~visible, float("-inf"))
         if sinks is not None:
-            sink_column = sinks.double().view(num_q_heads, 1, 1).expand(num_q_heads, query_len, 1)
+            sink_column = sinks.cpu().double().view(num_q_heads, 1, 1).expand(num_q_heads, query_len, 1)
             logits = torch.cat([logits, sink_column], dim=-1)
         probs = torch.softmax(logits, dim=-1)[..., :seq_len]
         outputs.append((probs @ values).transpose(0, 1))
@@ -145,4 +171,4 @@ def reference_attention(
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return (actual.double() - expected).abs().max().item()
+    return (actual.cpu().double() - expected.cpu()).abs().max().item()

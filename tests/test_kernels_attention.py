@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from hybridkv.kernels import cpu_decode, paged_attention
 
-from kernel_reference import make_paged_batch, max_abs_error, reference_attention
+from kernel_reference import make_paged_batch, max_abs_error, on_device, reference_attention
 
 # "torch-loop": the torch path with the CPU decode kernel off (its own per-sequence loop for decode rows).
 BACKENDS = ["torch", "torch-loop", "triton"]
@@ -28,7 +28,7 @@ def attention(backend, query, key_cache, value_cache, metadata, **options) -> to
     """``paged_attention`` on a backend of ``BACKENDS``."""
     with cpu_decode.disabled() if backend == "torch-loop" else contextlib.nullcontext():
         return paged_attention(
-            query, key_cache, value_cache, metadata, backend=backend.removesuffix("-loop"), **options
+            query, key_cache, value_cache, metadata, backend=backend.removesuffix("-loop"), **on_device(options)
         )
 
 
@@ -183,9 +183,9 @@ def test_block_sizes_other_than_the_tile_match_reference(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_query_rows_come_back_as_zeros(backend):
     batch = make_paged_batch([1, 6], [20, 6])
-    padded_query = torch.cat([batch.query, torch.randn(3, 4, 64)])
+    padded_query = torch.cat([batch.query, torch.randn(3, 4, 64, device=batch.query.device)])
     out = attention(backend, padded_query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125)
-    assert torch.equal(out[7:], torch.zeros(3, 4, 64))
+    assert torch.equal(out[7:].cpu(), torch.zeros(3, 4, 64))
     assert max_abs_error(out[:7], reference_attention(batch, scale=0.125)) <= FP32_TOLERANCE
 
 

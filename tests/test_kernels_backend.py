@@ -22,7 +22,7 @@ from hybridkv.kernels import (
     write_kv,
 )
 
-from kernel_reference import make_paged_batch
+from kernel_reference import DEVICE, make_paged_batch
 
 
 def test_cpu_tensors_default_to_the_torch_path():
@@ -45,6 +45,7 @@ def test_forcing_triton_on_cpu_under_the_interpreter_is_allowed(monkeypatch):
 
 
 def test_a_step_resolves_its_backend_once_for_its_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as under the test suite, also where the GPU check runs it
     assert StepMetadata.build([1], [10]).backend == "torch"
     assert StepMetadata.build([1], [10], backend="triton").backend == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -109,13 +110,13 @@ def test_torch_path_works_outside_inference_mode_after_running_inside_it():
 def test_the_unchecked_calls_compute_what_the_checked_ones_do(backend):
     batch = make_paged_batch([1, 7, 1], [33, 40, 90], num_q_heads=8, num_kv_heads=2, sliding_window=24, seed=4)
     metadata = PagedAttentionMetadata.build(
-        batch.metadata.query_lens_list, batch.metadata.seq_lens_list, batch.metadata.block_table_rows, 16,
+        batch.metadata.query_lens_list, batch.metadata.seq_lens_list, batch.metadata.block_table_rows, 16, DEVICE,
         backend=backend,
     )  # fmt: skip
     options = dict(scale=0.125, sliding_window=24, softcap=30.0)
     expected = paged_attention(batch.query, batch.key_cache, batch.value_cache, metadata, backend=backend, **options)
     assert torch.equal(attend(batch.query, batch.key_cache, batch.value_cache, metadata, **options), expected)
-    key, value = torch.randn(9, 2, 64), torch.randn(9, 2, 64)
+    key, value = torch.randn(9, 2, 64, device=DEVICE), torch.randn(9, 2, 64, device=DEVICE)
     checked = batch.key_cache.clone(), batch.value_cache.clone()
     write_kv(key, value, *checked, metadata.slot_mapping, backend=backend)
     store_kv(key, value, batch.key_cache, batch.value_cache, metadata)

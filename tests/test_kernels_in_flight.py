@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
 
-from kernel_reference import make_paged_batch, max_abs_error, reference_attention
+from kernel_reference import DEVICE, make_paged_batch, max_abs_error, on_device, reference_attention
 
 BACKENDS = ["torch", "triton"]
 FP32_TOLERANCE = 1e-5
@@ -30,7 +30,7 @@ def in_flight_error(batch, backend, *, scale=0.125, **options) -> float:
         backend=backend,
         key=batch.step_keys,
         value=batch.step_values,
-        **options,
+        **on_device(options),
     )
     return max_abs_error(out, reference_attention(batch, scale=scale, **options))
 
@@ -111,7 +111,7 @@ def test_a_block_read_at_one_position_and_stored_into_at_another_is_read_before_
     # The step's first query (8) sees keys from 3, its last (19) from 14; after the step the window of
     # position 20 starts at 15, so blocks 3 and 4 stay and take the two context blocks.
     row = [-first, -second, 0, first, second]
-    metadata = PagedAttentionMetadata.build([12], [20], [row], block_size, backend=backend)
+    metadata = PagedAttentionMetadata.build([12], [20], [row], block_size, DEVICE, backend=backend)
     assert metadata.block_table[0].tolist() == [first, second, 0, first, second]
     slots = [first * 4 + i for i in range(4)] + [second * 4 + i for i in range(4)]
     assert metadata.slot_mapping.tolist() == [-1] * 4 + slots
@@ -127,8 +127,8 @@ def test_a_block_read_at_one_position_and_stored_into_at_another_is_read_before_
     )
     assert max_abs_error(out, reference_attention(batch, scale=0.125, sliding_window=window)) <= FP32_TOLERANCE
     write_kv(batch.step_keys, batch.step_values, batch.key_cache, batch.value_cache, metadata.slot_mapping, backend)
-    assert torch.equal(batch.key_cache[first], batch.dense_keys[0][12:16])
-    assert torch.equal(batch.value_cache[second], batch.dense_values[0][16:20])
+    assert torch.equal(batch.key_cache[first].cpu(), batch.dense_keys[0][12:16])
+    assert torch.equal(batch.value_cache[second].cpu(), batch.dense_values[0][16:20])
 
 
 @st.composite

@@ -8,13 +8,18 @@ the exception: at its 0.03 a 150-token prompt's first token has no effect, so it
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
 
 from hybridkv.tiny import COMMON, VOCAB, WINDOW, tiny_model
 
-__all__ = ["COMMON", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "prompts"]
+__all__ = ["COMMON", "DEVICE", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "prompts"]
+
+# benchmarks/gpu_check.sh sets HYBRIDKV_TEST_ON_GPU=1: the kernel tests' batches and the zoo's models are
+# then on the GPU (conftest.py leaves Triton compiled there rather than interpreted).
+DEVICE = torch.device("cuda" if os.environ.get("HYBRIDKV_TEST_ON_GPU") == "1" else "cpu")
 
 FAMILIES = {
     "llama": partial(tiny_model, "llama"),
@@ -40,7 +45,7 @@ def hf_greedy(model, prompt, max_new_tokens):
     """transformers' own greedy generate for one prompt: tokens and per-step logits."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([prompt], device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             output_logits=True,

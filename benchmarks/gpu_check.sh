@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run, on a machine with a CUDA GPU and torch, triton and transformers
+# installed (nothing is downloaded): the kernel tests with Triton compiled for the device (fp32, fp16,
+# bf16, fp8 pages, windows, softcap, sinks, GQA, chunked local, in-flight rows), the zoo's token-exact
+# greedy tests on CUDA in fp32, benchmarks/attention_gpu.py (with the decode kernel's bandwidth against
+# a device copy) and benchmarks/throughput_gpu.py. Logs go to OUT_DIR, one per part, and a summary.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]       (default: gpu_check/; $OUT where that is set)
+#
+# Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
+# Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
+# some of them ("kernels zoo attention throughput").
+set -u -o pipefail
+out=${1:-${OUT:-gpu_check}}
+mkdir -p "$out"
+parts=${PARTS:-kernels zoo attention throughput}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
+    { echo "install failed:"; tail -20 "$out/install.log"; exit 1; }
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} | tee "$out/summary.txt"
+
+run_part() { # name, seconds, command...
+    local name=$1 seconds=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$seconds" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s; $(grep -E '(passed|failed|error)' "$out/$name.log" | tail -1)" |
+        tee -a "$out/summary.txt"
+}
+
+gpu_tests=(env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider -n 8)
+for part in $parts; do
+    case $part in
+    kernels) run_part kernels 180 "${gpu_tests[@]}" tests/test_kernels_attention.py tests/test_kernels_in_flight.py \
+        tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
+    zoo) run_part zoo 170 "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
+    attention) run_part attention 60 python3 benchmarks/attention_gpu.py ;;
+    throughput) run_part throughput 150 python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
+for log in "$out"/*.log; do
+    echo "== $log (tail)"
+    tail -25 "$log"
+done
