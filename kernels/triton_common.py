@@ -31,7 +31,9 @@ def as_cached(
     a GPU's round-to-nearest-even conversion gives, so the interpreter tests check the code a GPU runs.
     """
     if FP8_MAX > 0:
-        rows = tl.minimum(tl.maximum(rows.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+        # div_rn: the correctly rounded quotient, as torch computes it (quant.as_cached). The `/` operator
+        # may be off by an ulp, and a calibrated amax divides to exactly an e4m3 tie (100 or 200).
+        rows = tl.minimum(tl.maximum(tl.math.div_rn(rows.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
         rows = round_to_fp8_grid(rows, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
     elif ROUND_TO_BF16:
         bits = rows.to(tl.float32).to(tl.int32, bitcast=True)

@@ -16,7 +16,7 @@ import torch
 from hybridkv.kernels import paged_attention, write_kv
 from hybridkv.kernels.quant import as_cached, check_fp8_device, fp8_scales
 
-from kernel_reference import make_paged_batch, max_abs_error, reference_attention
+from kernel_reference import DEVICE, make_paged_batch, max_abs_error, reference_attention
 
 BACKENDS = ["torch", "triton"]
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -56,7 +56,7 @@ def test_attention_over_fp8_pages_stays_within_the_measured_error(backend, cache
     )  # fmt: skip
     expected = reference_attention(batch, scale=0.125, **options)
     relative_rms, max_abs = BOUNDS[cache_dtype]
-    assert ((out.double() - expected).norm() / expected.norm()).item() <= relative_rms
+    assert ((out.cpu().double() - expected).norm() / expected.norm()).item() <= relative_rms
     assert max_abs_error(out, expected) <= max_abs
 
 
@@ -89,9 +89,11 @@ def test_fp8_write_stores_row_over_scale_rounded_to_nearest_and_saturates(backen
     keys = torch.randn(6, 2, 16, generator=generator) * 3
     keys[0, 0, :4] = torch.tensor([1e6, -1e6, 127.6 * 0.02, -1.9 * 0.02])  # saturate; round across a binade
     values = torch.randn(6, 2, 16, generator=generator)
-    key_cache = torch.zeros(3, 4, 2, 16, dtype=cache_dtype)
+    key_cache = torch.zeros(3, 4, 2, 16, dtype=cache_dtype, device=DEVICE)
     value_cache = torch.zeros_like(key_cache)
-    write_kv(keys, values, key_cache, value_cache, torch.arange(6), backend, k_scale=0.02, v_scale=0.5)
+    slots = torch.arange(6, device=DEVICE)
+    write_kv(keys.to(DEVICE), values.to(DEVICE), key_cache, value_cache, slots, backend, k_scale=0.02, v_scale=0.5)
+    key_cache, value_cache = key_cache.cpu(), value_cache.cpu()
     stored = key_cache.view(-1, 2, 16)[:6].float()
     limit = torch.finfo(cache_dtype).max
     assert stored[0, 0, :2].tolist() == [limit, -limit]
@@ -128,3 +130,38 @@ def test_e4m3_pages_on_a_gpu_before_compute_capability_8_9_name_the_fixes(monkey
     check_fp8_device(torch.float8_e5m2, torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_fp8_device(torch.float8_e4m3fn, torch.device("cuda", 0))
+
+
+def correctly_rounded(rows: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """rows / scale as fp32 division rounds it (both fp32; the quotient of their doubles, rounded once),
+    clamped and rounded to the fp8 dtype: what every path must store."""
+    quotient = (rows.double() / torch.tensor(scale, dtype=torch.float32).double()).float()
+    limit = torch.finfo(cache_dtype).max
+    return quotient.clamp(-limit, limit).to(cache_dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3fn", "e5m2"])
+def test_a_calibrated_amax_is_stored_and_read_in_flight_as_the_exact_quotient_rounds(backend, cache_dtype):
+    """fp8_scales maps the calibrated amax to 200 (K) and 100 (V), both e4m3 ties, so the quotient's last
+    bit picks the side. On an H200 torch's CUDA division by a Python number (a multiply by the reciprocal)
+    gave 99.99999 -> 96 where the CPU and Triton gave 100.00001 -> 104, and the torch path's in-flight
+    rows then differed from pages written elsewhere. Every path divides exactly now."""
+    amax = 4.562695503234863
+    rows = torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1))
+    rows[3, 1, 5], rows[6, 0, 2] = amax, -amax
+    k_scale, v_scale = fp8_scales(amax, amax)
+    expected_keys = correctly_rounded(rows, cache_dtype, k_scale)
+    expected_values = correctly_rounded(rows, cache_dtype, v_scale)
+    if cache_dtype == torch.float8_e4m3fn:  # the data sits on the ties: the reciprocal rounds the other way
+        reciprocal = (rows[3, 1, 5] * torch.tensor(1 / v_scale, dtype=torch.float32)).to(cache_dtype)
+        assert reciprocal.float() == 96.0 and expected_values[3, 1, 5].float() == 104.0
+    key_cache = torch.zeros(3, 4, 2, 16, dtype=cache_dtype, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    device_rows = rows.to(DEVICE)
+    slots = torch.arange(8, device=DEVICE)
+    write_kv(device_rows, device_rows, key_cache, value_cache, slots, backend, k_scale=k_scale, v_scale=v_scale)
+    bits = lambda tensor: tensor.cpu().view(torch.uint8)  # noqa: E731
+    assert torch.equal(bits(key_cache.view(-1, 2, 16)[:8]), bits(expected_keys))
+    assert torch.equal(bits(value_cache.view(-1, 2, 16)[:8]), bits(expected_values))
+    assert torch.equal(bits(as_cached(device_rows, cache_dtype, v_scale)), bits(expected_values))
