@@ -18,9 +18,12 @@ import pytest
 
 from hybridkv.kernels.triton_attention import launch_config
 
-# (kernel, pointer dtype, cache pointer dtype, constexprs, compute capability); the launch shapes come
-# from launch_config, so this compiles exactly what a GPU launch would.
-Variant = tuple[str, str, str, dict, int]
+# (kernel, pointer dtype, cache pointer dtype, constexprs, compute capability, num_warps / num_stages); the
+# launch shapes and pipelining come from launch_config, so this compiles exactly what a GPU launch would.
+Variant = tuple[str, str, str, dict, int, dict]
+# The most shared memory one program may use: sm_80 (A100) and sm_90 (H100/H200) opt-in limits.
+_SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
+_ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 _CACHE_POINTERS = {"key_cache_ptr", "value_cache_ptr"}
 _FORMATS = {
     "fp8e4nv": {"FP8_MAX": 448.0, "FP8_MANTISSA_BITS": 3, "FP8_MIN_EXPONENT": -6, "ROUND_TO_BF16": False},
@@ -55,9 +58,10 @@ def _attention_variant(
     cache_dtype: str | None = None,
     in_flight: bool = True,
 ) -> Variant:
-    block_m, block_q, tile_n = launch_config(queries_per_kv, interpreted=False)
     cache_dtype = cache_dtype or dtype
     value_head_dim = value_head_dim or head_dim
+    padded = 1 << (max(head_dim, value_head_dim) - 1).bit_length()
+    config = launch_config(queries_per_kv, padded, _ELEMENT_SIZE[dtype], interpreted=False)
     constexprs = {
         "QUERIES_PER_KV": queries_per_kv,
         "HEAD_DIM": head_dim,
@@ -65,9 +69,9 @@ def _attention_variant(
         "HEAD_DIM_V": value_head_dim,
         "HEAD_DIM_V_PADDED": 1 << (value_head_dim - 1).bit_length(),
         "BLOCK_SIZE": 16,
-        "BLOCK_Q": block_q,
-        "BLOCK_M": block_m,
-        "TILE_N": tile_n,
+        "BLOCK_Q": config.block_q,
+        "BLOCK_M": config.block_m,
+        "TILE_N": config.tile_n,
         "USE_WINDOW": window,
         "USE_CHUNK": chunk,
         "USE_SOFTCAP": softcap,
@@ -76,7 +80,8 @@ def _attention_variant(
         **_format(dtype, cache_dtype),
         "UPCAST": cache_dtype != dtype and not cache_dtype.startswith("fp8"),
     }
-    return ("attention", dtype, cache_dtype, constexprs, capability)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    return ("attention", dtype, cache_dtype, constexprs, capability, options)
 
 
 def _write_variant(
@@ -99,7 +104,7 @@ def _write_variant(
         "BLOCK_SIZE": 16,
         **_format(dtype, cache_dtype),
     }
-    return ("write", dtype, cache_dtype, constexprs, capability)
+    return ("write", dtype, cache_dtype, constexprs, capability, {})
 
 
 def _variants() -> list[Variant]:
@@ -168,13 +173,18 @@ def _compile_all(variants: list[Variant]) -> list[str]:
 
     kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel}
     failures = []
-    for name, dtype, cache_dtype, constexprs, capability in variants:
+    for name, dtype, cache_dtype, constexprs, capability, options in variants:
         kernel = kernels[name]
         source = ASTSource(fn=kernel, signature=_signature(kernel, dtype, cache_dtype), constexprs=constexprs)
         try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+            compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
             if not compiled.asm.get("cubin"):
                 failures.append(f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: no cubin")
+            elif compiled.metadata.shared > _SHARED_MEMORY_LIMIT[capability]:
+                failures.append(
+                    f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs} {options}: "
+                    f"{compiled.metadata.shared} bytes of shared memory, over the device's limit"
+                )
         except Exception as error:
             failures.append(
                 f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: {type(error).__name__}: {error}"
