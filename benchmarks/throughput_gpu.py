@@ -8,8 +8,8 @@ Greedy, no EOS. Every system first runs 8 of the requests untimed (Triton compil
 captured, cuBLAS warms up), then the whole workload timed, its own set-up (hybridkv's patch: the
 profiling forward and the pool; generate_batch's manager and graphs) inside the timed region.
 transformers' generate_batch runs with its defaults (CUDA graphs decided by itself). bf16 greedy
-tokens can differ between systems after a near tie; the share of requests whose tokens equal
-generate_batch's, and the mean first differing position, are printed.
+tokens can differ between systems after a near tie; for every pair of systems the share of requests
+whose tokens are equal, and the mean first differing position, are printed.
 
     python benchmarks/throughput_gpu.py [--models gemma3,llama] [--workloads mixed,shared] [--requests 256]
 """
@@ -17,6 +17,7 @@ generate_batch's, and the mean first differing position, are printed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -159,6 +160,9 @@ def main() -> None:
                     if name != "hybridkv":
                         same = agreement(results["hybridkv"][1], results[name][1])
                         print(f"  hybridkv vs {name}: {results[name][0] / ours:.2f}x; tokens {same}")
+            # How far the baselines agree with each other in bf16: the yardstick for hybridkv's agreement.
+            for first, second in itertools.combinations([name for name in systems if name != "hybridkv"], 2):
+                print(f"  {first} vs {second}: tokens {agreement(results[first][1], results[second][1])}")
         del model
         torch.cuda.empty_cache()
 
