@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-import statistics
 
 import torch
 
 from hybridkv.tiny import tiny_model
 
-from throughput import hybrid_model, run_generate, run_generate_batch, run_hybridkv
+from throughput import agreement, hybrid_model, run_generate, run_generate_batch, run_hybridkv
 
 
 def llama_model() -> torch.nn.Module:
@@ -26,15 +25,6 @@ def llama_model() -> torch.nn.Module:
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, initializer_range=0.02,
         pad_token_id=0,
     )  # fmt: skip
-
-
-def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
-    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-    first = [
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        for a, b in zip(tokens, reference, strict=True)
-    ]
-    return f"{same}/{len(reference)} requests equal, first difference at {statistics.mean(first):.1f} on average"
 
 
 def main() -> None:

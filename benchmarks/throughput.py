@@ -107,6 +107,17 @@ def matches(runs, reference) -> str:
     return f"{same}/{len(reference)}"
 
 
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
+    """Requests whose tokens all equal the reference's, and the mean position of the first difference (bf16
+    comparisons, where greedy tokens part after near ties)."""
+    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    first = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        for a, b in zip(tokens, reference, strict=True)
+    ]
+    return f"{same}/{len(reference)} requests equal, first difference at {statistics.mean(first):.1f} on average"
+
+
 def throughput_row(model_name, workload_name, model, repeats):
     """One model and workload: every system `repeats` times, in turn (round r starts with system r mod 3, so
     none always runs first or just after another), each timed alone; the row gives the median seconds of

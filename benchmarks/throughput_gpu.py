@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
-import statistics
 import sys
 import time
 
@@ -29,6 +28,8 @@ from transformers import GenerationConfig
 
 import hybridkv
 from hybridkv import SamplingParams
+
+from throughput import agreement
 
 
 def gemma3_1b() -> transformers.PreTrainedModel:
@@ -112,15 +113,6 @@ def run_hybridkv(model, prompts, max_new):
     stats = llm.stats()
     hybridkv.unpatch(model)
     return seconds, [o.outputs[0].token_ids for o in outputs], stats
-
-
-def agreement(tokens, reference) -> str:
-    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
-    first = [
-        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        for a, b in zip(tokens, reference, strict=True)
-    ]
-    return f"{same}/{len(reference)} equal, first difference at {statistics.mean(first):.0f} on average"
 
 
 def main() -> None:
