@@ -37,6 +37,7 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.stats import engine_stats
+from hybridkv.step_check import check_step_exactness
 from hybridkv.stopping import StopRules
 from hybridkv.threads import StepThreads
 
@@ -53,6 +54,7 @@ class LLMEngine(RunLoops):
         self.tokenizer = tokenizer
         self.config = config
         self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
+        self.step_check = check_step_exactness(model, layout)
         self.bytes_per_block = self.kv_config.block_bytes
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len)
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)

@@ -61,5 +61,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "others_busy_cores": engine.step_threads.others_busy_cores,
         # Whether decode rows on the CPU take the C decode kernel (else the torch path's own loop); False for
         # an engine on another device, which never builds it.
+        # How patch's end-to-end check compared the model's steps with its own forward (hybridkv/step_check.py):
+        # "fp32", "fp32 copy" (a 16-bit model) or "bfloat16/float16, gross errors only" (too large for a copy).
+        "step_check": engine.step_check.mode,
         "cpu_decode_kernel": all(device.type == "cpu" for device in engine.runner.devices) and cpu_decode.available(),
     }

@@ -105,7 +105,7 @@ def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int) -> Non
     # Ordinary tokens from the middle of the vocabulary: special and multimodal ids sit at its ends.
     ids = (torch.arange(PROBE_TOKENS) + vocab_size // 2) % vocab_size
     device = input_device(model)
-    with _attention_installed(model), attention.probing(probe), torch.inference_mode():
+    with attention_installed(model), attention.probing(probe), torch.inference_mode():
         try:
             model(
                 input_ids=ids[None].to(device),
@@ -125,7 +125,8 @@ def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int) -> Non
 
 
 @contextlib.contextmanager
-def _attention_installed(model: torch.nn.Module) -> Iterator[None]:
+def attention_installed(model: torch.nn.Module) -> Iterator[None]:
+    """hybridkv's attention and mask functions installed on the model for the block (if it is not patched)."""
     if model.config._attn_implementation == attention.ATTN_IMPLEMENTATION:
         yield
         return

@@ -522,6 +522,39 @@ MLA = dict(  # multi-head latent attention: K/V are projected from a shared late
     first_k_dense_replace=1,
 )
 
+
+def _bart_decoder(module: str, model_cls: str, config_cls: str, **extra) -> PreTrainedModel:
+    """A BART-family decoder alone (`...ForCausalLM`): learned position embeddings taken from the cache's
+    length, not from position_ids, so a step of several sequences embeds them at the wrong positions."""
+    m = getattr(hf, module)
+    config = getattr(m, config_cls)(
+        vocab_size=VOCAB,
+        d_model=64,
+        decoder_layers=2,
+        encoder_layers=2,
+        decoder_attention_heads=4,
+        encoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        encoder_ffn_dim=128,
+        max_position_embeddings=512,
+        is_decoder=True,
+        is_encoder_decoder=False,
+        init_std=0.2,
+        **extra,
+    )
+    return _tiny(getattr(m, model_cls), config)
+
+
+def _paligemma():
+    """PaliGemma's language model attends bidirectionally over the prompt (is_causal=False: a prefix-LM)."""
+    m = hf.paligemma
+    text = dict(
+        COMMON, model_type="gemma", num_hidden_layers=2, head_dim=16, initializer_range=0.3, tie_word_embeddings=False
+    )
+    config = m.PaliGemmaConfig(text_config=text, vision_config=SIGLIP_TINY, image_token_index=VOCAB)
+    return _tiny(m.PaliGemmaForConditionalGeneration, config)
+
+
 REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
     "qwen3_next": lambda: _build(
         hf.qwen3_next.Qwen3NextForCausalLM,
@@ -645,6 +678,20 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
             initializer_range=0.2,
         ),
     ),
+    # Found by a sweep of every causal LM type (benchmarks/causal_lm_sweep.py): the layer checks pass, the steps
+    # give other tokens; the end-to-end check of patch (hybridkv/step_check.py) refuses them.
+    "bart": lambda: _bart_decoder("bart", "BartForCausalLM", "BartConfig"),
+    "mbart": lambda: _bart_decoder("mbart", "MBartForCausalLM", "MBartConfig"),
+    "marian": lambda: _bart_decoder("marian", "MarianForCausalLM", "MarianConfig", decoder_vocab_size=VOCAB),
+    "pegasus": lambda: _bart_decoder("pegasus", "PegasusForCausalLM", "PegasusConfig"),
+    "plbart": lambda: _bart_decoder("plbart", "PLBartForCausalLM", "PLBartConfig"),
+    "blenderbot-small": lambda: _bart_decoder(
+        "blenderbot_small", "BlenderbotSmallForCausalLM", "BlenderbotSmallConfig"
+    ),
+    "bigbird_pegasus": lambda: _bart_decoder(
+        "bigbird_pegasus", "BigBirdPegasusForCausalLM", "BigBirdPegasusConfig", attention_type="original_full"
+    ),
+    "paligemma": _paligemma,
 }
 
 LAYER_KINDS: dict[str, str] = {
@@ -710,4 +757,12 @@ LAYER_KINDS: dict[str, str] = {
     "recurrent_gemma": "recurrent, recurrent, local attention",
     "deepseek_v32": "indexed sparse attention (top 8 keys) over latent attention",
     "deepseek_v4": "heavily compressed, compressed sparse",
+    "bart": "full; learned position embeddings from the cache's length",
+    "mbart": "full; learned position embeddings from the cache's length",
+    "marian": "full; sinusoidal position embeddings from the cache's length",
+    "pegasus": "full; sinusoidal position embeddings from the cache's length",
+    "plbart": "full; learned position embeddings from the cache's length",
+    "blenderbot-small": "full; learned position embeddings from the cache's length",
+    "bigbird_pegasus": "full; learned position embeddings from the cache's length",
+    "paligemma": "full, bidirectional over the prompt (prefix-LM; multimodal wrapper, text only)",
 }
