@@ -44,6 +44,8 @@ PATCH_FLAGS: dict[str, Any] = {
     "swap_space": int,
     "attention_backend": ["torch", "triton"],
     "cpu_threads": cpu_threads_flag,
+    "enforce_eager": bool,
+    "compile": bool,
 }
 DEMO_PROMPTS = [
     "Once upon a time",

@@ -25,6 +25,11 @@ class EngineConfig:
     hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool).
     `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
     leave free, at most torch's count; hybridkv/threads.py), a count, or None (torch's setting as it is).
+    `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a
+    single GPU, replayed as captured CUDA graphs (hybridkv/graphs.py; elsewhere run eagerly over the same
+    padded buffers, which tests what a GPU captures); True runs every step eagerly, unpadded; None (default)
+    is graph mode on a single CUDA device and eager elsewhere. `compile`: the forward under
+    `torch.compile(fullgraph=True, dynamic=True)` (inductor), off by default.
 
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
@@ -45,6 +50,8 @@ class EngineConfig:
     swap_space: int = 0
     attention_backend: str | None = None
     cpu_threads: int | str | None = "auto"
+    enforce_eager: bool | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -74,6 +81,9 @@ class EngineConfig:
         set_field("gpu_memory_utilization", utilization)
         set_field("kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("compile", self.compile)
+        if self.enforce_eager is not None:
+            check_bool("enforce_eager", self.enforce_eager)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.cpu_threads is not None and self.cpu_threads != "auto":

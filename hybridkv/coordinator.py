@@ -8,7 +8,7 @@ hold different numbers of tokens per block (hybridkv/grouping.py); token counts 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
@@ -18,6 +18,17 @@ from hybridkv.request import KVRequest
 from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 from hybridkv.window_managers import WindowedManager
+
+
+@dataclass(slots=True)
+class TableUpdates:
+    """What changed in the block lists since the coordinator last reported (`take_table_updates`): `freed`, the
+    requests that gave back every block, and `entries` (group id, request id, first changed position, the
+    list's entries from there on), applied after `freed` (a request freed and given blocks again has an entry
+    from position 0). Plain lists: a tensor-parallel driver sends them to the other ranks."""
+
+    entries: list[tuple[int, str, int, list[int]]] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -108,6 +119,8 @@ class KVCacheCoordinator:
         self._copies: dict[str, list[tuple[SingleTypeManager, int, KVBlock, KVBlock]]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Requests freed since the last take_table_updates.
+        self._freed: list[str] = []
 
     def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
         """The longest block-aligned prefix of the request's tokens cached in every group.
@@ -299,6 +312,21 @@ class KVCacheCoordinator:
             manager.free(request_id)
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
+        self._freed.append(request_id)
+
+    def take_table_updates(self) -> TableUpdates:
+        """What changed in the block tables since the last call: the freed requests, then per group and request
+        the entries from the first changed position on (the model runner's persistent batch applies them:
+        hybridkv/input_batch.py). Called once a step's allocations are made."""
+        updates = TableUpdates(freed=self._freed)
+        self._freed = []
+        entries = updates.entries
+        for manager in self.managers:
+            changed, manager.changed_from = manager.changed_from, {}
+            tables = manager.req_to_block_ids
+            for request_id, start in changed.items():
+                entries.append((manager.group_id, request_id, start, tables[request_id][start:]))
+        return updates
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Undo an allocation whose step will not run (a request preempted after it was scheduled): the

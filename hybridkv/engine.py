@@ -26,11 +26,13 @@ from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.exclusive import CLOSED_MESSAGE, exclusive
+from hybridkv.graphs import captures_graphs, decode_buckets, graph_mode
 from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
 from hybridkv.loops import RunLoops
-from hybridkv.model_runner import ModelRunner
+from hybridkv.model_runner import ModelRunner, RunnerLimits
 from hybridkv.output_processor import OutputProcessor, RequestState
 from hybridkv.outputs import RequestOutput, TokenLogprobs
+from hybridkv.patches.probe import attention_installed
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampler import sample_each
 from hybridkv.sampling_params import SamplingParams
@@ -56,7 +58,8 @@ class LLMEngine(RunLoops):
         self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
         self.step_check = check_step_exactness(model, layout)
         self.bytes_per_block = self.kv_config.block_bytes
-        num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len)
+        buckets = decode_buckets(config.max_num_seqs) if graph_mode(model, config.enforce_eager) else ()
+        num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
@@ -72,10 +75,16 @@ class LLMEngine(RunLoops):
         )
         self.coordinator = KVCacheCoordinator(self.kv_config, num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
+        limits = RunnerLimits(
+            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, buckets, config.compile
+        )
         self.runner = ModelRunner(
-            model, self.kv_config, layout.module_names, num_blocks, self.layer_dtypes, config.attention_backend
+            model, self.kv_config, layout.module_names, num_blocks, self.layer_dtypes, limits, config.attention_backend
         )
         self.runner.allocate_swap_space(num_swap_blocks)
+        if config.compile or (buckets and captures_graphs(model)):
+            with attention_installed(model):
+                self.runner.warm_up(capture=bool(buckets) and captures_graphs(model))
         on_cpu = all(device.type == "cpu" for device in self.runner.devices)
         self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
         self.inputs = InputProcessor(model, tokenizer)

@@ -42,6 +42,9 @@ class SingleTypeManager(ABC):
         # tables, read by the model runner without touching a block object.
         self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        # Per request, the first position of req_to_block_ids changed since the coordinator last reported
+        # changes (its `take_table_updates`): what the model runner's persistent block tables must copy.
+        self.changed_from: dict[str, int] = {}
 
     @abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
@@ -61,6 +64,12 @@ class SingleTypeManager(ABC):
     @abstractmethod
     def first_needed_block(self, num_computed_tokens: int) -> int:
         """Index of the first block a query at position num_computed_tokens can attend to."""
+
+    def mark_changed(self, request_id: str, position: int) -> None:
+        """Record that the request's block ids changed from `position` on (see `changed_from`)."""
+        first = self.changed_from.get(request_id)
+        if first is None or position < first:
+            self.changed_from[request_id] = position
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_to_blocks.get(request_id, [])
@@ -95,6 +104,7 @@ class SingleTypeManager(ABC):
         self.req_to_blocks[request_id] = list(hit_blocks)
         self.req_to_block_ids[request_id] = [b.block_id for b in hit_blocks]
         self.num_cached_blocks[request_id] = len(hit_blocks)
+        self.mark_changed(request_id, 0)
 
     def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         """Extend the request's list to cover num_total_tokens; returns the new real blocks."""
@@ -104,6 +114,7 @@ class SingleTypeManager(ABC):
         num_required = cdiv(num_total_tokens, self.block_size)
         if num_required <= len(blocks):
             return []
+        self.mark_changed(request_id, len(blocks))
         num_null = max(0, self.first_needed_block(num_computed_tokens) - len(blocks))
         num_null = min(num_null, num_required - len(blocks))
         if num_null:
@@ -120,6 +131,7 @@ class SingleTypeManager(ABC):
         self.req_to_blocks[request_id] = blocks
         self.req_to_block_ids[request_id] = [b.block_id for b in blocks]
         self.num_cached_blocks[request_id] = 0
+        self.mark_changed(request_id, 0)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give a request that holds nothing the same block list as another, every block shared (one
@@ -131,6 +143,7 @@ class SingleTypeManager(ABC):
         self.req_to_blocks[child_id] = blocks
         self.req_to_block_ids[child_id] = list(self.req_to_block_ids.get(parent_id, ()))
         self.num_cached_blocks[child_id] = self.num_cached_blocks.get(parent_id, 0)
+        self.mark_changed(child_id, 0)
 
     def shared_write_block(self, request_id: str, num_computed_tokens: int) -> int | None:
         """The position of the block the request's next token is written into when another request
@@ -148,6 +161,7 @@ class SingleTypeManager(ABC):
         old = blocks[index]
         blocks[index] = block
         self.req_to_block_ids[request_id][index] = block.block_id
+        self.mark_changed(request_id, index)
         self.pool.free_blocks([old])
         return old
 
@@ -173,6 +187,7 @@ class SingleTypeManager(ABC):
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_block_ids.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
+        self.changed_from.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 

@@ -1,19 +1,45 @@
-"""The model runner: KV tensors, per-step metadata, one forward of the flattened batch."""
+"""The model runner: KV tensors, the persistent batch and step buffers, one forward of the flattened batch."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from hybridkv.coordinator import TableUpdates
+from hybridkv.graphs import DecodeGraphs, padding_arrays
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.kernels import allocate_kv_pages, build_step_metadata, check_layer_cache, kv_page_views
+from hybridkv.input_batch import InputBatch
+from hybridkv.kernels import (
+    PagedAttentionMetadata,
+    allocate_kv_pages,
+    check_layer_cache,
+    kv_page_views,
+    resolve_backend,
+)
+from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kv_dtypes import LayerDtypes
-from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, step_running
+from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.scheduler import SchedulerOutput
+from hybridkv.utils import cdiv
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """The largest step a runner serves (its step buffers' sizes), and how it runs decode steps: padded to
+    `decode_buckets` sizes (graph mode: captured as CUDA graphs on a GPU, run eagerly over the same padded
+    buffers elsewhere; empty: eager, unpadded), and whether the forward is compiled (`torch.compile`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    decode_buckets: tuple[int, ...] = ()
+    compile: bool = False
 
 
 class ModelRunner:
@@ -21,7 +47,10 @@ class ModelRunner:
 
     One page tensor per device that holds a layer (`[num_blocks, page bytes]`, see
     hybridkv/grouping.py); each layer that holds pages gets K and V views of its slot in its own dtype
-    (hybridkv/kv_dtypes.py), and a KV-sharing layer reads its source layer's views.
+    (hybridkv/kv_dtypes.py), and a KV-sharing layer reads its source layer's views. A step's tokens,
+    positions, lengths, block tables and slots are written into `StepBuffers` (one per device, allocated
+    once: hybridkv/kernels/step_buffers.py) from the persistent batch (`InputBatch`: each request's block
+    table row kept between steps, hybridkv/input_batch.py).
     """
 
     def __init__(
@@ -31,11 +60,12 @@ class ModelRunner:
         module_names: dict[int, str],
         num_blocks: int,
         layer_dtypes: LayerDtypes,
+        limits: RunnerLimits,
         backend: str | None = None,
     ) -> None:
         self.model = model
         self.kv_config = kv_config
-        self.backend = backend
+        self.limits = limits
         named = dict(model.named_modules())
         self.input_device = input_device(model)
         devices = {idx: execution_device(named, name) for idx, name in module_names.items()}
@@ -43,7 +73,7 @@ class ModelRunner:
         for device in devices.values():
             if device not in self._pages:
                 self._pages[device] = allocate_kv_pages(num_blocks, kv_config.block_bytes, torch.uint8, device)
-        # Metadata is built once per (device, group) each step; a layer reads the copy on its device.
+        # Metadata is written once per (device, group) each step; a layer reads the copy on its device.
         self.devices = list(self._pages)
         num_groups = len(kv_config.groups)
         specs = {spec.layer_idx: spec for spec in kv_config.layer_specs}
@@ -94,10 +124,66 @@ class ModelRunner:
             last_readers[source] = max(layer_idx, last_readers.get(source, layer_idx))
         for source, reader in last_readers.items():
             self.layers[reader].stores_after += (source,)
+        # Passed to every forward: one object for the runner's life, its metadata replaced each step.
+        self.context = StepContext(self.layers)
+        self.batch = InputBatch(kv_config, limits.max_model_len, limits.max_num_seqs)
+        # Per block size: (its groups, the most blocks a sequence holds in them).
+        table_shapes = {
+            block_size: (len(table), cdiv(limits.max_model_len, block_size))
+            for block_size, table in self.batch.tables.items()
+        }
+        max_num_tokens = max(limits.max_num_batched_tokens, max(limits.decode_buckets, default=1))
+        self.buffers = {
+            device: StepBuffers(
+                device, resolve_backend(backend, device), limits.max_num_seqs, max_num_tokens, table_shapes
+            )
+            for device in {*self.devices, self.input_device}
+        }
+        self._groups_in_order = [self.batch.group_slots[group.group_id] for group in kv_config.groups]
+        self._all_rows = np.arange(max_num_tokens, dtype=np.int64)
+        self._forward_fn = self._compiled_forward() if limits.compile else self._forward
+        self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None
+        # Tests set it to the coordinator's `block_tables`: every step then checks the persistent rows.
+        self.verify_tables = None
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
+
+    def warm_up(self, capture: bool) -> None:
+        """At patch time, not in a user's first step: compile the forward (`compile`), which raises a ValueError
+        naming the fix when it cannot be traced whole, then capture a CUDA graph of a decode step at every
+        decode bucket (`capture`: graph mode on one GPU). A graph that cannot be captured (a model whose own
+        code syncs with the host, e.g. to loop over the experts a router picked) leaves every decode step
+        eager, with a warning; `graph_error` says why."""
+        if self.limits.compile:
+            prepared = self.padding_step(3)
+            self.context.metadata = prepared.metadata
+            # Rows != logits rows, both > 1: the first trace is general in both (no specialised graph).
+            inputs = self.buffers[self.input_device].model_inputs(3, 2)
+            try:
+                with torch.inference_mode(), running_step(self.context):
+                    self._forward_fn(*inputs)
+            except Exception as exc:
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise ValueError(
+                    f"compile=True: torch.compile(fullgraph=True) cannot trace {type(self.model).__name__}'s forward "
+                    f"({type(exc).__name__}: {first_line}); patch it with compile=False"
+                ) from exc
+        if capture:
+            graphs = DecodeGraphs(self, self.limits.decode_buckets)
+            try:
+                graphs.capture()
+            except Exception as exc:
+                self.graph_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+                warnings.warn(
+                    f"hybridkv could not capture {type(self.model).__name__}'s decode step as a CUDA graph "
+                    f"({self.graph_error}); its decode steps run eagerly",
+                    stacklevel=3,
+                )
+            else:
+                self.graphs = graphs
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """CPU pages for num_cpu_blocks blocks per device (pinned when the cache is on CUDA)."""
@@ -140,74 +226,195 @@ class ModelRunner:
         return self.forward(self.prepare(self.step_inputs(plan, logits_rows)))
 
     def step_inputs(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> StepInputs:
-        """The plan flattened into plain lists (what another rank needs to run the same step)."""
+        """The plan as plain lists (what another rank needs to run the same step)."""
         start_time = time.perf_counter()
-        inputs = StepInputs([], [], [], [], [], plan.block_tables, plan.swap_out, plan.swap_in, plan.blocks_to_copy)
-        input_ids, positions, sample_rows = inputs.input_ids, inputs.positions, inputs.logits_rows
+        inputs = StepInputs(
+            [], [], [], [], [], plan.table_updates, plan.swap_out, plan.swap_in, plan.blocks_to_copy, logits_rows
+        )
+        request_ids, input_ids, query_lens, seq_lens = (
+            inputs.request_ids,
+            inputs.input_ids,
+            inputs.query_lens,
+            inputs.seq_lens,
+        )
+        sample_rows = inputs.logits_rows
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            inputs.query_lens.append(num_new)
-            inputs.seq_lens.append(end)
+            request_ids.append(request.request_id)
+            if num_new == 1:
+                input_ids.append(request.token_ids[start])
+            else:
+                input_ids.extend(request.token_ids[start:end])
+            query_lens.append(num_new)
+            seq_lens.append(end)
             if samples:  # one row of logits per sample that draws from it (forks share their leader's)
                 sample_rows.extend([len(input_ids) - 1] * len(samples))
-        if logits_rows is not None:
-            inputs.logits_rows = list(logits_rows)
         self.prepare_seconds += time.perf_counter() - start_time
+        if self.verify_tables is not None:
+            inputs.checked_tables = self.verify_tables(request_ids)
         return inputs
 
-    def prepare(self, inputs: StepInputs) -> tuple[StepInputs, StepContext | None]:
-        """The step's attention metadata (None when it computes no token): everything that can fail before
-        the step changes any KV page."""
-        if not inputs.query_lens:
-            return inputs, None
+    def prepare(self, inputs: StepInputs) -> PreparedStep:
+        """Apply the step's table updates to the persistent batch, then write the step into the step buffers
+        and return its metadata (None when it computes no token): everything that can fail before the step
+        changes any KV page."""
         start_time = time.perf_counter()
-        block_sizes = [group.block_size for group in self.kv_config.groups]
-        metadata = build_step_metadata(
-            inputs.query_lens, inputs.seq_lens, inputs.block_tables, block_sizes, self.devices, self.backend
-        )
+        self.batch.apply(inputs.table_updates)
+        if not inputs.query_lens:
+            self.prepare_seconds += time.perf_counter() - start_time
+            return PreparedStep(inputs, None, 0, 0, None)
+        if inputs.checked_tables is not None:
+            self.batch.check(inputs.request_ids, inputs.checked_tables)
+        num_seqs = len(inputs.query_lens)
+        query_lens = np.array(inputs.query_lens, dtype=np.int64)
+        seq_lens = np.array(inputs.seq_lens, dtype=np.int64)
+        if not (query_lens.min() >= 1 and (query_lens <= seq_lens).all()):
+            seq = int(np.argmax((query_lens < 1) | (query_lens > seq_lens)))
+            raise ValueError(
+                f"sequence {seq}: need 1 <= query_len <= seq_len, got {query_lens[seq]} and {seq_lens[seq]}"
+            )
+        if int(seq_lens.max()) > self.limits.max_model_len or len(inputs.input_ids) > self.buffers_max_tokens:
+            raise ValueError(
+                f"the step ({len(inputs.input_ids)} rows, sequences up to {int(seq_lens.max())} tokens) is larger "
+                f"than the runner's buffers ({self.buffers_max_tokens} rows, max_model_len "
+                f"{self.limits.max_model_len})"
+            )
+        rows = np.fromiter(map(self.batch.rows.__getitem__, inputs.request_ids), dtype=np.int64, count=num_seqs)
+        input_ids: list[int] | np.ndarray = inputs.input_ids
+        decode_only = len(input_ids) == num_seqs
+        bucket = self._bucket(num_seqs) if decode_only else None
+        if bucket is not None and bucket > num_seqs:
+            padding = bucket - num_seqs
+            query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
+            seq_lens = np.concatenate([seq_lens, np.ones(padding, dtype=np.int64)])
+            rows = np.concatenate([rows, np.full(padding, self.batch.padding_row, dtype=np.int64)])
+            input_ids = [*input_ids, *([0] * padding)]
+        if decode_only:
+            positions = seq_lens - 1
+        else:
+            first_rows = np.cumsum(query_lens) - query_lens
+            positions = np.repeat(seq_lens - query_lens - first_rows, query_lens) + np.arange(len(input_ids))
+        widths = {block_size: cdiv(int(seq_lens.max()), block_size) for block_size in self.batch.block_sizes}
+        tables = self.batch.gather(rows, widths)
+        metadata: list[PagedAttentionMetadata] = []
+        for device in self.devices:
+            by_size = self.buffers[device].step(query_lens, seq_lens, positions, tables)
+            metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
+        num_rows = len(input_ids)
+        wanted = inputs.logits_rows if inputs.requested_rows is None else list(inputs.requested_rows)
+        picked = None
+        if bucket is not None:  # graph mode keeps every row's logits (a graph's output), picks the wanted after
+            picked = self.buffers[self.input_device].pick(wanted)
+            wanted = self._all_rows[:num_rows]
+        self.buffers[self.input_device].fill_inputs(input_ids, positions, wanted)
         self.prepare_seconds += time.perf_counter() - start_time
-        return inputs, StepContext(self.layers, metadata)
+        return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket)
 
-    def forward(self, prepared: tuple[StepInputs, StepContext | None]) -> torch.Tensor | None:
+    def padding_step(self, bucket: int) -> PreparedStep:
+        """A decode step of `bucket` padding rows (what a graph is captured over): every row one token at
+        position 0 over the all-null padding row of the tables, storing nothing."""
+        query_lens, seq_lens, positions = padding_arrays(bucket)
+        rows = np.full(bucket, self.batch.padding_row, dtype=np.int64)
+        tables = self.batch.gather(rows, dict.fromkeys(self.batch.block_sizes, 1))
+        metadata: list[PagedAttentionMetadata] = []
+        for device in self.devices:
+            by_size = self.buffers[device].step(query_lens, seq_lens, positions, tables)
+            metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
+        self.buffers[self.input_device].fill_inputs(
+            np.zeros(bucket, dtype=np.int64), positions, self._all_rows[:bucket]
+        )
+        inputs = StepInputs([], [], [], [], [], TableUpdates(), [], [], [])
+        return PreparedStep(inputs, metadata, bucket, bucket, None, bucket)
+
+    @property
+    def buffers_max_tokens(self) -> int:
+        return self.buffers[self.input_device].max_num_tokens
+
+    def _bucket(self, num_seqs: int) -> int | None:
+        """The decode bucket a decode step of `num_seqs` sequences is padded to (None: not graph mode, or more
+        sequences than the largest bucket)."""
+        for bucket in self.limits.decode_buckets:
+            if bucket >= num_seqs:
+                return bucket
+        return None
+
+    def forward(self, prepared: PreparedStep) -> torch.Tensor | None:
         """Run a prepared step: its swap copies, its copy-on-write copies, then one forward over all of its
-        tokens; float32 logits of its logits rows (None when it computes no token)."""
-        inputs, step = prepared
+        tokens (a captured graph's replay for a decode bucket that has one); float32 logits of its logits rows
+        (None when it computes no token)."""
+        inputs = prepared.inputs
         self.swap(inputs.swap_out, inputs.swap_in)
         self.copy_blocks(inputs.blocks_to_copy)
-        if step is None:
+        if prepared.metadata is None:
             return None
-        device = self.input_device
         forward_time = time.perf_counter()
-        with torch.inference_mode(), step_running():
-            output = self.model(
-                input_ids=torch.tensor([inputs.input_ids], device=device),
-                position_ids=torch.tensor([inputs.positions], device=device),
-                logits_to_keep=torch.tensor(inputs.logits_rows, dtype=torch.long, device=device),
-                use_cache=False,
-                **{STEP_KWARG: step},
-            )
-            # A store waits for its layer's KV-sharing readers; one the forward did not reach is made now.
-            step.store_deferred(list(step.deferred))
-        logits = output.logits[0].float()
+        step = self.context
+        step.metadata = prepared.metadata
+        graph = None if self.graphs is None or prepared.bucket is None else self.graphs.get(prepared.bucket)
+        if graph is not None:
+            self.buffers[self.input_device].write_all_tiles(prepared.metadata[0].step)
+            logits = graph.replay()
+        else:
+            buffers = self.buffers[self.input_device]
+            with torch.inference_mode(), running_step(step):
+                logits = self._forward_fn(*buffers.model_inputs(prepared.num_tokens, prepared.num_logits_rows))
+                # A store waits for its layer's KV-sharing readers; one the forward did not reach is made now.
+                step.store_deferred(list(step.deferred))
+        if prepared.picked_rows is not None:
+            logits = logits.index_select(0, prepared.picked_rows)
+        logits = logits.float()
         self.forward_seconds += time.perf_counter() - forward_time
         return logits
+
+    def _forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor
+    ) -> torch.Tensor:
+        """The model's forward over a step's buffers: logits `[rows of logits_to_keep, vocab]` (what a CUDA graph
+        captures and `torch.compile` compiles)."""
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            logits_to_keep=logits_to_keep,
+            use_cache=False,
+            **{STEP_KWARG: self.context},
+        )
+        return output.logits[0]
+
+    def _compiled_forward(self):
+        return torch.compile(self._forward, fullgraph=True, dynamic=True)
 
 
 @dataclass(slots=True)
 class StepInputs:
-    """One step as plain lists: the flattened tokens and positions, each request's query and sequence
-    length, the logits rows to return, the block-table rows per group, and the block copies to make
-    first. Picklable: the driver of a tensor-parallel engine sends it to the other ranks."""
+    """One step as plain lists: its requests (in batch order) with their flattened tokens, query and sequence
+    lengths, the logits rows to return, the block tables' updates since the last step, and the block copies
+    to make first. Picklable: the driver of a tensor-parallel engine sends it to the other ranks."""
 
+    request_ids: list[str]
     input_ids: list[int]
-    positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
     logits_rows: list[int]
-    block_tables: list[list[list[int]]]
+    table_updates: TableUpdates
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     blocks_to_copy: list[tuple[int, int]]
+    # Rows asked for instead of the samples' (tests: every row of a prefill).
+    requested_rows: Sequence[int] | None = None
+    # The managers' lists of the step's requests, when the runner checks its persistent rows (tests).
+    checked_tables: list[list[list[int]]] | None = None
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step written into the step buffers: its inputs, its metadata (None: no token to compute), its rows
+    and the rows the forward keeps, the samples' rows picked from those afterwards (graph mode), and the
+    decode bucket it was padded to (None: not padded)."""
+
+    inputs: StepInputs
+    metadata: list[PagedAttentionMetadata] | None
+    num_tokens: int
+    num_logits_rows: int
+    picked_rows: torch.Tensor | None
+    bucket: int | None = None

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hybridkv.coordinator import KVCacheCoordinator
+from hybridkv.coordinator import KVCacheCoordinator, TableUpdates
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.swap import SwapRecord, SwapSpace
 from hybridkv.utils import NULL_BLOCK_ID
@@ -72,8 +72,10 @@ class SchedulerOutput:
     block-table rows per group (`block_tables[group][i]` for `scheduled[i]`: the managers' own integer
     tables, read before the step's update and never changed by the runner), and the block copies to
     make before the forward, in this order: swap_out (device block, CPU block) pairs, swap_in (CPU block,
-    device block) pairs, then blocks_to_copy (source, destination) pairs (copy-on-write). `preempted`,
-    `swapped_in` and `failed` say what else changed."""
+    device block) pairs, then blocks_to_copy (source, destination) pairs (copy-on-write). `table_updates`:
+    what changed in the block tables since the last plan that ran (the runner's persistent batch applies it;
+    a plan with nothing to run leaves them for the next). `preempted`, `swapped_in` and `failed` say what
+    else changed."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     block_tables: list[list[list[int]]] = field(default_factory=list)
@@ -83,6 +85,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    table_updates: TableUpdates = field(default_factory=TableUpdates)
     num_tokens: int = 0
 
     def add(self, request: Request, num_new_tokens: int) -> None:
@@ -166,6 +169,8 @@ class Scheduler:
         self.coordinator.use_slack_for_caching()
         out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
         out.blocks_to_copy = self.coordinator.take_copies()
+        if out.scheduled or out.swap_out or out.swap_in:  # the plan reaches the model runner
+            out.table_updates = self.coordinator.take_table_updates()
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 

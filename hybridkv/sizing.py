@@ -98,11 +98,19 @@ def min_num_blocks(model: torch.nn.Module, **config: Any) -> int:
     return blocks_for_requests(kv_config, max_model_len, 1)
 
 
-def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCacheConfig, max_model_len: int) -> int:
+def num_kv_blocks(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    kv_config: KVCacheConfig,
+    max_model_len: int,
+    largest_graph: int = 0,
+) -> int:
     """The pool's block count, null block included: `num_blocks`, else what `kv_cache_memory` bytes hold,
-    else on CUDA `gpu_memory_utilization` of the device less the activations of the largest step, else
-    1 GiB on the CPU capped at what max_num_seqs requests at max_model_len can use. Never fewer than one
-    request at max_model_len needs (else a ValueError naming the fix)."""
+    else on CUDA `gpu_memory_utilization` of the device less the activations of the largest step and, when
+    decode steps are captured as CUDA graphs up to `largest_graph` sequences, the graphs' memory pool (the
+    activations of a forward of that many rows, which the pool keeps), else 1 GiB on the CPU capped at what
+    max_num_seqs requests at max_model_len can use. Never fewer than one request at max_model_len needs
+    (else a ValueError naming the fix)."""
     bytes_per_block = kv_config.block_bytes
     min_blocks = blocks_for_requests(kv_config, max_model_len, 1)
     if config.num_blocks is not None:
@@ -118,6 +126,8 @@ def num_kv_blocks(model: torch.nn.Module, config: EngineConfig, kv_config: KVCac
     device = next(model.parameters()).device
     if device.type == "cuda":
         activation_peak = _profile_forward(model, min(config.max_num_batched_tokens, max_model_len), device)
+        if largest_graph:
+            activation_peak += _profile_forward(model, largest_graph, device)
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         return num_blocks_for_memory_utilization(
             config.gpu_memory_utilization, free_bytes - activation_peak, total_bytes, bytes_per_block, min_blocks

@@ -64,5 +64,11 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # How patch's end-to-end check compared the model's steps with its own forward (hybridkv/step_check.py):
         # "fp32", "fp32 copy" (a 16-bit model) or "bfloat16/float16, gross errors only" (too large for a copy).
         "step_check": engine.step_check.mode,
+        # Decode steps padded to these sizes (graph mode; empty: eager), those captured as CUDA graphs, why none
+        # could be (None: none failed), and whether the forward is compiled (hybridkv/graphs.py).
+        "decode_buckets": list(engine.runner.limits.decode_buckets),
+        "cuda_graphs": sorted(engine.runner.graphs.graphs) if engine.runner.graphs is not None else [],
+        "cuda_graph_error": engine.runner.graph_error,
+        "compiled": engine.runner.limits.compile,
         "cpu_decode_kernel": all(device.type == "cpu" for device in engine.runner.devices) and cpu_decode.available(),
     }

@@ -40,7 +40,7 @@ import torch
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import group_layers
 from hybridkv.kv_dtypes import resolve_layer_dtypes
-from hybridkv.model_runner import ModelRunner
+from hybridkv.model_runner import ModelRunner, RunnerLimits
 from hybridkv.patches.devices import input_device
 from hybridkv.patches.inspection import ModelLayout
 from hybridkv.patches.layer_kinds import text_config
@@ -184,7 +184,8 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
     prompts = _prompts(text_config(model.config).vocab_size)
     num_blocks = blocks_for_requests(kv_config, max(map(len, prompts.values())), len(prompts))
     coordinator = KVCacheCoordinator(kv_config, num_blocks, enable_caching=False)
-    runner = ModelRunner(model, kv_config, layout.module_names, num_blocks, layer_dtypes)
+    limits = RunnerLimits(len(prompts), max(map(sum, STEPS)), max(map(len, prompts.values())))
+    runner = ModelRunner(model, kv_config, layout.module_names, num_blocks, layer_dtypes, limits)
     requests = [Request(name, tokens, SamplingParams(), None) for name, tokens in prompts.items()]
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
     found: list[tuple[str, int, int, int, int]] = []
@@ -194,7 +195,7 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
                 if not coordinator.allocate_slots(request, num_new):
                     raise RuntimeError("the step check's pool is too small")  # sized for exactly these steps
             scheduled = [ScheduledRequest(r, n, ()) for r, n in zip(requests, chunks, strict=True)]
-            plan = SchedulerOutput(scheduled, coordinator.block_tables([r.request_id for r in requests]))
+            plan = SchedulerOutput(scheduled, table_updates=coordinator.take_table_updates())
             logits = runner.execute(plan, logits_rows=range(sum(chunks)))
             first_row = 0
             for request, num_new in zip(requests, chunks, strict=True):

@@ -108,6 +108,7 @@ class WindowedManager(SingleTypeManager):
             return []
         new_tail = self._new_tail(len(blocks), num_total_tokens)
         first_new = len(blocks)
+        self.mark_changed(request_id, first_new)
         # Unhashed blocks move first: moving a hashed one loses what it caches.
         movable = self._movable(blocks, start, num_total_tokens)
         movable.sort(key=lambda i: blocks[i].block_hash is not None)
@@ -168,6 +169,7 @@ class WindowedManager(SingleTypeManager):
         for (request_id, position), block in zip(wanted, self.pool.get_new_blocks(len(wanted)), strict=True):
             self.req_to_blocks[request_id][position] = block
             self.req_to_block_ids[request_id][position] = block.block_id
+            self.mark_changed(request_id, position)
             self.steps[request_id].middle.append(position)
         return len(wanted)
 
@@ -183,6 +185,7 @@ class WindowedManager(SingleTypeManager):
         if end <= start:  # most steps: the window has not left a block behind
             return
         block_ids = self.req_to_block_ids[request_id]
+        self.mark_changed(request_id, start)
         released = []
         for i in range(end - 1, start - 1, -1):
             if not blocks[i].is_null:
@@ -202,6 +205,7 @@ class WindowedManager(SingleTypeManager):
         if blocks:
             for old, block_id in enumerate(block_ids):
                 if block_id < 0:
+                    self.mark_changed(request_id, old)
                     new = block_ids.index(-block_id)
                     blocks[old], blocks[new] = blocks[new], self.pool.null_block
                     block_ids[old], block_ids[new] = -block_id, NULL_BLOCK_ID
@@ -219,6 +223,7 @@ class WindowedManager(SingleTypeManager):
         blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
         block = blocks[old]
         self.pool.drop_hash(block)
+        self.mark_changed(request_id, min(old, new))
         blocks[old] = self.pool.null_block
         block_ids[old] = -block.block_id
         if new == len(blocks):

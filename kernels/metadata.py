@@ -19,7 +19,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +67,8 @@ class StepMetadata:
     triton_tiles_by_height: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
     torch_layouts: dict[tuple[int, int | None, int | None, bool], TorchLayout] = field(default_factory=dict, repr=False)
     _slot_indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # The StepBuffers the step was written into (step_buffers.py), which then hold its Triton tiles too.
+    buffers: Any = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -158,9 +160,12 @@ class StepMetadata:
         ]
 
     def triton_tiles(self, block_q: int) -> TritonQueryTiles:
-        """Query tiles of ``block_q`` tokens, built on the first layer that asks for them."""
+        """Query tiles of ``block_q`` tokens, built on the first layer that asks for them (in the step's
+        buffers, when it has them)."""
         tiles = self.triton_tiles_by_height.get(block_q)
-        if tiles is None:
+        if tiles is None and self.buffers is not None:
+            tiles = self.triton_tiles_by_height[block_q] = self.buffers.triton_tiles(self, block_q)
+        elif tiles is None:
             seq_ids: list[int] = []
             starts: list[int] = []
             for seq, query_len in enumerate(self.query_lens_list):
@@ -209,10 +214,12 @@ class StepMetadata:
 class PagedAttentionMetadata:
     """One step of one KV cache group: what the kernels take, shared by every layer of the group.
 
-    ``block_table`` (int32) holds the group's block ids per sequence, padded with the null block (0);
-    entries at or beyond ``ceil(seq_lens[s] / block_size)`` are never read. ``slot_mapping[t]``
+    ``block_table`` (int32) holds the group's block ids per sequence, padded with the null block (0), or
+    (written into step buffers) with whatever an earlier step left there; entries at or beyond
+    ``ceil(seq_lens[s] / block_size)`` are never read. ``slot_mapping[t]``
     (int64) is the cache slot of query row t, -1 where the row is not stored. ``block_table_rows``
-    are the rows as given (not copied: an engine passes its managers' live lists, read during the step).
+    are the rows as given to ``build`` / ``for_group`` (not copied), None for metadata written into step
+    buffers.
     The lengths are the step's (``step``), also readable here: ``cu_seqlens_q``, ``seq_lens``,
     ``query_lens_list``, ``seq_lens_list``, ``num_seqs``, ``num_query_tokens``.
     """
@@ -221,7 +228,7 @@ class PagedAttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     block_size: int
-    block_table_rows: list[list[int]]
+    block_table_rows: list[list[int]] | None
     # The torch path's gather plans, by visibility and decode batching, filled by torch_plan.py on first use.
     torch_plans: dict[PlanKey, TorchAttentionPlan] = field(default_factory=dict, repr=False)
 

@@ -7,6 +7,16 @@ attention call, which writes the layer's new K/V into its group's paged tensors 
 The batch is one flattened sequence with explicit position ids, so no dense mask is built: the mask
 function returns None while a step runs.
 
+Inside a step each layer's attention is one opaque torch op, `torch.ops.hybridkv.paged_attention`
+(registered with `torch.library`, with a fake implementation): it takes the layer's query, key and value
+rows and its index, and finds its pages and the step's metadata in the step that runs in this thread
+(`running_step`, as vLLM's forward context and nano-vllm's `Context` do). The pages (dtype views of one
+uint8 tensor) and the metadata never enter the op's signature, so `torch.compile(model, fullgraph=True)`
+traces a step's forward with no graph break and no copy of a mutated view, and a CUDA graph replays the
+op's kernels over buffers that keep their addresses (hybridkv/step_buffers.py). What a step passes the
+model (`hybridkv_step`) is the runner's one `StepContext`, the same object every step; which step runs is
+a thread-local, which compiled code reads without a graph break (a `ContextVar` would break the graph).
+
 Called outside an engine step (a plain `model(...)` or `model.generate(...)` on a patched model), both
 functions hand over to the implementation the model had before it was patched, so the model behaves
 exactly as the original.
@@ -16,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Iterable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +49,9 @@ IGNORED_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
 )
 
-_step_running: ContextVar[bool] = ContextVar("hybridkv_step_running", default=False)
-# The recorder of patches/probe.py while its probe forward runs.
-_probe: ContextVar[Any] = ContextVar("hybridkv_probe", default=None)
+# Per thread: `step`, the StepContext of the step whose forward runs (None outside one), and `probe`, the
+# recorder of patches/probe.py while its probe forward runs.
+_running = threading.local()
 # id(config) -> the attention implementation the model had before it was patched, and how many patched
 # models read that config object (two models built from one config share it: the first one's original
 # is kept, and the config switches back only when the last of them is unpatched).
@@ -73,14 +83,15 @@ class LayerKV:
     stores_after: tuple[int, ...] = ()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class StepContext:
-    """What every attention layer needs for one step: its tensors and its group's metadata
-    (one entry per (device, group); each carries its step's backend, resolved once per device), and
-    the K/V rows of layers whose store waits for their readers."""
+    """What every attention layer needs in a step: its tensors (fixed for the runner's life) and its group's
+    metadata for the step that runs (`metadata`, one entry per (device, group), each carrying its step's
+    backend, replaced every step), and the K/V rows of layers whose store waits for their readers. A runner
+    keeps one, passed to every forward as `hybridkv_step`: compiled code guards on its identity only."""
 
     layers: dict[int, LayerKV]
-    metadata: list[PagedAttentionMetadata]
+    metadata: list[PagedAttentionMetadata] = field(default_factory=list)
     deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def store(self, layer_idx: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
@@ -99,21 +110,32 @@ class StepContext:
 @contextlib.contextmanager
 def probing(probe: Any) -> Iterator[None]:
     """Marks the probe forward of patches/probe.py: both functions report to `probe`."""
-    token = _probe.set(probe)
+    previous = getattr(_running, "probe", None)
+    _running.probe = probe
     try:
         yield
     finally:
-        _probe.reset(token)
+        _running.probe = previous
 
 
 @contextlib.contextmanager
-def step_running() -> Iterator[None]:
-    """Marks an engine forward, during which the mask function builds no mask."""
-    token = _step_running.set(True)
+def running_step(step: StepContext) -> Iterator[None]:
+    """Marks an engine forward in this thread: the mask function builds no mask, and each layer's op finds
+    its pages and metadata in `step`."""
+    previous = getattr(_running, "step", None)
+    _running.step = step
     try:
         yield
     finally:
-        _step_running.reset(token)
+        _running.step = previous
+
+
+def current_step() -> StepContext:
+    """The step whose forward runs in this thread (the attention op's lookup)."""
+    step = getattr(_running, "step", None)
+    if step is None:
+        raise RuntimeError("hybridkv's attention op ran outside an engine step (no running_step in this thread)")
+    return step
 
 
 def hybridkv_attention(
@@ -129,63 +151,92 @@ def hybridkv_attention(
     """The registered attention function: paged inside a step, the original implementation outside.
 
     query `[1, q_heads, tokens, head_dim]`, key/value `[1, kv_heads, tokens, head_dim]` (after RoPE);
-    returns `[1, tokens, q_heads, head_dim]` as every transformers attention function does.
+    returns `[1, tokens, q_heads, head_dim]` as every transformers attention function does. Inside a step
+    this is all that compiled code traces: one `paged_attention` op per layer, with what the call passes.
     """
     step = kwargs.get(STEP_KWARG)
     if type(step) is not StepContext:
-        probe = _probe.get()
+        probe = getattr(_running, "probe", None)
         if probe is not None:
             return probe.record(module, query, key, value, attention_mask, kwargs)
         kwargs.pop(STEP_KWARG, None)
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    layer = step.layers[module.layer_idx]
-    passed_window = kwargs.get("sliding_window")
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]
+    out = torch.ops.hybridkv.paged_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kwargs.get("s_aux"),
+        module.layer_idx,
+        query.shape[-1] ** -0.5 if scaling is None else scaling,
+        kwargs.get("softcap"),
+        kwargs.get("sliding_window") or None,
+    )
+    return out.unsqueeze(0), None
+
+
+@torch.library.custom_op("hybridkv::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sinks: torch.Tensor | None,
+    layer_idx: int,
+    scale: float,
+    softcap: float | None,
+    passed_window: int | None,
+) -> torch.Tensor:
+    """One layer's attention in the running step (`current_step`): attend over its pages with the step's
+    own K/V rows in flight, then store them into the layer's slots. `query` `[tokens, q_heads, dim]`,
+    `key`/`value` `[tokens, kv_heads, dim]`; returns `[tokens, q_heads, v_dim]`. Its side effect (the store)
+    is on pages outside the signature, which compiled code cannot see to copy."""
+    step = current_step()
+    layer = step.layers[layer_idx]
     if passed_window and passed_window != layer.sliding_window:
         raise ValueError(
-            f"layer {module.layer_idx} passes sliding_window={passed_window} to attention, but hybridkv's "
+            f"layer {layer_idx} passes sliding_window={passed_window} to attention, but hybridkv's "
             f"layout gives it {layer.sliding_window}; the model changed since it was patched: patch it again"
         )
-    metadata = step.metadata[layer.metadata_index]
-    # [1, heads, tokens, dim] -> [tokens, heads, dim]
-    query_rows = query[0].transpose(0, 1)
-    key_rows, value_rows = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's
     # own keys are read in flight (a sharing layer receives its source's rows), earlier ones from the
     # pages; the rows are stored afterwards (by `attend`, `store=True`), because a windowed group may store
     # them into a block that held keys this attention reads (docs/design.md, "Window-only sliding groups").
-    store_now = layer.writes_kv and not layer.defers_store
     out = attend(
-        query_rows,
+        query,
         layer.key_cache,
         layer.value_cache,
-        metadata,
-        scale=scaling,
+        step.metadata[layer.metadata_index],
+        scale=scale,
         sliding_window=layer.sliding_window,
-        softcap=kwargs.get("softcap"),
-        sinks=kwargs.get("s_aux"),
+        softcap=softcap,
+        sinks=sinks,
         attention_chunk_size=layer.attention_chunk_size,
-        key=key_rows,
-        value=value_rows,
+        key=key,
+        value=value,
         k_scale=layer.k_scale,
         v_scale=layer.v_scale,
-        store=store_now,
+        store=layer.writes_kv and not layer.defers_store,
     )
     if layer.defers_store:
-        step.deferred[module.layer_idx] = (key_rows, value_rows)
+        # A copy: compiled code may reuse the inputs' memory once the op returns.
+        step.deferred[layer_idx] = (key.clone(), value.clone())
     step.store_deferred(layer.stores_after)
-    return out.unsqueeze(0), None
+    return out
+
+
+@paged_attention_op.register_fake
+def _paged_attention_shape(query, key, value, sinks, layer_idx, scale, softcap, passed_window) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[1], value.shape[-1]))
 
 
 def hybridkv_mask(*args: Any, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """The registered mask function: no mask inside a step, the original mask outside."""
-    if _step_running.get():
+    if getattr(_running, "step", None) is not None:
         return None
-    probe = _probe.get()
+    probe = getattr(_running, "probe", None)
     if probe is not None:
         return probe.mask(*args, config=config, **kwargs)
     original = _original_implementation.get(id(config), "sdpa")

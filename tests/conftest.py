@@ -30,6 +30,8 @@ def patched():
             # objects), and a fraction of the device is shared with the other test workers' processes.
             settings["kv_cache_memory"] = 1 << 30
         llm = hybridkv.patch(model, **settings)
+        # Every step checks that the runner's persistent block tables equal the managers' lists.
+        llm.runner.verify_tables = llm.coordinator.block_tables
         models.append(model)
         return llm
 

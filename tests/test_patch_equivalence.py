@@ -75,7 +75,7 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
 def plan_of(llm, request, num_new_tokens):
     """A step that computes the request's next tokens alone."""
     scheduled = [ScheduledRequest(request, num_new_tokens, samples=())]
-    return SchedulerOutput(scheduled, llm.coordinator.block_tables([request.request_id]))
+    return SchedulerOutput(scheduled, table_updates=llm.coordinator.take_table_updates())
 
 
 def test_prefill_logits_match_forward(name):

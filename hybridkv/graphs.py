@@ -1,0 +1,103 @@
+"""CUDA graphs of decode steps: a decode step's forward captured once per bucket size, then replayed.
+
+On a GPU a decode step of a small model is hundreds of small kernels launched one by one from Python
+(transformers' layers: norms, projections, rotary embeddings, activations), and the host's launches,
+not the GPU, set the step's time. A CUDA graph records the launches of one forward and replays them
+in one call. A graph replays the same kernels over the same addresses, so what a decode step reads
+lives at fixed addresses (the step buffers, hybridkv/kernels/step_buffers.py; the pages; the weights),
+and a step of n sequences runs in the graph of the smallest bucket >= n, its extra rows padding:
+a sequence of one token at position 0 whose block table is all null, which stores nothing (slot -1),
+attends to its own key only, and whose logits are never sampled.
+
+Buckets follow vLLM's capture sizes: 1, 2, 4, 8, then steps of 8 up to 32, 16 up to 128, 32 up to 256 and
+64 beyond, up to `max_num_seqs`. Steps with prefill rows run eagerly. The graphs share one memory pool,
+captured largest first; their memory is counted before the KV pool is sized (hybridkv/sizing.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hybridkv.patches.attention import running_step
+
+if TYPE_CHECKING:
+    from hybridkv.model_runner import ModelRunner
+
+
+def captures_graphs(model: torch.nn.Module) -> bool:
+    """Whether graph mode captures CUDA graphs for this model: every weight on one CUDA device, no offload
+    hooks, no tensor parallel (elsewhere graph mode runs the padded steps eagerly)."""
+    devices = {p.device for p in model.parameters()}
+    return (
+        len(devices) == 1
+        and next(iter(devices)).type == "cuda"
+        and not any(hasattr(m, "_hf_hook") for m in model.modules())
+        and (getattr(model, "_tp_size", None) or 1) == 1
+    )
+
+
+def graph_mode(model: torch.nn.Module, enforce_eager: bool | None) -> bool:
+    """`enforce_eager` False: graph mode; True: eager; None: graph mode where CUDA graphs are captured."""
+    return captures_graphs(model) if enforce_eager is None else not enforce_eager
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode step sizes graph mode pads to, up to `max_num_seqs` (always included)."""
+    sizes = [1, 2, 4, *range(8, 33, 8), *range(48, 129, 16), *range(160, 257, 32), *range(320, max_num_seqs, 64)]
+    return (*(size for size in sizes if size < max_num_seqs), max_num_seqs)
+
+
+class CapturedStep:
+    """One bucket's graph and the logits tensor its replay writes (`[bucket, vocab]`)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor) -> None:
+        self.graph = graph
+        self.logits = logits
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
+
+
+class DecodeGraphs:
+    """The runner's captured decode steps, one per bucket."""
+
+    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.buckets = buckets
+        self.graphs: dict[int, CapturedStep] = {}
+
+    def get(self, bucket: int) -> CapturedStep | None:
+        return self.graphs.get(bucket)
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, over a step of padding rows only (which writes nothing)."""
+        runner = self.runner
+        pool = None
+        for bucket in sorted(self.buckets, reverse=True):
+            prepared = runner.padding_step(bucket)
+            runner.context.metadata = prepared.metadata
+            inputs = runner.buffers[runner.input_device].model_inputs(bucket, bucket)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode(), running_step(runner.context):
+                for _ in range(2):  # compiles Triton kernels (and the model, when compiled) outside the graph
+                    runner._forward_fn(*inputs)
+                    runner.context.store_deferred(list(runner.context.deferred))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), running_step(runner.context), torch.cuda.graph(graph, pool=pool):
+                logits = runner._forward_fn(*inputs)
+                runner.context.store_deferred(list(runner.context.deferred))
+            pool = graph.pool()
+            self.graphs[bucket] = CapturedStep(graph, logits)
+        torch.cuda.synchronize(runner.input_device)
+
+
+def padding_arrays(bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """query lengths, sequence lengths and positions of a step of `bucket` padding rows."""
+    ones = np.ones(bucket, dtype=np.int64)
+    return ones, ones, np.zeros(bucket, dtype=np.int64)

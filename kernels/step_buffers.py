@@ -1,0 +1,190 @@
+"""Step buffers: the tensors a step's inputs and metadata live in, allocated once and rewritten in place.
+
+An engine's steps differ in their sizes, not in where their tensors are: `StepBuffers` holds, for one
+device, every tensor a step's forward reads besides the weights and the pages, sized for the engine's
+largest step (`max_num_seqs` sequences, `max_num_tokens` rows), and each step writes its values into the
+leading part of each. Their addresses never change, which is what lets a CUDA graph captured over one
+step replay another (hybridkv/graphs.py), and no step allocates or frees a tensor of its own::
+
+    input_ids, positions       [max_num_tokens]                 int64   the flattened rows
+    logits_rows, picked_rows   [max of both]                    int64   rows whose logits are kept, sampled
+    cu_seqlens_q               [max_num_seqs + 1]               int32   sequence s: rows cu[s]:cu[s+1]
+    seq_lens                   [max_num_seqs]                   int32   tokens each sequence holds
+    tables[block_size]         [groups, max_num_seqs, width]    int32   block ids, in batch order
+    slots[block_size]          [groups, max_num_tokens]         int64   where each row is stored (-1: not)
+    tiles[block_q]             2 x [max_num_tokens // block_q + max_num_seqs]   Triton query tiles
+
+On the CPU the host's numpy arrays are these tensors (shared memory: filling one is writing the other).
+On CUDA the host fills pinned copies and `step` sends the used part of each to the device, asynchronously.
+A group's table is a `[num_seqs, width]` view with the full row stride: entries past a sequence's blocks
+hold whatever an earlier step left there, and no kernel reads them (a kernel reads a sequence's entries
+up to its length). Where the step's rows come from, and which requests they are, is the caller's (the
+model runner's persistent batch, hybridkv/input_batch.py); what they mean is metadata.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .backend import Backend
+from .metadata import PagedAttentionMetadata, StepMetadata, TritonQueryTiles
+
+
+class _Buffer:
+    """One step tensor on the device and the numpy array the host fills (the same memory on the CPU)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cpu = device.type == "cpu"
+        with torch.inference_mode(False):  # updated in place outside inference mode too
+            self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu and torch.cuda.is_available())
+            self.device = self.host_tensor if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+        self.host = self.host_tensor.numpy()
+        self.on_cpu = on_cpu
+
+    def send(self, *region: slice) -> None:
+        """Copy the host's values of `region` (leading slices) to the device (nothing to do on the CPU)."""
+        if not self.on_cpu:
+            self.device[region].copy_(self.host_tensor[region], non_blocking=True)
+
+
+class StepBuffers:
+    """Every step tensor of one device (see the module docstring). `table_shapes` gives, per block size,
+    the number of KV cache groups of that size and the most blocks a sequence holds in them."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        backend: Backend,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        table_shapes: Mapping[int, tuple[int, int]],
+    ) -> None:
+        self.device = device
+        self.backend = backend
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)
+        # A sample's row (at most max_num_seqs of them) or any row of the step (a caller asking for all of them).
+        self.logits_rows = _Buffer((max(max_num_seqs, max_num_tokens),), torch.int64, device)
+        # Graph mode: the rows of a padded step's logits that are sampled (picked after the forward).
+        self.picked_rows = _Buffer((max(max_num_seqs, max_num_tokens),), torch.int64, device)
+        self.cu_seqlens_q = _Buffer((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = _Buffer((max_num_seqs,), torch.int32, device)
+        self.tables = {
+            block_size: _Buffer((num_groups, max_num_seqs, width), torch.int32, device)
+            for block_size, (num_groups, width) in table_shapes.items()
+        }
+        self.slots = {
+            block_size: _Buffer((num_groups, max_num_tokens), torch.int64, device)
+            for block_size, (num_groups, _) in table_shapes.items()
+        }
+        self.tiles: dict[int, tuple[_Buffer, _Buffer]] = {}
+        self._rows = np.arange(max(max_num_seqs, max_num_tokens), dtype=np.int64)
+
+    def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
+        """The step's flattened token ids and positions, and the rows whose logits it keeps."""
+        num_tokens, num_rows = len(positions), len(logits_rows)
+        self.input_ids.host[:num_tokens] = input_ids
+        self.positions.host[:num_tokens] = positions
+        self.logits_rows.host[:num_rows] = logits_rows
+        self.input_ids.send(slice(0, num_tokens))
+        self.positions.send(slice(0, num_tokens))
+        self.logits_rows.send(slice(0, num_rows))
+
+    def pick(self, rows: list[int] | np.ndarray) -> torch.Tensor:
+        """`rows` (of a forward's logits) in the picked-rows buffer, on the device."""
+        self.picked_rows.host[: len(rows)] = rows
+        self.picked_rows.send(slice(0, len(rows)))
+        return self.picked_rows.device[: len(rows)]
+
+    def model_inputs(self, num_tokens: int, num_logits_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`input_ids` and `position_ids` (`[1, num_tokens]`) and `logits_to_keep` views for the forward."""
+        return (
+            self.input_ids.device[:num_tokens].view(1, num_tokens),
+            self.positions.device[:num_tokens].view(1, num_tokens),
+            self.logits_rows.device[:num_logits_rows],
+        )
+
+    def step(
+        self,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        positions: np.ndarray,
+        tables: Mapping[int, np.ndarray],
+    ) -> dict[int, list[PagedAttentionMetadata]]:
+        """Write one step's metadata and return it, per block size one `PagedAttentionMetadata` per group (in
+        the order of `tables[block_size]`'s first axis), all sharing one `StepMetadata`.
+
+        `query_lens` and `seq_lens` (int, `[num_seqs]`, checked by the caller: 1 <= query <= seq), the rows'
+        `positions` (`[num_tokens]`, sequence by sequence, each sequence's last rows), and per block size the
+        groups' block tables in batch order (int32 `[groups, num_seqs, width]`, width covering every sequence's
+        length), where a negative entry -b is block b read at that position this step and stored into at
+        another, so rows there, and at the null block, get slot -1 (see `StepMetadata.for_group`).
+        """
+        num_seqs, num_tokens = len(seq_lens), len(positions)
+        cu_seqlens = self.cu_seqlens_q
+        cu_seqlens.host[0] = 0
+        np.cumsum(query_lens, out=cu_seqlens.host[1 : num_seqs + 1])
+        self.seq_lens.host[:num_seqs] = seq_lens
+        cu_seqlens.send(slice(0, num_seqs + 1))
+        self.seq_lens.send(slice(0, num_seqs))
+        # The sequence of each row (a step of decode rows: row s is sequence s).
+        rows = self._rows[:num_seqs] if num_tokens == num_seqs else np.repeat(self._rows[:num_seqs], query_lens)
+        step = StepMetadata(
+            query_lens_list=query_lens.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            cu_seqlens_q=cu_seqlens.device[: num_seqs + 1],
+            seq_lens=self.seq_lens.device[:num_seqs],
+            num_query_tokens=num_tokens,
+            backend=self.backend,
+        )
+        step.buffers = self
+        metadata: dict[int, list[PagedAttentionMetadata]] = {}
+        for block_size, groups in tables.items():
+            num_groups, _, width = groups.shape
+            entries = groups[:, rows, positions // block_size]
+            slots = self.slots[block_size]
+            np.copyto(slots.host[:num_groups, :num_tokens], entries * block_size + positions % block_size)
+            slots.host[:num_groups, :num_tokens][entries <= 0] = -1
+            table = self.tables[block_size]
+            np.abs(groups, out=table.host[:num_groups, :num_seqs, :width])
+            table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, width))
+            slots.send(slice(0, num_groups), slice(0, num_tokens))
+            metadata[block_size] = [
+                PagedAttentionMetadata(
+                    step, table.device[group, :num_seqs], slots.device[group, :num_tokens], block_size, None
+                )
+                for group in range(num_groups)
+            ]
+        return metadata
+
+    def triton_tiles(self, step: StepMetadata, block_q: int) -> TritonQueryTiles:
+        """The step's Triton query tiles of `block_q` rows, written into this height's buffers."""
+        buffers = self.tiles.get(block_q)
+        if buffers is None:
+            size = self.max_num_tokens // block_q + self.max_num_seqs
+            buffers = self.tiles[block_q] = (
+                _Buffer((size,), torch.int32, self.device),
+                _Buffer((size,), torch.int32, self.device),
+            )
+        seq_ids, starts = buffers
+        query_lens = np.asarray(step.query_lens_list, dtype=np.int64)
+        tiles_per_seq = -(-query_lens // block_q)
+        num_tiles = int(tiles_per_seq.sum())
+        seq_ids.host[:num_tiles] = np.repeat(self._rows[: len(query_lens)], tiles_per_seq)
+        first_tile = np.cumsum(tiles_per_seq) - tiles_per_seq
+        starts.host[:num_tiles] = (self._rows[:num_tiles] - np.repeat(first_tile, tiles_per_seq)) * block_q
+        seq_ids.send(slice(0, num_tiles))
+        starts.send(slice(0, num_tiles))
+        return TritonQueryTiles(seq_ids.device[:num_tiles], starts.device[:num_tiles])
+
+    def write_all_tiles(self, step: StepMetadata) -> None:
+        """The step's tiles at every height a kernel has asked for: before a graph replays kernels that read
+        them, since an eager step in between may have written others."""
+        for block_q in self.tiles:
+            step.triton_tiles_by_height.pop(block_q, None)
+            step.triton_tiles(block_q)

@@ -1,0 +1,230 @@
+"""The graph-ready step: attention as one opaque torch op per layer, a forward that traces with no graph break,
+step buffers that keep their addresses, and decode steps padded to buckets (graph mode, which a GPU captures
+as CUDA graphs and the CPU runs eagerly over the same padded buffers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.graphs import decode_buckets
+from hybridkv.kernels import StepMetadata
+from hybridkv.kernels.step_buffers import StepBuffers
+from hybridkv.patches.attention import paged_attention_op, running_step
+
+from model_zoo import ZOO
+from tiny_models import FAMILIES, hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_decode_buckets_follow_vllms_capture_sizes_up_to_max_num_seqs():
+    assert decode_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert decode_buckets(20) == (1, 2, 4, 8, 16, 20)
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(256)[-4:] == (160, 192, 224, 256)
+    assert decode_buckets(300)[-2:] == (256, 300)
+
+
+def test_the_attention_op_passes_torch_librarys_opcheck(patched):
+    model = FAMILIES["gemma3_text"]()
+    llm = patched(model, block_size=8, max_model_len=128)
+    request_id = llm.add_request(prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
+    llm.step()  # the prompt's pages hold its keys; the next step is one decode row
+    plan = llm.scheduler.schedule()
+    prepared = llm.runner.prepare(llm.runner.step_inputs(plan))
+    llm.runner.context.metadata = prepared.metadata
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    with running_step(llm.runner.context):
+        for layer_idx, window in ((0, 16), (5, None)):  # a sliding and the full layer
+            torch.library.opcheck(paged_attention_op, (query, key, value, None, layer_idx, 0.25, None, window))
+    llm.abort(request_id)
+
+
+def compiled_to_dynamo_graphs(llm):
+    """The runner's forward under torch.compile(fullgraph=True), its graphs run as traced (no inductor): any
+    graph break is an error, and the tokens are the traced operations' own."""
+    torch._dynamo.reset()
+    llm.runner._forward_fn = torch.compile(llm.runner._forward, fullgraph=True, dynamic=True, backend="eager")
+    return llm
+
+
+# transformers' own code of these loops in Python over what a tensor holds: no graph can hold their forward.
+UNTRACEABLE = {"step3p7": "Step3p7Experts loops over the experts its router picked"}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO.keys() - UNTRACEABLE.keys()))
+def test_every_served_family_compiles_a_mixed_and_a_decode_step_with_no_graph_break(name, patched):
+    """One trace per family: the prompts' step (rows of several lengths) compiles, the decode steps after it
+    reuse its graph (set_stance fail_on_recompile), and the tokens are eager mode's."""
+    model = ZOO[name]()
+    batch = prompts((7, 33, 70))
+    params = SamplingParams(temperature=0, max_tokens=3)
+    expected = tokens(patched(model, block_size=8, max_model_len=256).generate(batch, params, use_tqdm=False))
+    llm = compiled_to_dynamo_graphs(patched(model, block_size=8, max_model_len=256))
+    ids = [llm.add_request(prompt, params) for prompt in batch]
+    outputs = {output.request_id: output for output in llm.step()}
+    with torch.compiler.set_stance("fail_on_recompile"):
+        while llm.has_unfinished_requests():
+            outputs.update((output.request_id, output) for output in llm.step())
+    assert tokens(outputs[i] for i in ids) == expected
+
+
+@pytest.mark.parametrize("name", sorted(UNTRACEABLE))
+def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the_fix(name, patched):
+    model = ZOO[name]()
+    with pytest.raises(ValueError, match=r"compile=True: torch.compile\(fullgraph=True\) cannot trace .*compile=False"):
+        hybridkv.patch(model, block_size=8, max_model_len=256, compile=True)
+    assert not hybridkv.is_patched(model)
+    llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False)  # graph mode still serves it
+    assert tokens(llm.generate(prompts((7,)), GREEDY, use_tqdm=False))[0] == hf_greedy(model, prompts((7,))[0], 12)[0]
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gemma4"])
+def test_compiled_steps_of_any_size_never_recompile_after_warm_up(name, patched):
+    """Warm-up: one request alone (a single row and a single logits row specialise), then a batch; after it,
+    no step size recompiles, whatever the prompts, chunks and decode batch sizes."""
+    model = ZOO[name]()
+    llm = compiled_to_dynamo_graphs(patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32))
+    llm.generate(prompts((9,)), GREEDY, use_tqdm=False)
+    llm.generate(prompts((7, 33, 70)), GREEDY, use_tqdm=False)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        again = prompts((5, 21, 90, 40, 3), seed=3)
+        references = [hf_greedy(model, p, 12)[0] for p in again]
+        assert tokens(llm.generate(again, GREEDY, use_tqdm=False)) == references
+
+
+def test_the_compile_setting_runs_inductors_code_and_gives_eager_tokens_or_a_tie(patched):
+    """compile=True: inductor's kernels for the forward (may sum in another order than eager: greedy tokens
+    equal transformers', or its top-2 logits tie within 1e-4)."""
+    model = FAMILIES["llama"]()
+    batch = prompts((7, 33))
+    references = [hf_greedy(model, p, 8) for p in batch]
+    llm = patched(model, block_size=8, max_model_len=256, compile=True)
+    torch._dynamo.reset()
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for output, (expected, logits) in zip(outputs, references, strict=True):
+        got = output.outputs[0].token_ids
+        first = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), None)
+        if first is not None:
+            top2 = logits[first].topk(2).values
+            assert (top2[0] - top2[1]).abs().item() < 1e-4, f"token {first}: {got} vs {expected}"
+
+
+def test_step_buffers_keep_their_addresses_across_steps(patched):
+    model = FAMILIES["gemma3_text"]()
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32, enforce_eager=False)
+    buffers = llm.runner.buffers[torch.device("cpu")]
+    tensors = [buffers.input_ids, buffers.positions, buffers.logits_rows, buffers.cu_seqlens_q, buffers.seq_lens]
+    tensors += [*buffers.tables.values(), *buffers.slots.values()]
+    addresses = [t.device.data_ptr() for t in tensors]
+    seen = set()
+    for prompt in prompts((7, 33, 70)):
+        llm.add_request(prompt, GREEDY)
+    while llm.has_unfinished_requests():
+        llm.step()
+        metadata = llm.runner.context.metadata
+        seen.add(metadata[0].block_table.data_ptr())
+        assert [t.device.data_ptr() for t in tensors] == addresses
+    assert seen == {buffers.tables[8].device.data_ptr()}  # every group-0 table a view at the buffer's start
+
+
+def test_a_decode_step_is_padded_to_its_bucket_and_the_padded_rows_write_nothing(patched):
+    model = FAMILIES["gemma3_text"]()
+    llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False)
+    for prompt in prompts((7, 33, 70)):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+    llm.step()  # the three prompts
+    pages = {device: pages.clone() for device, pages in llm.runner._pages.items()}
+    held = {b for m in llm.coordinator.managers for row in m.req_to_block_ids.values() for b in row}
+    plan = llm.scheduler.schedule()
+    prepared = llm.runner.prepare(llm.runner.step_inputs(plan))
+    assert prepared.bucket == 4 and prepared.num_tokens == 4  # 3 decode rows padded to 4
+    step = prepared.metadata[0].step
+    assert step.seq_lens_list[3] == 1 and step.query_lens_list[3] == 1
+    assert all(m.slot_mapping[3].item() == -1 for m in prepared.metadata)  # the padded row stores nothing
+    logits = llm.runner.forward(prepared)
+    assert logits.shape[0] == 3  # only the sampled rows come back
+    for device, before in pages.items():
+        changed = (llm.runner._pages[device] != before).any(dim=1).nonzero().flatten().tolist()
+        assert set(changed) <= held - {0}  # only blocks the three requests hold; never the null block
+    llm.scheduler.update(plan, logits.argmax(-1).tolist())
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_graph_mode_gives_eager_modes_tokens(name, patched):
+    """Static buffers and padded decode buckets (what a GPU captures) change no token, with chunked prefill,
+    prefix-cache hits and a pool small enough to preempt."""
+    model = ZOO[name]()
+    batch = prompts((7, 33, 70, 150))
+    settings = dict(block_size=8, max_model_len=256, max_num_batched_tokens=32)
+    eager = tokens(patched(model, **settings, enforce_eager=True).generate(batch, GREEDY, use_tqdm=False))
+    llm = patched(model, **settings, enforce_eager=False)
+    assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager
+    assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager  # prefix-cache hits
+    assert llm.stats()["prefix_cache_hits"] > 0
+    tight = hybridkv.min_num_blocks(model, **settings) + 2
+    llm = patched(model, **settings, num_blocks=tight, enforce_eager=False)
+    assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_graph_mode_swaps_forks_and_searches_beams_like_eager_mode(patched):
+    model = FAMILIES["gemma3_text"]()
+    batch = prompts((7, 33, 70, 150))
+    settings = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
+    probe = patched(model, **settings)
+    tight = dict(num_blocks=hybridkv.min_num_blocks(model, **settings) + 1, preemption_mode="swap")
+    tight["swap_space"] = 64 * probe.bytes_per_block
+    runs = {}
+    for eager in (True, False):
+        llm = patched(model, **settings, **tight, enforce_eager=eager)
+        swapped = tokens(llm.generate(batch, GREEDY, use_tqdm=False))
+        assert llm.stats()["num_swaps"] > 0
+        llm = patched(model, **settings, enforce_eager=eager)
+        forks = llm.generate(batch[:2], SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=8), use_tqdm=False)
+        beams = llm.beam_search(batch[:2], hybridkv.BeamSearchParams(beam_width=3, max_tokens=8))
+        runs[eager] = (
+            swapped,
+            [[c.token_ids for c in o.outputs] for o in forks],
+            [[(s.tokens, round(s.cum_logprob, 4)) for s in b.sequences] for b in beams],
+        )
+    assert runs[True] == runs[False]
+
+
+def test_buffer_metadata_equals_the_built_metadata():
+    """StepBuffers (the engine's per-step metadata, written in place) against StepMetadata.build/for_groups
+    (fresh tensors, direct callers), on a mixed step with null and moved (-id) entries."""
+    query_lens, seq_lens = [1, 5, 1, 3], [17, 12, 40, 3]
+    block_size = 8
+    tables = [
+        [[1, 2, 3], [4, 5], [0, 0, -6, 7, 8], [9]],
+        [[10, 11, 12], [13, 0], [0, 0, 0, 14, 15], [-16]],
+    ]
+    built = StepMetadata.build(query_lens, seq_lens).for_groups(tables, block_size)
+    buffers = StepBuffers(torch.device("cpu"), "torch", 8, 32, {block_size: (2, 8)})
+    width = max(len(row) for group in tables for row in group)
+    dense = np.zeros((2, 4, width), dtype=np.int32)
+    for g, group in enumerate(tables):
+        for s, row in enumerate(group):
+            dense[g, s, : len(row)] = row
+    q, k = np.array(query_lens), np.array(seq_lens)
+    positions = np.concatenate([np.arange(n - m, n) for m, n in zip(q, k, strict=True)])
+    written = buffers.step(q, k, positions, {block_size: dense})[block_size]
+    for got, expected in zip(written, built, strict=True):
+        assert torch.equal(got.slot_mapping, expected.slot_mapping)
+        assert torch.equal(got.block_table[:, : expected.block_table.shape[1]], expected.block_table)
+        assert torch.equal(got.step.cu_seqlens_q, expected.step.cu_seqlens_q)
+        assert torch.equal(got.step.seq_lens, expected.step.seq_lens)
+    for block_q in (1, 2, 16):
+        buffered = written[0].step.triton_tiles(block_q)
+        fresh = StepMetadata.build(query_lens, seq_lens).triton_tiles(block_q)
+        assert torch.equal(buffered.seq_ids, fresh.seq_ids) and torch.equal(buffered.starts, fresh.starts)
