@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, on a machine with a CUDA GPU and torch, triton and transformers
 # installed (nothing is downloaded): the kernel tests with Triton compiled for the device (fp32, fp16,
-# bf16, fp8 pages, windows, softcap, sinks, GQA, chunked local, in-flight rows), the zoo's token-exact
-# greedy tests on CUDA in fp32, benchmarks/attention_gpu.py (with the decode kernel's bandwidth against
-# a device copy) and benchmarks/throughput_gpu.py. Logs go to OUT_DIR, one per part, and a summary.
+# bf16, fp8 pages, windows, softcap, sinks, GQA, chunked local, in-flight rows), CUDA graphs of decode
+# steps (tests/test_cuda_graphs.py: every zoo family's replay equal to its eager step bit for bit, fp32
+# and bf16, no host sync in the replay path), the zoo's token-exact greedy tests on CUDA in fp32 (decode
+# steps as CUDA graphs, the default there), benchmarks/attention_gpu.py (with the decode kernel's
+# bandwidth against a device copy) and benchmarks/throughput_gpu.py. Logs go to OUT_DIR, one per part,
+# and a summary.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]       (default: gpu_check/; $OUT where that is set)
 #
 # Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
 # Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
-# some of them ("kernels zoo attention throughput").
+# some of them ("kernels graphs zoo attention throughput"), THROUGHPUT_ARGS for throughput_gpu.py's.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
-parts=${PARTS:-kernels zoo attention throughput}
+parts=${PARTS:-kernels graphs zoo attention throughput}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -41,9 +44,10 @@ for part in $parts; do
     case $part in
     kernels) run_part kernels 180 "${gpu_tests[@]}" tests/test_kernels_attention.py tests/test_kernels_in_flight.py \
         tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
+    graphs) run_part graphs 240 "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
     zoo) run_part zoo 170 "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
     attention) run_part attention 60 python3 benchmarks/attention_gpu.py ;;
-    throughput) run_part throughput 150 python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
+    throughput) run_part throughput "${THROUGHPUT_SECONDS:-300}" python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
     *) echo "unknown part $part" ;;
     esac
 done

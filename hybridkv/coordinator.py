@@ -121,6 +121,15 @@ class KVCacheCoordinator:
         self.prefix_cache_hits = 0
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
+        # update_computed's fast path: each request's num_computed_tokens at its last update, and the kinds of
+        # boundary at which an update can change anything: (block size, reach back from a query: its window - 1,
+        # or None for a chunk size's or full attention's, chunk size or None).
+        self._updated_at: dict[str, int] = {}
+        self._boundaries = sorted(
+            {(m.block_size, getattr(m, "sliding_window", None), getattr(m, "attention_chunk_size", None))
+             for m in self.managers},
+            key=repr,
+        )  # fmt: skip
 
     def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
         """The longest block-aligned prefix of the request's tokens cached in every group.
@@ -278,10 +287,32 @@ class KVCacheCoordinator:
         """
         request_id = request.request_id
         num_computed = request.num_computed_tokens
+        last = self._updated_at.get(request_id)
+        self._updated_at[request_id] = num_computed
+        if last is not None and self._nothing_to_update(request_id, last, num_computed):
+            return
         for manager in self.managers:
             if self.enable_caching:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
+
+    def _nothing_to_update(self, request_id: str, last: int, num_computed: int) -> bool:
+        """Whether an update from `last` to `num_computed` computed tokens would change nothing in any group: no
+        block became full, no window or chunk start moved past a block, and no pending step waits to be dropped
+        (most decode steps: the managers need not be asked)."""
+        for manager in self._windowed:
+            if manager.steps and request_id in manager.steps:
+                return False
+        for block_size, window, chunk in self._boundaries:
+            if num_computed // block_size != last // block_size:
+                return False
+            if window is not None and max(0, num_computed - window + 1) // block_size != (
+                max(0, last - window + 1) // block_size
+            ):
+                return False
+            if chunk is not None and num_computed // chunk != last // chunk:
+                return False
+        return True
 
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
@@ -312,6 +343,7 @@ class KVCacheCoordinator:
             manager.free(request_id)
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
+        self._updated_at.pop(request_id, None)
         self._freed.append(request_id)
 
     def take_table_updates(self) -> TableUpdates:

@@ -16,6 +16,8 @@ captured largest first; their memory is counted before the KV pool is sized (hyb
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -89,12 +91,28 @@ class DecodeGraphs:
                     runner.context.store_deferred(list(runner.context.deferred))
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), running_step(runner.context), torch.cuda.graph(graph, pool=pool):
+            # A step's forward that synchronises with the host cannot be replayed: make any such call an error.
+            with (
+                _sync_is_an_error(),
+                torch.inference_mode(),
+                running_step(runner.context),
+                torch.cuda.graph(graph, pool=pool),
+            ):
                 logits = runner._forward_fn(*inputs)
                 runner.context.store_deferred(list(runner.context.deferred))
             pool = graph.pool()
             self.graphs[bucket] = CapturedStep(graph, logits)
         torch.cuda.synchronize(runner.input_device)
+
+
+@contextlib.contextmanager
+def _sync_is_an_error() -> Iterator[None]:
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def padding_arrays(bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

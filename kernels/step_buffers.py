@@ -43,11 +43,30 @@ class _Buffer:
             self.device = self.host_tensor if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
         self.host = self.host_tensor.numpy()
         self.on_cpu = on_cpu
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def send(self, *region: slice) -> None:
-        """Copy the host's values of `region` (leading slices) to the device (nothing to do on the CPU)."""
-        if not self.on_cpu:
-            self.device[region].copy_(self.host_tensor[region], non_blocking=True)
+        """Copy the host's values of `region` (leading slices) to the device, asynchronously (nothing to do on
+        the CPU). A region that is not one contiguous run (a [groups, sequences, width] corner) goes through a
+        contiguous pinned copy, one transfer, then a copy on the device: a strided copy from the host would go
+        through pageable memory, which makes the host wait for the device."""
+        if self.on_cpu:
+            return
+        source, target = self.host_tensor[region], self.device[region]
+        if source.is_contiguous():
+            target.copy_(source, non_blocking=True)
+            return
+        if self._staging is None:
+            with torch.inference_mode(False):
+                host = self.host_tensor
+                self._staging = (
+                    torch.empty(host.shape, dtype=host.dtype, pin_memory=True),
+                    torch.empty_like(self.device),
+                )
+        staged_host, staged_device = (t.view(-1)[: source.numel()].view(source.shape) for t in self._staging)
+        staged_host.copy_(source)
+        staged_device.copy_(staged_host, non_blocking=True)
+        target.copy_(staged_device)
 
 
 class StepBuffers:
