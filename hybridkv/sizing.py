@@ -72,7 +72,8 @@ def _context_length(text_config: Any) -> tuple[int, str] | None:
     or YaRN rope scaling's factor x original_max_position_embeddings where that is longer (vLLM's rule:
     Qwen's YaRN recipe leaves max_position_embeddings at the original length). None if neither is set."""
     positions = getattr(text_config, "max_position_embeddings", None)
-    context = None if positions is None else (positions, f"max_position_embeddings={positions}")
+    # None, or -1 (XLNet): no length the model is made for.
+    context = None if positions is None or positions <= 0 else (positions, f"max_position_embeddings={positions}")
     rope = getattr(text_config, "rope_parameters", None) or {}
     # One dict, or one per layer type (Gemma 3's sliding and full layers).
     for params in [rope] if "rope_type" in rope else rope.values():

@@ -69,10 +69,10 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             _add(problems, f"{type(call.module).__name__} calls the attention function without a decoder layer_idx")
             continue
         calls.setdefault(layer_idx, []).append(call)
-    latent = getattr(config, "kv_lora_rank", None)
     specs = []
     for layer_idx, layer in enumerate(declared):
         problem = layer_problem(model, layer_idx, layer, calls.get(layer_idx, []))
+        latent = _layer_attribute(config, "kv_lora_rank", layer_idx)
         if not problem and latent:
             problem = (
                 f"multi-head latent attention (kv_lora_rank={latent}): hybridkv would page the decompressed "
@@ -108,6 +108,14 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
         spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs
     }
     return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax)
+
+
+def _layer_attribute(config: object, name: str, layer_idx: int) -> object:
+    """A config attribute as layer `layer_idx` has it: its per-layer value where the config keeps one per layer
+    (transformers' heterogeneous configs refuse a global read of those), else the config's."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return getattr(config.per_layer_config[layer_idx], name, None)
+    return getattr(config, name, None)
 
 
 def _amax(tensor: torch.Tensor) -> float:

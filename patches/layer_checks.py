@@ -36,9 +36,10 @@ def layer_problem(model: torch.nn.Module, layer_idx: int, layer: ConfigLayer, ca
         return f"layer type {layer_type!r} is not one hybridkv implements ({kinds})"
     if not calls:
         mixer = _layer_module_names(model, layer_idx)
+        who = f"{mixer} never calls" if mixer else "no module with this layer_idx calls"
         return (
-            f"{mixer} never calls transformers' attention interface; hybridkv can only serve attention "
-            "that goes through it (ALL_ATTENTION_FUNCTIONS)"
+            f"{who} transformers' attention interface; hybridkv can only serve attention that goes through it "
+            "(ALL_ATTENTION_FUNCTIONS)"
         )
     if len(calls) > 1:
         return f"the attention function is called {len(calls)} times per forward; hybridkv caches one K/V per layer"
@@ -130,4 +131,4 @@ def _layer_module_names(model: torch.nn.Module, layer_idx: int) -> str:
     found = sorted(
         {type(m).__name__ for m in model.modules() if getattr(m, "layer_idx", None) == layer_idx and m is not model}
     )
-    return ", ".join(found) if found else "no module with this layer_idx"
+    return ", ".join(found)

@@ -685,6 +685,7 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
     "marian": lambda: _bart_decoder("marian", "MarianForCausalLM", "MarianConfig", decoder_vocab_size=VOCAB),
     "pegasus": lambda: _bart_decoder("pegasus", "PegasusForCausalLM", "PegasusConfig"),
     "plbart": lambda: _bart_decoder("plbart", "PLBartForCausalLM", "PLBartConfig"),
+    "blenderbot": lambda: _bart_decoder("blenderbot", "BlenderbotForCausalLM", "BlenderbotConfig"),
     "blenderbot-small": lambda: _bart_decoder(
         "blenderbot_small", "BlenderbotSmallForCausalLM", "BlenderbotSmallConfig"
     ),
@@ -762,6 +763,7 @@ LAYER_KINDS: dict[str, str] = {
     "marian": "full; sinusoidal position embeddings from the cache's length",
     "pegasus": "full; sinusoidal position embeddings from the cache's length",
     "plbart": "full; learned position embeddings from the cache's length",
+    "blenderbot": "full; learned position embeddings from the cache's length",
     "blenderbot-small": "full; learned position embeddings from the cache's length",
     "bigbird_pegasus": "full; learned position embeddings from the cache's length",
     "paligemma": "full, bidirectional over the prompt (prefix-LM; multimodal wrapper, text only)",

@@ -29,7 +29,7 @@ REFUSAL_REASONS = {
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",
     **dict.fromkeys(
-        ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot-small", "bigbird_pegasus"),
+        ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot", "blenderbot-small", "bigbird_pegasus"),
         r"(?s)give other logits than the model's own forward.*reads positions from its own cache",
     ),
     "paligemma": r"(?s)give other logits than the model's own forward.*is_causal=False: a prompt token attends",

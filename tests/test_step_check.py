@@ -14,7 +14,17 @@ from hybridkv.sampling_params import SamplingParams
 from model_zoo import REFUSED, ZOO
 from tiny_models import COMMON, hf_greedy, prompts
 
-WRONG_TOKEN_TYPES = ("bart", "mbart", "marian", "pegasus", "plbart", "blenderbot-small", "bigbird_pegasus", "paligemma")
+WRONG_TOKEN_TYPES = (
+    "bart",
+    "mbart",
+    "marian",
+    "pegasus",
+    "plbart",
+    "blenderbot",
+    "blenderbot-small",
+    "bigbird_pegasus",
+    "paligemma",
+)
 
 
 class CachePositionLlama(LlamaForCausalLM):
