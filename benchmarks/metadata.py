@@ -7,7 +7,9 @@ groups + 1 full). Each group gets its own block table and its torch gather plan 
 of each group builds). "separate" builds a step per group; "shared" builds one `StepMetadata` and every
 group from it (`for_group`: one layout per window per step); "together" is what the engine calls,
 `build_step_metadata`: the groups of one block size as one tensor (`for_groups`), decode-only slots
-and layouts without the tensor bookkeeping.
+and layouts without the tensor bookkeeping. "buffers" is what the engine calls now: `StepBuffers.step`,
+the step written into tensors allocated once, from the persistent batch's numpy block tables (each
+request's row kept between steps, hybridkv/input_batch.py), slots by numpy over all groups at once.
 
 Per layer: a tiny decode step (4 sequences, contexts 20..50, 4 q heads, 2 kv heads, head dim 16) on
 the torch path, timing `paged_attention` / `write_kv` (every input checked, backend picked per call)
@@ -24,6 +26,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from hybridkv.kernels import (
@@ -36,6 +39,7 @@ from hybridkv.kernels import (
     store_kv,
     write_kv,
 )
+from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kernels.torch_plan import torch_plan
 from hybridkv.utils import cdiv
 
@@ -58,7 +62,34 @@ def tables(seq_lens: list[int], num_groups: int) -> list[list[list[int]]]:
     ]
 
 
-def build_step(query_lens, seq_lens, group_tables, windows, how: str) -> None:
+class PersistentTables:
+    """The engine's side of a step: the groups' rows in one numpy table (rows 0..n-1 are the step's
+    sequences, in a table of 64 rows and blocks for 4,096 tokens) and step buffers for 64 sequences and
+    2,048 rows."""
+
+    def __init__(self, group_tables: list[list[list[int]]]) -> None:
+        num_groups = len(group_tables)
+        self.table = np.zeros((num_groups, 65, cdiv(4096, BLOCK_SIZE)), dtype=np.int32)
+        for g, rows in enumerate(group_tables):
+            for s, row in enumerate(rows):
+                self.table[g, s, : len(row)] = row
+        self.rows = np.arange(len(group_tables[0]))
+        self.buffers = StepBuffers(
+            torch.device("cpu"), "torch", 64, 2048, {BLOCK_SIZE: (num_groups, self.table.shape[2])}
+        )
+
+    def step(self, query_lens: list[int], seq_lens: list[int], windows) -> None:
+        q, k = np.array(query_lens), np.array(seq_lens)
+        positions = np.concatenate([np.arange(n - m, n) for m, n in zip(q, k, strict=True)])
+        built = self.buffers.step(q, k, positions, {BLOCK_SIZE: self.table}, self.rows)[BLOCK_SIZE]
+        for metadata, window in zip(built, windows, strict=True):
+            torch_plan(metadata, window)
+
+
+def build_step(query_lens, seq_lens, group_tables, windows, how: str, persistent=None) -> None:
+    if how == "buffers":
+        persistent.step(query_lens, seq_lens, windows)
+        return
     if how == "together":
         built = build_step_metadata(
             query_lens, seq_lens, group_tables, [BLOCK_SIZE] * len(windows), [torch.device("cpu")]
@@ -119,16 +150,20 @@ def per_layer_calls() -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    print(f"{'step':<8}{'groups':>7}{'separate ms':>13}{'shared ms':>11}{'together ms':>13}")
+    print(f"{'step':<8}{'groups':>7}{'separate ms':>13}{'shared ms':>11}{'together ms':>13}{'buffers ms':>12}")
     for kind in ("decode", "mixed"):
         query_lens, seq_lens = step(kind)
         for windows in ([None], [WINDOW] * 6 + [None]):
             group_tables = tables(seq_lens, len(windows))
+            persistent = PersistentTables(group_tables)
             timings = [
-                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, how))
-                for how in ("separate", "shared", "together")
+                best_ms(partial(build_step, query_lens, seq_lens, group_tables, windows, how, persistent))
+                for how in ("separate", "shared", "together", "buffers")
             ]
-            print(f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}{timings[2]:>13.2f}")
+            print(
+                f"{kind:<8}{len(windows):>7}{timings[0]:>13.2f}{timings[1]:>11.2f}{timings[2]:>13.2f}"
+                f"{timings[3]:>12.2f}"
+            )
     per_layer_calls()
 
 

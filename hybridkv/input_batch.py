@@ -82,10 +82,6 @@ class InputBatch:
             self.tables[block_size] = grown
         self._free_rows = list(range(self.max_rows - 1, old - 1, -1)) + self._free_rows
 
-    def gather(self, rows: np.ndarray, widths: dict[int, int]) -> dict[int, np.ndarray]:
-        """The rows' tables in batch order, `widths[block_size]` entries each: `[groups, len(rows), width]`."""
-        return {block_size: table[:, rows, : widths[block_size]] for block_size, table in self.tables.items()}
-
     def row_of(self, request_id: str) -> int:
         return self.rows[request_id]
 

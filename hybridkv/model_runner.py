@@ -141,6 +141,7 @@ class ModelRunner:
         }
         self._groups_in_order = [self.batch.group_slots[group.group_id] for group in kv_config.groups]
         self._all_rows = np.arange(max_num_tokens, dtype=np.int64)
+        self._ones = np.ones(max(max_num_tokens, limits.max_num_seqs), dtype=np.int64)
         self._forward_fn = self._compiled_forward() if limits.compile else self._forward
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
@@ -241,6 +242,11 @@ class ModelRunner:
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            if num_new < 1 or end > request.num_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: a step must compute 1 to {request.num_tokens - start} of its "
+                    f"tokens, not {num_new}"
+                )
             request_ids.append(request.request_id)
             if num_new == 1:
                 input_ids.append(request.token_ids[start])
@@ -267,39 +273,32 @@ class ModelRunner:
         if inputs.checked_tables is not None:
             self.batch.check(inputs.request_ids, inputs.checked_tables)
         num_seqs = len(inputs.query_lens)
-        query_lens = np.array(inputs.query_lens, dtype=np.int64)
+        input_ids: list[int] | np.ndarray = inputs.input_ids
+        decode_only = len(input_ids) == num_seqs
         seq_lens = np.array(inputs.seq_lens, dtype=np.int64)
-        if not (query_lens.min() >= 1 and (query_lens <= seq_lens).all()):
-            seq = int(np.argmax((query_lens < 1) | (query_lens > seq_lens)))
+        query_lens = self._ones[:num_seqs] if decode_only else np.array(inputs.query_lens, dtype=np.int64)
+        if int(seq_lens.max()) > self.limits.max_model_len or len(input_ids) > self.buffers_max_tokens:
             raise ValueError(
-                f"sequence {seq}: need 1 <= query_len <= seq_len, got {query_lens[seq]} and {seq_lens[seq]}"
-            )
-        if int(seq_lens.max()) > self.limits.max_model_len or len(inputs.input_ids) > self.buffers_max_tokens:
-            raise ValueError(
-                f"the step ({len(inputs.input_ids)} rows, sequences up to {int(seq_lens.max())} tokens) is larger "
+                f"the step ({len(input_ids)} rows, sequences up to {int(seq_lens.max())} tokens) is larger "
                 f"than the runner's buffers ({self.buffers_max_tokens} rows, max_model_len "
                 f"{self.limits.max_model_len})"
             )
         rows = np.fromiter(map(self.batch.rows.__getitem__, inputs.request_ids), dtype=np.int64, count=num_seqs)
-        input_ids: list[int] | np.ndarray = inputs.input_ids
-        decode_only = len(input_ids) == num_seqs
         bucket = self._bucket(num_seqs) if decode_only else None
         if bucket is not None and bucket > num_seqs:
             padding = bucket - num_seqs
-            query_lens = np.concatenate([query_lens, np.ones(padding, dtype=np.int64)])
-            seq_lens = np.concatenate([seq_lens, np.ones(padding, dtype=np.int64)])
+            query_lens = self._ones[:bucket]
+            seq_lens = np.concatenate([seq_lens, self._ones[:padding]])
             rows = np.concatenate([rows, np.full(padding, self.batch.padding_row, dtype=np.int64)])
             input_ids = [*input_ids, *([0] * padding)]
         if decode_only:
             positions = seq_lens - 1
         else:
             first_rows = np.cumsum(query_lens) - query_lens
-            positions = np.repeat(seq_lens - query_lens - first_rows, query_lens) + np.arange(len(input_ids))
-        widths = {block_size: cdiv(int(seq_lens.max()), block_size) for block_size in self.batch.block_sizes}
-        tables = self.batch.gather(rows, widths)
+            positions = np.repeat(seq_lens - query_lens - first_rows, query_lens) + self._all_rows[: len(input_ids)]
         metadata: list[PagedAttentionMetadata] = []
         for device in self.devices:
-            by_size = self.buffers[device].step(query_lens, seq_lens, positions, tables)
+            by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows)
             metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
         num_rows = len(input_ids)
         wanted = inputs.logits_rows if inputs.requested_rows is None else list(inputs.requested_rows)
@@ -316,10 +315,9 @@ class ModelRunner:
         position 0 over the all-null padding row of the tables, storing nothing."""
         query_lens, seq_lens, positions = padding_arrays(bucket)
         rows = np.full(bucket, self.batch.padding_row, dtype=np.int64)
-        tables = self.batch.gather(rows, dict.fromkeys(self.batch.block_sizes, 1))
         metadata: list[PagedAttentionMetadata] = []
         for device in self.devices:
-            by_size = self.buffers[device].step(query_lens, seq_lens, positions, tables)
+            by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows)
             metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
         self.buffers[self.input_device].fill_inputs(
             np.zeros(bucket, dtype=np.int64), positions, self._all_rows[:bucket]

@@ -57,6 +57,13 @@ class KVRequest:
         self.token_ids.extend(token_ids)
         self._hash_new_full_blocks()
 
+    def append_token(self, token_id: int) -> None:
+        """`append_token_ids([token_id])`, for the step loop: one token, and a hash only when it fills a block."""
+        token_ids = self.token_ids
+        token_ids.append(token_id)
+        if self.block_size is not None and len(token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+            self._hash_new_full_blocks()
+
     def _hash_new_full_blocks(self) -> None:
         if self.block_size is None:
             return

@@ -11,7 +11,7 @@ rows that ask for them and for best_of samples (ranked by their sum).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,12 @@ class SamplingRow:
     generator: torch.Generator | None
     token_ids: Sequence[int]
     num_prompt_tokens: int
+    # Greedy with nothing else to compute (no penalty, no logprob): the row is its argmax.
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.plain_greedy = params.greedy and not params.has_penalties and not params.needs_logprob
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -37,7 +43,7 @@ class SamplingRow:
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """One token per row of `logits` ([num_rows, vocab], float32), and its logprobs where asked."""
-    if all(r.params.greedy and not r.params.has_penalties and not r.params.needs_logprob for r in rows):
+    if all(r.plain_greedy for r in rows):
         return greedy_tokens(logits).tolist(), [None] * len(rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.needs_logprob for r in rows) else None
     logits = _apply_penalties(logits, rows)

@@ -91,7 +91,8 @@ class SchedulerOutput:
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples: tuple[Request, ...] = ()
         if request.num_computed_tokens + num_new_tokens == request.num_tokens:
-            samples = (request, *request.group.held_followers(request))
+            members = request.group.members
+            samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
         self.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
         self.num_tokens += num_new_tokens
 
@@ -336,11 +337,11 @@ class Scheduler:
             if samples:
                 token = next(tokens)
                 if token is not None:
-                    request.append_token_ids([token])
+                    request.append_token(token)
             self.coordinator.update_computed(request)
             for follower in samples[1:]:
                 self.fork(request, follower)
-                follower.append_token_ids([next(tokens)])
+                follower.append_token(next(tokens))
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make `child` (holding nothing, with the same computed tokens as `parent`) run beside `parent`,

@@ -102,7 +102,8 @@ class StepBuffers:
             for block_size, (num_groups, _) in table_shapes.items()
         }
         self.tiles: dict[int, tuple[_Buffer, _Buffer]] = {}
-        self._rows = np.arange(max(max_num_seqs, max_num_tokens), dtype=np.int64)
+        self._rows = np.arange(max(max_num_seqs, max_num_tokens) + 1, dtype=np.int64)
+        self._cu_arange = 0  # cu_seqlens_q holds 0..n for every n up to this
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -134,25 +135,36 @@ class StepBuffers:
         seq_lens: np.ndarray,
         positions: np.ndarray,
         tables: Mapping[int, np.ndarray],
+        rows: np.ndarray,
     ) -> dict[int, list[PagedAttentionMetadata]]:
         """Write one step's metadata and return it, per block size one `PagedAttentionMetadata` per group (in
         the order of `tables[block_size]`'s first axis), all sharing one `StepMetadata`.
 
         `query_lens` and `seq_lens` (int, `[num_seqs]`, checked by the caller: 1 <= query <= seq), the rows'
         `positions` (`[num_tokens]`, sequence by sequence, each sequence's last rows), and per block size the
-        groups' block tables in batch order (int32 `[groups, num_seqs, width]`, width covering every sequence's
-        length), where a negative entry -b is block b read at that position this step and stored into at
-        another, so rows there, and at the null block, get slot -1 (see `StepMetadata.for_group`).
+        groups' block tables (int32 `[groups, any rows, width]`: the persistent batch's) of which sequence s
+        reads row `rows[s]`, its entries covering the sequence's length. A negative entry -b is block b read
+        at that position this step and stored into at another, so rows there, and at the null block, get slot
+        -1 (see `StepMetadata.for_group`).
         """
         num_seqs, num_tokens = len(seq_lens), len(positions)
+        decode_only = num_tokens == num_seqs
         cu_seqlens = self.cu_seqlens_q
-        cu_seqlens.host[0] = 0
-        np.cumsum(query_lens, out=cu_seqlens.host[1 : num_seqs + 1])
+        if decode_only:  # cu_seqlens is 0, 1, ..., num_seqs: written once for the largest step so far
+            if self._cu_arange < num_seqs:
+                cu_seqlens.host[: num_seqs + 1] = self._rows[: num_seqs + 1]
+                cu_seqlens.send(slice(0, num_seqs + 1))
+                self._cu_arange = num_seqs
+        else:
+            cu_seqlens.host[0] = 0
+            np.cumsum(query_lens, out=cu_seqlens.host[1 : num_seqs + 1])
+            cu_seqlens.send(slice(0, num_seqs + 1))
+            self._cu_arange = 0
         self.seq_lens.host[:num_seqs] = seq_lens
-        cu_seqlens.send(slice(0, num_seqs + 1))
         self.seq_lens.send(slice(0, num_seqs))
-        # The sequence of each row (a step of decode rows: row s is sequence s).
-        rows = self._rows[:num_seqs] if num_tokens == num_seqs else np.repeat(self._rows[:num_seqs], query_lens)
+        # The table row of each query row (a step of decode rows: row s is sequence s's).
+        token_rows = rows if decode_only else np.repeat(rows, query_lens)
+        longest = int(seq_lens.max())
         step = StepMetadata(
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
@@ -164,14 +176,17 @@ class StepBuffers:
         step.buffers = self
         metadata: dict[int, list[PagedAttentionMetadata]] = {}
         for block_size, groups in tables.items():
-            num_groups, _, width = groups.shape
-            entries = groups[:, rows, positions // block_size]
+            num_groups = groups.shape[0]
+            block_width = -(-longest // block_size)
+            entries = groups[:, token_rows, positions // block_size]
             slots = self.slots[block_size]
-            np.copyto(slots.host[:num_groups, :num_tokens], entries * block_size + positions % block_size)
-            slots.host[:num_groups, :num_tokens][entries <= 0] = -1
+            written = slots.host[:num_groups, :num_tokens]
+            np.multiply(entries, block_size, out=written, dtype=np.int64)
+            written += positions % block_size
+            written[entries <= 0] = -1
             table = self.tables[block_size]
-            np.abs(groups, out=table.host[:num_groups, :num_seqs, :width])
-            table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, width))
+            np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
+            table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, block_width))
             slots.send(slice(0, num_groups), slice(0, num_tokens))
             metadata[block_size] = [
                 PagedAttentionMetadata(

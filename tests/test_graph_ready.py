@@ -218,7 +218,7 @@ def test_buffer_metadata_equals_the_built_metadata():
             dense[g, s, : len(row)] = row
     q, k = np.array(query_lens), np.array(seq_lens)
     positions = np.concatenate([np.arange(n - m, n) for m, n in zip(q, k, strict=True)])
-    written = buffers.step(q, k, positions, {block_size: dense})[block_size]
+    written = buffers.step(q, k, positions, {block_size: dense}, np.arange(4))[block_size]
     for got, expected in zip(written, built, strict=True):
         assert torch.equal(got.slot_mapping, expected.slot_mapping)
         assert torch.equal(got.block_table[:, : expected.block_table.shape[1]], expected.block_table)
