@@ -127,19 +127,22 @@ class OutputProcessor:
                 completion.stop_reason = request.stop_reason
             if detokenizer is not None:
                 completion.text = detokenizer.text
-        leader = state.group.leader
+        group = state.group
+        leader = group.leader
         output.metrics.num_cached_tokens = leader.num_cached_tokens
-        output.error = next((m.error for m in state.group.members if m.error), None)
-        if state.group.finished and not output.finished:
+        if not leader.status.is_finished and len(group.members) == 1:  # the common case: nothing has ended
+            return output
+        output.error = next((m.error for m in group.members if m.error), None)
+        if group.finished and not output.finished:
             params = leader.params
-            if state.group.beam is not None:  # a beam search: its best hypotheses, best first
-                output.outputs = state.group.beam.outputs(self.tokenizer)
+            if group.beam is not None:  # a beam search: its best hypotheses, best first
+                output.outputs = group.beam.outputs(self.tokenizer)
             elif params.num_samples > params.n:  # best_of: the n samples of highest cumulative logprob
                 ranked = sorted(output.outputs, key=_cumulative_logprob, reverse=True)
                 output.outputs = ranked[: params.n]
             output.finished = True
             output.metrics.finished_time = time.monotonic()
-            self.states.pop(state.group.request_id, None)
+            self.states.pop(group.request_id, None)
         return output
 
     def stream_deltas(self, state: RequestState) -> list[StreamDelta]:

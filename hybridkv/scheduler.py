@@ -203,7 +203,7 @@ class Scheduler:
                     break
             else:
                 out.add(request, num_new)
-        if out.preempted:
+        if out.preempted or not (self.swapped or self.waiting):
             return
         seated = {id(r.group): r.group for r in self.running}
         seats = self.config.max_num_seqs - sum(group.seats for group in seated.values())
