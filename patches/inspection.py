@@ -57,6 +57,13 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     """Run the probe forward and return the layout hybridkv serves, or raise a ValueError that lists
     every layer hybridkv cannot serve exactly and why (or why no forward can run: weights not loaded)."""
     check_weights_loaded(model)
+    can_generate = getattr(model, "can_generate", None)
+    if callable(can_generate) and not can_generate():
+        raise ValueError(
+            f"{type(model).__name__} is not a causal decoder: it does not generate text (model.can_generate() is "
+            "False: a masked-LM, encoder or classification head). hybridkv serves models that generate; load a "
+            "causal language model (AutoModelForCausalLM)"
+        )
     config = text_config(model.config)
     declared = config_layers(config)
     recorded = record_attention_calls(model)

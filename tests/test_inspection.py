@@ -330,3 +330,15 @@ def test_llama4_temperature_tuning_bounds_max_model_len_and_the_step_rows(patche
     batch = prompts((20, 40))
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12)[0] for p in batch]
+
+
+def test_a_model_that_does_not_generate_is_refused_as_not_a_causal_decoder():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
+    model = BertForMaskedLM(config).eval()
+    with pytest.raises(ValueError, match=r"BertForMaskedLM is not a causal decoder: it does not generate text"):
+        hybridkv.patch(model, max_model_len=128)
+    assert not hybridkv.is_patched(model)
