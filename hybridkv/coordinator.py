@@ -96,6 +96,7 @@ class KVCacheCoordinator:
                 )
             self.managers.append(manager)
         self._windowed = [m for m in self.managers if isinstance(m, WindowedManager)]
+        self._is_windowed = [isinstance(m, WindowedManager) for m in self.managers]
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
@@ -156,21 +157,23 @@ class KVCacheCoordinator:
         if hit is None and not shared and self._covered(request_id, num_total):
             return True
         no_hit: list[KVBlock] = []
-        fewest = most = len(shared)  # a copy of each shared block it writes
-        spare_by_group = {}
-        for manager in self.managers:
+        fewest = len(shared)  # a copy of each shared block it writes
+        spare_by_group = []
+        for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
             hit_blocks = hit.blocks[manager.group_id] if hit else no_hit
-            if isinstance(manager, WindowedManager):
+            if windowed:
                 low, high = manager.blocks_needed(request_id, num_computed, num_total, hit_blocks)
-                spare_by_group[manager.group_id] = high - low
+                spare_by_group.append(high - low)
             else:
-                low = high = manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
-            fewest, most = fewest + low, most + high
+                low = manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
+                spare_by_group.append(0)
+            fewest += low
         shortfall = fewest - self.pool.num_free_blocks
-        # A block this request is about to take as a hit must not move: its keys stay as they are.
-        hit_ids = {b.block_id for blocks in hit.blocks for b in blocks} if hit and shortfall > 0 else set()
-        if shortfall > 0 and not self._reclaim(shortfall, request_id, hit_ids):
-            return False
+        if shortfall > 0:
+            # A block this request is about to take as a hit must not move: its keys stay as they are.
+            hit_ids = {b.block_id for blocks in hit.blocks for b in blocks} if hit else set()
+            if not self._reclaim(shortfall, request_id, hit_ids):
+                return False
         # Blocks beyond the fewest keep old windows cached: without caching there is nothing to keep.
         spare = self.pool.num_free_blocks - fewest if self.enable_caching else 0
         if shared:
@@ -186,9 +189,9 @@ class KVCacheCoordinator:
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
-        for manager in self.managers:
-            if isinstance(manager, WindowedManager):
-                extra = min(spare, spare_by_group[manager.group_id])
+        for manager, windowed, group_spare in zip(self.managers, self._is_windowed, spare_by_group, strict=True):
+            if windowed:
+                extra = min(spare, group_spare)
                 spare -= extra
                 manager.allocate_step(request_id, num_total, request.block_hashes, extra)
             else:
