@@ -77,17 +77,23 @@ class WindowedManager(SingleTypeManager):
         `num_total_tokens`: fewest when every movable old-window block moves to the tail, most when the
         tail takes only fresh blocks. A free hit block counts: taking it leaves the free queue."""
         blocks = self.req_to_blocks.get(request_id) or hit_blocks
-        first_kept = self.first_needed_block(num_total_tokens)
-        num_new_tail = max(0, cdiv(num_total_tokens, self.block_size) - max(len(blocks), first_kept))
+        num_new_tail = self._num_new_tail(len(blocks), num_total_tokens)
         num_hit = _num_free(hit_blocks) if hit_blocks else 0
         if num_new_tail == 0:
             return num_hit, num_hit
         # Positions before the first query's window hold null blocks (a hit's too): start there.
-        old_window = blocks[self.first_needed_block(num_computed_tokens) : first_kept]
+        old_window = blocks[self.first_needed_block(num_computed_tokens) : self.first_needed_block(num_total_tokens)]
         # Blocks only this request will hold: free ones of a hit not taken yet, else its own (the null
         # block's ref count stays 0).
         num_movable = _num_free(old_window) if hit_blocks else [b.ref_cnt for b in old_window].count(1)
         return num_hit + max(0, num_new_tail - num_movable), num_hit + num_new_tail
+
+    def most_blocks_needed(self, request_id: str, num_total_tokens: int, hit_blocks: Sequence[KVBlock]) -> int:
+        """`blocks_needed`'s most without looking at the old window: the free hit blocks and a fresh block at
+        every new tail position."""
+        blocks = self.req_to_blocks.get(request_id) or hit_blocks
+        num_hit = _num_free(hit_blocks) if hit_blocks else 0
+        return num_hit + self._num_new_tail(len(blocks), num_total_tokens)
 
     def num_blocks_to_allocate(
         self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
@@ -260,6 +266,11 @@ class WindowedManager(SingleTypeManager):
         if start is None:
             start = self.window_start[request_id] = _first_real(self.req_to_blocks.get(request_id, ()))
         return start
+
+    def _num_new_tail(self, num_held: int, num_total_tokens: int) -> int:
+        """Positions past the held ones that the step's last tokens need after it (the new tail)."""
+        end = cdiv(num_total_tokens, self.block_size)
+        return max(0, end - max(num_held, self.first_needed_block(num_total_tokens)))
 
     def _movable(self, blocks: Sequence[KVBlock], start: int, end: int) -> list[int]:
         """Positions in [start, end) of blocks only this request holds, in the order they move: unhashed
