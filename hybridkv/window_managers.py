@@ -183,13 +183,11 @@ class WindowedManager(SingleTypeManager):
             if end <= first or num_wanted == max_blocks:  # no middle, or no block left for it
                 continue
             end = min(end, self.num_hashed_blocks(step.block_hashes))
-            blocks = self.req_to_blocks[request_id]
             hashes = step.block_hashes[(first + 1) * stride - 1 : end * stride : stride]
-            positions = [
-                position
-                for position, block_hash in enumerate(hashes, first)
-                if block_hash not in cached and blocks[position] is null
-            ]
+            positions = [position for position, block_hash in enumerate(hashes, first) if block_hash not in cached]
+            if step.middle:  # an earlier call filled some (a middle holds only null blocks until filled)
+                blocks = self.req_to_blocks[request_id]
+                positions = [position for position in positions if blocks[position] is null]
             del positions[max_blocks - num_wanted :]
             if positions:
                 wanted.append((request_id, positions))
@@ -199,11 +197,17 @@ class WindowedManager(SingleTypeManager):
         fresh = self.pool.get_new_blocks(num_wanted)
         taken = 0
         for request_id, positions in wanted:
-            blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
-            for position, block in zip(positions, fresh[taken : taken + len(positions)], strict=True):
-                blocks[position] = block
-                block_ids[position] = block.block_id
+            given = fresh[taken : taken + len(positions)]
             taken += len(positions)
+            blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
+            first, last = positions[0], positions[-1]
+            if last - first + 1 == len(positions):  # one run (no key of it was cached): by slices
+                blocks[first : last + 1] = given
+                block_ids[first : last + 1] = [block.block_id for block in given]
+            else:
+                for position, block in zip(positions, given, strict=True):
+                    blocks[position] = block
+                    block_ids[position] = block.block_id
             self.steps[request_id].middle.extend(positions)
         return num_wanted
 
