@@ -102,7 +102,7 @@ class WindowedManager(SingleTypeManager):
 
     def take_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         super().take_hit_blocks(request_id, hit_blocks)
-        self.window_start[request_id] = _first_real(hit_blocks)
+        self.window_start[request_id] = _first_real(hit_blocks) if hit_blocks else 0
 
     def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         return self.allocate_step(request_id, num_total_tokens, [], 0)
@@ -128,8 +128,9 @@ class WindowedManager(SingleTypeManager):
         num_moves = max(0, num_movable - num_spare)
         fresh = self.pool.get_new_blocks(end - tail_start - num_moves)
         num_middle = tail_start - first_new
-        blocks.extend([self.pool.null_block] * num_middle)
-        block_ids.extend([NULL_BLOCK_ID] * num_middle)
+        if num_middle:
+            blocks.extend([self.pool.null_block] * num_middle)
+            block_ids.extend([NULL_BLOCK_ID] * num_middle)
         for old in movable[:num_moves]:
             self._move(request_id, old, len(blocks))
         blocks.extend(fresh)
