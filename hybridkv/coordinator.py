@@ -270,7 +270,8 @@ class KVCacheCoordinator:
             return 0
         given = 0
         for manager in self._windowed:
-            given += manager.fill_middle(self.pool.num_free_blocks)
+            if manager.steps:  # most decode steps leave none pending
+                given += manager.fill_middle(self.pool.num_free_blocks)
         return given
 
     def _covered(self, request_id: str, num_tokens: int) -> bool:

@@ -172,8 +172,6 @@ class WindowedManager(SingleTypeManager):
         """Give the middles of pending steps free blocks, lowest positions first, up to `max_blocks`, where
         the block's hash is known and no block caches it yet: they are stored this step and go back to
         the pool hashed after it. Returns how many blocks were given."""
-        if not self.steps:
-            return 0
         cached = self.pool.cached[self.group_id]
         null = self.pool.null_block
         stride = self.hash_stride
