@@ -6,10 +6,15 @@ a pool of 65,536 blocks (so cached blocks get evicted), prefix-hit rates 0% and 
 groups, window 1,024), with one allocation per prompt and with 4 chunks of 512.
 
 Per request it times exactly what an engine does: build the request (hashes its full blocks),
-look up the prefix cache, allocate, mark computed (cache full blocks, return out-of-window ones),
-and finally free. The reference is vLLM 0.33's pure-Python allocator on this class of machine, as
-quoted in issue 2 (vLLM is not installable here): ~540 us per request full-only at 0% hits,
-~2,200 us hybrid, plus ~3.5 us per block for hashing.
+look up the prefix cache, allocate, give the pool's free blocks to sliding windows' chunk middles
+(the scheduler's `use_slack_for_caching` once a step's allocations are made), mark computed (cache
+full blocks, return out-of-window ones), and finally free. Each row starts after a full garbage
+collection and closes its pool at the end: a collection of the torch-sized heap (~200 ms, 100 us a
+request at 2,000 requests) otherwise fell inside whichever rows the allocation counts put it in.
+
+The reference is vLLM 0.33's pure-Python allocator on this class of machine, as quoted in issue 2
+(vLLM is not installable here): ~540 us per request full-only at 0% hits, ~2,200 us hybrid, plus
+~3.5 us per block for hashing.
 
     python benchmarks/allocator.py [--requests 10000]
 """
@@ -17,6 +22,7 @@ quoted in issue 2 (vLLM is not installable here): ~540 us per request full-only 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import deque
 
@@ -53,6 +59,7 @@ def run(kind: str, hit_rate: float, num_chunks: int, num_requests: int) -> dict[
     held: deque[str] = deque()
     peak_blocks = 0
     elapsed = 0.0
+    gc.collect()
     for i in range(num_requests):
         tokens = prompt(i, hit_rate)
         start = time.perf_counter()
@@ -63,6 +70,7 @@ def run(kind: str, hit_rate: float, num_chunks: int, num_requests: int) -> dict[
             num_new = min(chunk, PROMPT_TOKENS - computed)
             ok = coordinator.allocate_slots(request, num_new, hit if request.num_computed_tokens == 0 else None)
             assert ok, "the benchmark pool must fit 32 requests"
+            coordinator.use_slack_for_caching()
             elapsed += time.perf_counter() - start
             held_blocks = sum(m.num_real_blocks(request.request_id) for m in coordinator.managers)
             peak_blocks = max(peak_blocks, held_blocks)
@@ -78,6 +86,7 @@ def run(kind: str, hit_rate: float, num_chunks: int, num_requests: int) -> dict[
         coordinator.free(held.popleft())
     coordinator.check_integrity()
     stats = coordinator.stats()
+    coordinator.pool.close()
     blocks_per_request = PROMPT_TOKENS // BLOCK_SIZE * len(coordinator.managers)
     return {
         "us_per_request": elapsed / num_requests * 1e6,

@@ -107,6 +107,7 @@ class KVCacheCoordinator:
                 )
             self.managers.append(manager)
         self._windowed = [m for m in self.managers if isinstance(m, WindowedManager)]
+        self._is_windowed = [isinstance(m, WindowedManager) for m in self.managers]
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
@@ -177,24 +178,20 @@ class KVCacheCoordinator:
         # Most decode steps need no block in any group: say so without counting.
         if hit is None and not shared and self._covered(request_id, num_total):
             return True
-        no_hit: list[KVBlock] = []
-        fewest = most = len(shared)  # a copy of each shared block it writes
-        spare_by_group = {}
-        for manager in self.managers:
-            hit_blocks = hit.blocks[manager.group_id] if hit else no_hit
-            if isinstance(manager, WindowedManager):
-                low, high = manager.blocks_needed(request_id, num_computed, num_total, hit_blocks)
-                spare_by_group[manager.group_id] = high - low
-            else:
-                low = high = manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
-            fewest, most = fewest + low, most + high
-        shortfall = fewest - self.pool.num_free_blocks
-        # A block this request is about to take as a hit must not move: its keys stay as they are.
-        hit_ids = {b.block_id for blocks in hit.blocks for b in blocks} if hit and shortfall > 0 else set()
-        if shortfall > 0 and not self._reclaim(shortfall, request_id, hit_ids):
-            return False
-        # Blocks beyond the fewest keep old windows cached: without caching there is nothing to keep.
-        spare = self.pool.num_free_blocks - fewest if self.enable_caching else 0
+        hits = hit.blocks if hit else [[] for _ in self.managers]
+        most = [
+            manager.most_blocks_needed(request_id, num_total, hit_blocks)
+            if windowed
+            else manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
+            for manager, windowed, hit_blocks in zip(self.managers, self._is_windowed, hits, strict=True)
+        ]
+        if self.enable_caching and not shared and sum(most) <= self.pool.num_free_blocks:
+            # Room for every new tail to take fresh blocks: no old-window block moves, none need be counted.
+            spare_by_group = most
+        else:
+            spare_by_group = self._fit(request_id, num_computed, num_total, hits, len(shared))
+            if spare_by_group is None:
+                return False
         if shared:
             copies = self._copies.setdefault(request_id, [])
             for (manager, index), block in zip(shared, self.pool.get_new_blocks(len(shared)), strict=True):
@@ -208,14 +205,40 @@ class KVCacheCoordinator:
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
-        for manager in self.managers:
-            if isinstance(manager, WindowedManager):
-                extra = min(spare, spare_by_group[manager.group_id])
-                spare -= extra
-                manager.allocate_step(request_id, num_total, request.block_hashes, extra)
+        for manager, windowed, num_spare in zip(self.managers, self._is_windowed, spare_by_group, strict=True):
+            if windowed:
+                manager.allocate_step(request_id, num_total, request.block_hashes, num_spare)
             else:
                 manager.allocate_new_blocks(request_id, num_computed, num_total)
         return True
+
+    def _fit(
+        self, request_id: str, num_computed: int, num_total: int, hits: list[list[KVBlock]], num_copies: int
+    ) -> list[int] | None:
+        """Make room for the step's fewest blocks (every movable old-window block moves, `num_copies`
+        copy-on-write copies), taking back other pending steps' spare blocks if the pool lacks them; then
+        per group, how many fresh tail blocks beyond its fewest the pool has left for it. None, changing
+        nothing, when even the fewest do not fit."""
+        fewest = num_copies
+        wanted = []
+        for manager, windowed, hit_blocks in zip(self.managers, self._is_windowed, hits, strict=True):
+            if windowed:
+                low, high = manager.blocks_needed(request_id, num_computed, num_total, hit_blocks)
+            else:
+                low = high = manager.num_blocks_to_allocate(request_id, num_computed, num_total, hit_blocks)
+            fewest += low
+            wanted.append(high - low)
+        shortfall = fewest - self.pool.num_free_blocks
+        # A block this request is about to take as a hit must not move: its keys stay as they are.
+        if shortfall > 0 and not self._reclaim(shortfall, request_id, {b.block_id for run in hits for b in run}):
+            return None
+        # Blocks beyond the fewest keep old windows cached: without caching there is nothing to keep.
+        spare = self.pool.num_free_blocks - fewest if self.enable_caching else 0
+        given = []
+        for num_wanted in wanted:
+            given.append(min(spare, num_wanted))
+            spare -= given[-1]
+        return given
 
     def _shared_writes(self, request_id: str, num_computed: int) -> list[tuple[SingleTypeManager, int]]:
         """The (manager, position) of each block the request writes next that another request holds too:
@@ -269,7 +292,8 @@ class KVCacheCoordinator:
             return 0
         given = 0
         for manager in self._windowed:
-            given += manager.fill_middle(self.pool.num_free_blocks)
+            if manager.steps:  # most decode steps leave none pending
+                given += manager.fill_middle(self.pool.num_free_blocks)
         return given
 
     def _covered(self, request_id: str, num_tokens: int) -> bool:

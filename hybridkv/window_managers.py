@@ -38,12 +38,14 @@ from hybridkv.utils import NULL_BLOCK_ID, cdiv
 class WindowStep:
     """A request's allocated, not yet computed step: its end, its first new position, the request's
     block hashes (the live list), the fresh tail blocks given where an old-window block could have moved
-    (`spare`: (old position, tail position) pairs) and the middle positions given blocks for caching."""
+    (tail position `spare_new[k]` took a fresh block, old-window position `spare_old[k]` kept its own) and
+    the middle positions given blocks for caching."""
 
     end: int
     first_new: int
     block_hashes: Sequence[bytes]
-    spare: list[tuple[int, int]] = field(default_factory=list)
+    spare_old: list[int] = field(default_factory=list)
+    spare_new: list[int] = field(default_factory=list)
     middle: list[int] = field(default_factory=list)
 
 
@@ -75,12 +77,23 @@ class WindowedManager(SingleTypeManager):
         `num_total_tokens`: fewest when every movable old-window block moves to the tail, most when the
         tail takes only fresh blocks. A free hit block counts: taking it leaves the free queue."""
         blocks = self.req_to_blocks.get(request_id) or hit_blocks
-        num_new_tail = len(self._new_tail(len(blocks), num_total_tokens))
+        num_new_tail = self._num_new_tail(len(blocks), num_total_tokens)
+        num_hit = _num_free(hit_blocks) if hit_blocks else 0
+        if num_new_tail == 0:
+            return num_hit, num_hit
         # Positions before the first query's window hold null blocks (a hit's too): start there.
-        start = self.first_needed_block(num_computed_tokens)
-        num_movable = len(self._movable(blocks, start, num_total_tokens, holders=0 if hit_blocks else 1))
-        num_hit = sum(1 for b in hit_blocks if b.ref_cnt == 0 and not b.is_null)
+        old_window = blocks[self.first_needed_block(num_computed_tokens) : self.first_needed_block(num_total_tokens)]
+        # Blocks only this request will hold: free ones of a hit not taken yet, else its own (the null
+        # block's ref count stays 0).
+        num_movable = _num_free(old_window) if hit_blocks else [b.ref_cnt for b in old_window].count(1)
         return num_hit + max(0, num_new_tail - num_movable), num_hit + num_new_tail
+
+    def most_blocks_needed(self, request_id: str, num_total_tokens: int, hit_blocks: Sequence[KVBlock]) -> int:
+        """`blocks_needed`'s most without looking at the old window: the free hit blocks and a fresh block at
+        every new tail position."""
+        blocks = self.req_to_blocks.get(request_id) or hit_blocks
+        num_hit = _num_free(hit_blocks) if hit_blocks else 0
+        return num_hit + self._num_new_tail(len(blocks), num_total_tokens)
 
     def num_blocks_to_allocate(
         self, request_id: str, num_computed_tokens: int, num_total_tokens: int, hit_blocks: Sequence[KVBlock]
@@ -89,7 +102,7 @@ class WindowedManager(SingleTypeManager):
 
     def take_hit_blocks(self, request_id: str, hit_blocks: Sequence[KVBlock]) -> None:
         super().take_hit_blocks(request_id, hit_blocks)
-        self.window_start[request_id] = _first_real(hit_blocks)
+        self.window_start[request_id] = _first_real(hit_blocks) if hit_blocks else 0
 
     def allocate_new_blocks(self, request_id: str, num_computed_tokens: int, num_total_tokens: int) -> list[KVBlock]:
         return self.allocate_step(request_id, num_total_tokens, [], 0)
@@ -104,29 +117,32 @@ class WindowedManager(SingleTypeManager):
         self.num_cached_blocks.setdefault(request_id, 0)
         start = self._window_start(request_id)
         end = cdiv(num_total_tokens, self.block_size)
-        if end <= len(blocks):
-            return []
-        new_tail = self._new_tail(len(blocks), num_total_tokens)
         first_new = len(blocks)
+        if end <= first_new:
+            return []
         self.mark_changed(request_id, first_new)
-        # Unhashed blocks move first: moving a hashed one loses what it caches.
-        movable = self._movable(blocks, start, num_total_tokens)
-        movable.sort(key=lambda i: blocks[i].block_hash is not None)
-        num_moves = max(0, min(len(movable), len(new_tail)) - num_spare)
-        fresh = self.pool.get_new_blocks(len(new_tail) - num_moves)
-        num_middle = (new_tail[0] if new_tail else end) - len(blocks)
-        blocks.extend([self.pool.null_block] * num_middle)
-        block_ids.extend([NULL_BLOCK_ID] * num_middle)
+        first_kept = self.first_needed_block(num_total_tokens)
+        tail_start = min(max(first_new, first_kept), end)
+        old_end = min(first_kept, first_new)  # [start, old_end): old-window blocks no later query reads
+        movable = self._movable(blocks, start, old_end) if start < old_end else []
+        num_movable = min(len(movable), end - tail_start)  # a tail position each could take
+        num_moves = max(0, num_movable - num_spare)
+        fresh = self.pool.get_new_blocks(end - tail_start - num_moves)
+        num_middle = tail_start - first_new
+        if num_middle:
+            blocks.extend([self.pool.null_block] * num_middle)
+            block_ids.extend([NULL_BLOCK_ID] * num_middle)
         for old in movable[:num_moves]:
             self._move(request_id, old, len(blocks))
         blocks.extend(fresh)
-        block_ids.extend(b.block_id for b in fresh)
-        spare = list(zip(movable[num_moves:], new_tail[num_moves:], strict=False))
+        block_ids.extend([b.block_id for b in fresh])
+        kept = movable[num_moves:num_movable]  # each kept in place by a fresh tail block
         # Remembered while a middle, spare blocks or old-window blocks kept past the step's end exist (the
         # integrity check reads it); most decodes have none.
-        dropping = range(start, min(self.first_needed_block(num_total_tokens), first_new))
-        if num_middle or spare or any(not blocks[i].is_null for i in dropping):
-            self.steps[request_id] = WindowStep(num_total_tokens, first_new, block_hashes, spare)
+        if num_middle or kept or (start < old_end and any(b.block_id != NULL_BLOCK_ID for b in blocks[start:old_end])):
+            first_spare = tail_start + num_moves
+            spare_new = list(range(first_spare, first_spare + len(kept)))
+            self.steps[request_id] = WindowStep(num_total_tokens, first_new, block_hashes, kept, spare_new)
         return fresh
 
     def num_reclaimable(self, except_request: str | None = None, keep: Collection[int] = ()) -> int:
@@ -147,7 +163,8 @@ class WindowedManager(SingleTypeManager):
                 if len(released) == num_blocks:
                     break
                 released.append(self.req_to_blocks[request_id][new])
-                step.spare.remove((old, new))
+                index = step.spare_old.index(old)
+                del step.spare_old[index], step.spare_new[index]
                 self._move(request_id, old, new)
         self.pool.free_blocks(released)
         return len(released)
@@ -157,21 +174,43 @@ class WindowedManager(SingleTypeManager):
         the block's hash is known and no block caches it yet: they are stored this step and go back to
         the pool hashed after it. Returns how many blocks were given."""
         cached = self.pool.cached[self.group_id]
-        wanted: list[tuple[str, int]] = []
+        null = self.pool.null_block
+        stride = self.hash_stride
+        wanted: list[tuple[str, list[int]]] = []
+        num_wanted = 0
         for request_id, step in self.steps.items():
-            blocks = self.req_to_blocks[request_id]
-            end = min(self.first_needed_block(step.end), self.num_hashed_blocks(step.block_hashes))
-            for position in range(step.first_new, end):
-                if len(wanted) == max_blocks:
-                    break
-                if blocks[position].is_null and self.block_hash(step.block_hashes, position) not in cached:
-                    wanted.append((request_id, position))
-        for (request_id, position), block in zip(wanted, self.pool.get_new_blocks(len(wanted)), strict=True):
-            self.req_to_blocks[request_id][position] = block
-            self.req_to_block_ids[request_id][position] = block.block_id
-            self.mark_changed(request_id, position)
-            self.steps[request_id].middle.append(position)
-        return len(wanted)
+            first, end = step.first_new, self.first_needed_block(step.end)
+            if end <= first or num_wanted == max_blocks:  # no middle, or no block left for it
+                continue
+            end = min(end, self.num_hashed_blocks(step.block_hashes))
+            hashes = step.block_hashes[(first + 1) * stride - 1 : end * stride : stride]
+            positions = [position for position, block_hash in enumerate(hashes, first) if block_hash not in cached]
+            if step.middle:  # an earlier call filled some (a middle holds only null blocks until filled)
+                blocks = self.req_to_blocks[request_id]
+                positions = [position for position in positions if blocks[position] is null]
+            del positions[max_blocks - num_wanted :]
+            if positions:
+                wanted.append((request_id, positions))
+                num_wanted += len(positions)
+        if not wanted:
+            return 0
+        fresh = self.pool.get_new_blocks(num_wanted)
+        taken = 0
+        for request_id, positions in wanted:
+            given = fresh[taken : taken + len(positions)]
+            taken += len(positions)
+            blocks, block_ids = self.req_to_blocks[request_id], self.req_to_block_ids[request_id]
+            first, last = positions[0], positions[-1]
+            self.mark_changed(request_id, first)
+            if last - first + 1 == len(positions):  # one run (no key of it was cached): by slices
+                blocks[first : last + 1] = given
+                block_ids[first : last + 1] = [block.block_id for block in given]
+            else:
+                for position, block in zip(positions, given, strict=True):
+                    blocks[position] = block
+                    block_ids[position] = block.block_id
+            self.steps[request_id].middle.extend(positions)
+        return num_wanted
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """After a step: return the blocks no later query reads (the old window, the middle), deepest
@@ -184,15 +223,12 @@ class WindowedManager(SingleTypeManager):
         end = min(self.first_needed_block(num_computed_tokens), len(blocks))
         if end <= start:  # most steps: the window has not left a block behind
             return
-        block_ids = self.req_to_block_ids[request_id]
         self.mark_changed(request_id, start)
-        released = []
-        for i in range(end - 1, start - 1, -1):
-            if not blocks[i].is_null:
-                released.append(blocks[i])
-                blocks[i] = self.pool.null_block
-            block_ids[i] = NULL_BLOCK_ID
-        self.window_start[request_id] = max(start, end)
+        released = blocks[start:end]
+        released.reverse()
+        blocks[start:end] = [self.pool.null_block] * (end - start)
+        self.req_to_block_ids[request_id][start:end] = [NULL_BLOCK_ID] * (end - start)
+        self.window_start[request_id] = end
         self.pool.free_blocks(released)
 
     def restore(self, request_id: str, blocks: list[KVBlock]) -> None:
@@ -239,23 +275,29 @@ class WindowedManager(SingleTypeManager):
             start = self.window_start[request_id] = _first_real(self.req_to_blocks.get(request_id, ()))
         return start
 
-    def _new_tail(self, num_held: int, num_total_tokens: int) -> list[int]:
-        """Positions past the held ones that the step's last tokens need after it (the tail)."""
-        first = max(num_held, self.first_needed_block(num_total_tokens))
-        return list(range(first, cdiv(num_total_tokens, self.block_size)))
+    def _num_new_tail(self, num_held: int, num_total_tokens: int) -> int:
+        """Positions past the held ones that the step's last tokens need after it (the new tail)."""
+        end = cdiv(num_total_tokens, self.block_size)
+        return max(0, end - max(num_held, self.first_needed_block(num_total_tokens)))
 
-    def _movable(self, blocks: Sequence[KVBlock], start: int, num_total_tokens: int, holders: int = 1) -> list[int]:
-        """Positions from `start` of held blocks that no query after the step reads and that only this
-        request holds (`holders` references: 0 for a free hit block not yet taken)."""
-        end = min(self.first_needed_block(num_total_tokens), len(blocks))
-        return [i for i in range(start, end) if not blocks[i].is_null and blocks[i].ref_cnt == holders]
+    def _movable(self, blocks: Sequence[KVBlock], start: int, end: int) -> list[int]:
+        """Positions in [start, end) of blocks only this request holds, in the order they move: unhashed
+        first (moving a hashed one loses what it caches), each kind by position. The null block is never
+        held (its ref count stays 0)."""
+        unhashed, hashed = [], []
+        for position in range(start, end):
+            block = blocks[position]
+            if block.ref_cnt == 1:
+                (unhashed if block.block_hash is None else hashed).append(position)
+        return unhashed + hashed
 
     def _valid_spare(self, request_id: str, keep: Collection[int] = ()) -> list[tuple[int, int]]:
         """The request's spare pairs whose old-window block is still held by it alone and not in `keep`."""
         blocks = self.req_to_blocks[request_id]
+        step = self.steps[request_id]
         return [
             (old, new)
-            for old, new in self.steps[request_id].spare
+            for old, new in zip(step.spare_old, step.spare_new, strict=True)
             if blocks[old].ref_cnt == 1 and blocks[old].block_id not in keep
         ]
 
@@ -267,9 +309,14 @@ class WindowedManager(SingleTypeManager):
             return 0
         end = self.first_needed_block(step.end)
         shared = sum(1 for b in self.req_to_blocks[request_id][:end] if not b.is_null and b.ref_cnt > 1)
-        return len(step.spare) + len(step.middle) + shared
+        return len(step.spare_old) + len(step.middle) + shared
+
+
+def _num_free(blocks: Sequence[KVBlock]) -> int:
+    """Real blocks among `blocks` that no request holds (in the free queue)."""
+    return [b.ref_cnt == 0 and b.block_id != NULL_BLOCK_ID for b in blocks].count(True)
 
 
 def _first_real(blocks: Sequence[KVBlock]) -> int:
     """The first position of a real block (the list's length when there is none)."""
-    return next((i for i, block in enumerate(blocks) if not block.is_null), len(blocks))
+    return next((i for i, block in enumerate(blocks) if block.block_id != NULL_BLOCK_ID), len(blocks))
