@@ -112,6 +112,7 @@ class KVCacheCoordinator:
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
+        self._first_lists, self._first_size = self.managers[0].req_to_blocks, self.managers[0].block_size
         # Requests that may share a block they write into (forks, and groups swapped back in together):
         # only they pay the copy-on-write check.
         self._may_share: set[str] = set()
@@ -122,15 +123,11 @@ class KVCacheCoordinator:
         self.prefix_cache_hits = 0
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
-        # update_computed's fast path: each request's num_computed_tokens at its last update, and the kinds of
-        # boundary at which an update can change anything: (block size, reach back from a query: its window - 1,
-        # or None for a chunk size's or full attention's, chunk size or None).
-        self._updated_at: dict[str, int] = {}
-        self._boundaries = sorted(
-            {(m.block_size, getattr(m, "sliding_window", None), getattr(m, "attention_chunk_size", None))
-             for m in self.managers},
-            key=repr,
-        )  # fmt: skip
+        # update_computed's fast path: per request, the number of computed tokens at which an update can next
+        # change something (a block fills, a window or chunk start passes a block), and each windowed group's
+        # pending steps (an update drops them).
+        self._next_change: dict[str, int] = {}
+        self._window_steps = [m.steps for m in self._windowed]
 
     def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
         """The longest block-aligned prefix of the request's tokens cached in every group.
@@ -171,9 +168,15 @@ class KVCacheCoordinator:
         blocks where the pool has them to spare (its old window stays cached), else moved ones; when the
         pool is short, spare fresh blocks of other pending steps come back first (`WindowedManager`).
         """
+        request_id = request.request_id
+        if hit is None and self._one_block_size and request_id not in self._may_share:
+            # Most decode steps need no block in any group (one block size: every list covers the same
+            # positions): say so without counting.
+            held = self._first_lists.get(request_id)
+            if held is not None and request.num_computed_tokens + num_new_tokens <= len(held) * self._first_size:
+                return True
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
-        request_id = request.request_id
         shared = self._shared_writes(request_id, num_computed) if request_id in self._may_share else []
         # Most decode steps need no block in any group: say so without counting.
         if hit is None and not shared and self._covered(request_id, num_total):
@@ -311,32 +314,33 @@ class KVCacheCoordinator:
         """
         request_id = request.request_id
         num_computed = request.num_computed_tokens
-        last = self._updated_at.get(request_id)
-        self._updated_at[request_id] = num_computed
-        if last is not None and self._nothing_to_update(request_id, last, num_computed):
-            return
+        if num_computed < self._next_change.get(request_id, 0):
+            for steps in self._window_steps:
+                if steps and request_id in steps:
+                    break
+            else:  # no block filled, no window moved, no pending step: nothing to do (most decode steps)
+                return
+        self._next_change[request_id] = self._next_change_after(num_computed)
         for manager in self.managers:
             if self.enable_caching:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
 
-    def _nothing_to_update(self, request_id: str, last: int, num_computed: int) -> bool:
-        """Whether an update from `last` to `num_computed` computed tokens would change nothing in any group: no
-        block became full, no window or chunk start moved past a block, and no pending step waits to be dropped
-        (most decode steps: the managers need not be asked)."""
-        for manager in self._windowed:
-            if manager.steps and request_id in manager.steps:
-                return False
-        for block_size, window, chunk in self._boundaries:
-            if num_computed // block_size != last // block_size:
-                return False
-            if window is not None and max(0, num_computed - window + 1) // block_size != (
-                max(0, last - window + 1) // block_size
-            ):
-                return False
-            if chunk is not None and num_computed // chunk != last // chunk:
-                return False
-        return True
+    def _next_change_after(self, num_computed: int) -> int:
+        """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group: a
+        block fills, or a window's or chunk's first needed block moves on."""
+        nearest = None
+        for manager in self.managers:
+            block_size = manager.block_size
+            change = (num_computed // block_size + 1) * block_size
+            window = getattr(manager, "sliding_window", None)
+            if window is not None:
+                change = min(change, (max(0, num_computed - window + 1) // block_size + 1) * block_size + window - 1)
+            chunk = getattr(manager, "attention_chunk_size", None)
+            if chunk is not None:
+                change = min(change, (num_computed // chunk + 1) * chunk)
+            nearest = change if nearest is None else min(nearest, change)
+        return nearest if nearest is not None else num_computed + 1
 
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
@@ -367,7 +371,7 @@ class KVCacheCoordinator:
             manager.free(request_id)
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
-        self._updated_at.pop(request_id, None)
+        self._next_change.pop(request_id, None)
         self._freed.append(request_id)
 
     def take_table_updates(self) -> TableUpdates:

@@ -310,6 +310,8 @@ class LLMEngine(RunLoops):
                     tokens[i], logprobs[i], errors[i] = token, token_logprobs, error
         else:
             tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
+        if not any(errors):
+            return tokens, logprobs
         for request, error in zip(sampling, errors, strict=True):
             if error is not None and not request.status.is_finished:
                 self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")

@@ -69,8 +69,8 @@ class ScheduledRequest(NamedTuple):
 @dataclass
 class SchedulerOutput:
     """One step's plan, everything the model runner needs: the requests to run (in batch order), their
-    block-table rows per group (`block_tables[group][i]` for `scheduled[i]`: the managers' own integer
-    tables, read before the step's update and never changed by the runner), and the block copies to
+    block-table rows per group on request (`block_tables[group][i]` for `scheduled[i]`: the managers' own
+    integer tables, read before the step's update and never changed by the runner), and the block copies to
     make before the forward, in this order: swap_out (device block, CPU block) pairs, swap_in (CPU block,
     device block) pairs, then blocks_to_copy (source, destination) pairs (copy-on-write). `table_updates`:
     what changed in the block tables since the last plan that ran (the runner's persistent batch applies it;
@@ -78,7 +78,6 @@ class SchedulerOutput:
     else changed."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    block_tables: list[list[list[int]]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -87,6 +86,16 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
     num_tokens: int = 0
+    # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
+    coordinator: KVCacheCoordinator | None = field(default=None, repr=False)
+
+    @property
+    def block_tables(self) -> list[list[list[int]]]:
+        """`block_tables[group][i]`: the block-table row of `scheduled[i]` in each group, the managers' live lists
+        (read them before the step's update; the model runner needs none of them: `table_updates`)."""
+        if self.coordinator is None:
+            return []
+        return self.coordinator.block_tables([s.request.request_id for s in self.scheduled])
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples: tuple[Request, ...] = ()
@@ -168,7 +177,7 @@ class Scheduler:
         self._schedule(out)
         # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
         self.coordinator.use_slack_for_caching()
-        out.block_tables = self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
+        out.coordinator = self.coordinator
         out.blocks_to_copy = self.coordinator.take_copies()
         if out.scheduled or out.swap_out or out.swap_in:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()

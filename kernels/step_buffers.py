@@ -104,6 +104,7 @@ class StepBuffers:
         self.tiles: dict[int, tuple[_Buffer, _Buffer]] = {}
         self._rows = np.arange(max(max_num_seqs, max_num_tokens) + 1, dtype=np.int64)
         self._cu_arange = 0  # cu_seqlens_q holds 0..n for every n up to this
+        self._views: dict[tuple[object, int], object] = {}
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -168,8 +169,8 @@ class StepBuffers:
         step = StepMetadata(
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
-            cu_seqlens_q=cu_seqlens.device[: num_seqs + 1],
-            seq_lens=self.seq_lens.device[:num_seqs],
+            cu_seqlens_q=self._view("cu", num_seqs + 1),
+            seq_lens=self._view("seq_lens", num_seqs),
             num_query_tokens=num_tokens,
             backend=self.backend,
         )
@@ -188,13 +189,30 @@ class StepBuffers:
             np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
             table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, block_width))
             slots.send(slice(0, num_groups), slice(0, num_tokens))
+            tables_by_group = self._view(("tables", block_size), num_seqs)
+            slots_by_group = self._view(("slots", block_size), num_tokens)
             metadata[block_size] = [
-                PagedAttentionMetadata(
-                    step, table.device[group, :num_seqs], slots.device[group, :num_tokens], block_size, None
-                )
-                for group in range(num_groups)
+                PagedAttentionMetadata(step, group_table, group_slots, block_size, None)
+                for group_table, group_slots in zip(tables_by_group, slots_by_group, strict=True)
             ]
         return metadata
+
+    def _view(self, name: str | tuple[str, int], length: int):
+        """The leading `length` of a buffer on the device (per group, for tables and slots), made once per length:
+        slicing a tensor costs microseconds, and the views of a length never change."""
+        key = (name, length)
+        view = self._views.get(key)
+        if view is None:
+            if name == "cu":
+                view = self.cu_seqlens_q.device[:length]
+            elif name == "seq_lens":
+                view = self.seq_lens.device[:length]
+            else:
+                kind, block_size = name
+                buffer = (self.tables if kind == "tables" else self.slots)[block_size].device
+                view = [buffer[group, :length] for group in range(buffer.shape[0])]
+            self._views[key] = view
+        return view
 
     def triton_tiles(self, step: StepMetadata, block_q: int) -> TritonQueryTiles:
         """The step's Triton query tiles of `block_q` rows, written into this height's buffers."""
