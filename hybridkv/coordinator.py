@@ -8,6 +8,7 @@ hold different numbers of tokens per block (hybridkv/grouping.py); token counts 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.block_pool import BlockPool, KVBlock
@@ -325,6 +326,17 @@ class KVCacheCoordinator:
             if self.enable_caching:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
+
+    def update_computed_many(self, requests: Sequence[KVRequest]) -> None:
+        """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary
+        and have no pending step are passed over with one comparison each."""
+        next_change = self._next_change
+        window_steps = self._window_steps
+        pending = set().union(*window_steps) if any(window_steps) else ()
+        for request in requests:
+            request_id = request.request_id
+            if request.num_computed_tokens >= next_change.get(request_id, 0) or request_id in pending:
+                self.update_computed(request)
 
     def _next_change_after(self, num_computed: int) -> int:
         """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group: a

@@ -256,9 +256,11 @@ class LLMEngine(RunLoops):
             sampling, tokens, logprobs = ([values[i] for i in sampled] for values in (sampling, tokens, logprobs))
         for request, status in self.outputs.process(sampling, tokens, logprobs):
             self.scheduler.finish(request, status)
+        states = self.outputs.states
         for request in itertools.chain((s.request for s in plan.scheduled), plan.failed):
-            state = self.outputs.state_of(request)
-            touched.setdefault(state.group.request_id, state)
+            request_id = request.group.request_id
+            if request_id not in touched:
+                touched[request_id] = states[request_id]
         end = time.perf_counter()
         self.update_seconds += end - update_start
         self.step_seconds += end - start

@@ -89,7 +89,8 @@ class OutputProcessor:
         return self.states[request.group.request_id]
 
     def sampling_rows(self, requests: Sequence[Request]) -> list[SamplingRow]:
-        return [self.state_of(request).samples[request.sample_index].sampling_row for request in requests]
+        states = self.states
+        return [states[r.group.request_id].samples[r.sample_index].sampling_row for r in requests]
 
     def process(
         self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
@@ -99,8 +100,9 @@ class OutputProcessor:
         finishes them in the scheduler."""
         now = time.monotonic()
         stopped = []
+        states, check = self.states, self.stop_rules.check
         for request, token, token_logprobs in zip(requests, tokens, logprobs, strict=True):
-            state = self.state_of(request)
+            state = states[request.group.request_id]
             sample = state.samples[request.sample_index]
             completion = sample.completion
             completion.token_ids.append(token)
@@ -110,7 +112,7 @@ class OutputProcessor:
                     completion.logprobs.append(token_logprobs)
             if state.output.metrics.first_token_time is None:
                 state.output.metrics.first_token_time = now
-            status = self.stop_rules.check(request, token, sample.detokenizer)
+            status = check(request, token, sample.detokenizer)
             if status is not None:
                 stopped.append((request, status))
         return stopped

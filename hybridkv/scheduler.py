@@ -99,9 +99,9 @@ class SchedulerOutput:
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples: tuple[Request, ...] = ()
-        if request.num_computed_tokens + num_new_tokens == request.num_tokens:
-            members = request.group.members
-            samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
+        if request.num_computed_tokens + num_new_tokens == len(request.token_ids):
+            group = request.group
+            samples = (request,) if len(group.members) == 1 else (request, *group.held_followers(request))
         self.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
         self.num_tokens += num_new_tokens
 
@@ -187,16 +187,21 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput) -> None:
         cap = self._chunk_cap()
         coordinator = self.coordinator
+        allocate, running, max_tokens = (
+            coordinator.allocate_slots,
+            RequestStatus.RUNNING,
+            self.config.max_num_batched_tokens,
+        )
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted with its group earlier in this loop
-            budget = self.config.max_num_batched_tokens - out.num_tokens
+            budget = max_tokens - out.num_tokens
             if budget <= 0:
                 break
-            num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
+            num_new = min(len(request.token_ids) - request.num_computed_tokens, cap, budget)
             if num_new == 0:
                 continue  # a beam waiting for the rest of its group's next-token scores
-            while not coordinator.allocate_slots(request, num_new):
+            while not allocate(request, num_new):
                 victim = self.running[-1]
                 if self._alone(victim, request):
                     error = (
@@ -341,16 +346,20 @@ class Scheduler:
         blocks that became full and return blocks that left a window, and fork the samples that drew
         their first token from a leader's logits. Stopping is the caller's: `finish`."""
         tokens = iter(sampled_tokens)
+        forks = []
         for request, num_new, samples in out.scheduled:
             request.num_computed_tokens += num_new
             if samples:
                 token = next(tokens)
                 if token is not None:
                     request.append_token(token)
-            self.coordinator.update_computed(request)
-            for follower in samples[1:]:
+                if len(samples) > 1:
+                    forks.append((request, [(follower, next(tokens)) for follower in samples[1:]]))
+        self.coordinator.update_computed_many([s.request for s in out.scheduled])
+        for request, followers in forks:
+            for follower, token in followers:
                 self.fork(request, follower)
-                follower.append_token(next(tokens))
+                follower.append_token(token)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make `child` (holding nothing, with the same computed tokens as `parent`) run beside `parent`,

@@ -28,9 +28,11 @@ class StopRules:
         """
         params = request.params
         status = None
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        num_tokens = len(request.token_ids)
+        num_output_tokens = num_tokens - request.num_prompt_tokens
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
-        elif request.num_output_tokens >= params.min_tokens:
+        elif num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token

@@ -162,7 +162,7 @@ def test_a_decode_step_is_padded_to_its_bucket_and_the_padded_rows_write_nothing
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_graph_mode_gives_eager_modes_tokens(name, patched):
     """Static buffers and padded decode buckets (what a GPU captures) change no token, with chunked prefill,
-    prefix-cache hits and a pool small enough to preempt."""
+    prefix-cache hits and a pool small enough to preempt, by recompute and by swap."""
     model = ZOO[name]()
     batch = prompts((7, 33, 70, 150))
     settings = dict(block_size=8, max_model_len=256, max_num_batched_tokens=32)
@@ -175,29 +175,28 @@ def test_graph_mode_gives_eager_modes_tokens(name, patched):
     llm = patched(model, **settings, num_blocks=tight, enforce_eager=False)
     assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager
     assert llm.stats()["num_preemptions"] > 0
+    swap = dict(num_blocks=tight, preemption_mode="swap", swap_space=64 * llm.bytes_per_block)
+    llm = patched(model, **settings, **swap, enforce_eager=False)
+    assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager
+    assert llm.stats()["num_swaps"] > 0
 
 
-def test_graph_mode_swaps_forks_and_searches_beams_like_eager_mode(patched):
-    model = FAMILIES["gemma3_text"]()
-    batch = prompts((7, 33, 70, 150))
-    settings = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
-    probe = patched(model, **settings)
-    tight = dict(num_blocks=hybridkv.min_num_blocks(model, **settings) + 1, preemption_mode="swap")
-    tight["swap_space"] = 64 * probe.bytes_per_block
-    runs = {}
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_graph_mode_forks_samples_and_searches_beams_like_eager_mode(name, patched):
+    model = ZOO[name]()
+    batch = prompts((9, 40))
+    runs = []
     for eager in (True, False):
-        llm = patched(model, **settings, **tight, enforce_eager=eager)
-        swapped = tokens(llm.generate(batch, GREEDY, use_tqdm=False))
-        assert llm.stats()["num_swaps"] > 0
-        llm = patched(model, **settings, enforce_eager=eager)
-        forks = llm.generate(batch[:2], SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=8), use_tqdm=False)
-        beams = llm.beam_search(batch[:2], hybridkv.BeamSearchParams(beam_width=3, max_tokens=8))
-        runs[eager] = (
-            swapped,
-            [[c.token_ids for c in o.outputs] for o in forks],
-            [[(s.tokens, round(s.cum_logprob, 4)) for s in b.sequences] for b in beams],
+        llm = patched(model, block_size=8, max_model_len=256, enforce_eager=eager)
+        forks = llm.generate(batch, SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=6), use_tqdm=False)
+        beams = llm.beam_search(batch, hybridkv.BeamSearchParams(beam_width=3, max_tokens=6))
+        runs.append(
+            (
+                [[c.token_ids for c in o.outputs] for o in forks],
+                [[(s.tokens, round(s.cum_logprob, 4)) for s in b.sequences] for b in beams],
+            )
         )
-    assert runs[True] == runs[False]
+    assert runs[0] == runs[1]
 
 
 def test_buffer_metadata_equals_the_built_metadata():
