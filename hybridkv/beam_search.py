@@ -235,15 +235,18 @@ class BeamSearch:
 
     def _fork_survivors(self, scheduler: Scheduler, survivors: list[tuple[_Beam, int, float]]) -> list[_Beam]:
         """The next beams: a parent's first continuation goes on in the parent's request, each other one
-        is a fork of it (forked before the parent takes its token); parents without one finish."""
+        is a fork of it (forked before the parent takes its token); parents without one finish first, so that
+        the group never holds more than its seats' state slots (hybridkv/state_slots.py)."""
         children: dict[int, list[int]] = {}
         for position, (parent, _, _) in enumerate(survivors):
             children.setdefault(id(parent), []).append(position)
+        for parent in self.beams:
+            if id(parent) not in children:
+                scheduler.finish(parent.request, RequestStatus.FINISHED_STOPPED)
         beams: list[_Beam | None] = [None] * len(survivors)
         for parent in self.beams:
             positions = children.get(id(parent))
             if positions is None:
-                scheduler.finish(parent.request, RequestStatus.FINISHED_STOPPED)
                 continue
             for position in positions[1:]:
                 _, token, value = survivors[position]

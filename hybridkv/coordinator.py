@@ -16,6 +16,7 @@ from hybridkv.grouping import KVCacheConfig
 from hybridkv.integrity import check_coordinator
 from hybridkv.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.request import KVRequest
+from hybridkv.state_slots import StateSlots
 from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 from hybridkv.window_managers import WindowedManager
@@ -30,6 +31,8 @@ class TableUpdates:
 
     entries: list[tuple[int, str, int, list[int]]] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
+    # (request id, state slot) of the requests given a state slot (a model with state layers).
+    slots: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -87,8 +90,14 @@ class KVCacheCoordinator:
     next query cannot attend to.
     """
 
-    def __init__(self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
         self.config = config
+        # A model with state layers: one state slot per request that holds blocks (hybridkv/state_slots.py).
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self._slot_updates: list[tuple[str, int]] = []
+        self._state_copies: list[tuple[int, int]] = []
         self.block_size = config.block_size  # of prefix-cache hashes; the smallest group block size
         self.hit_alignment = config.hit_alignment
         self.enable_caching = enable_caching
@@ -138,7 +147,8 @@ class KVCacheCoordinator:
         logits. A hit ends where every group's blocks end (a multiple of `hit_alignment` tokens).
         Iterates to a fixed point, since a shorter hit in one group can move a sliding group's hit.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or self.state_slots is not None:
+            # A state layer's state at a hit's end is not kept (yet): a hit would start from an empty state.
             return CacheHit([[] for _ in self.managers], 0)
         align = self.hit_alignment
         max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align
@@ -169,6 +179,19 @@ class KVCacheCoordinator:
         blocks where the pool has them to spare (its old window stays cached), else moved ones; when the
         pool is short, spare fresh blocks of other pending steps come back first (`WindowedManager`).
         """
+        request_id = request.request_id
+        slots = self.state_slots
+        if slots is not None and request_id not in slots.held:
+            if not slots.num_free:
+                return False
+            if not self._allocate_blocks(request, num_new_tokens, hit):
+                return False
+            self._slot_updates.append((request_id, slots.take(request_id)))
+            return True
+        return self._allocate_blocks(request, num_new_tokens, hit)
+
+    def _allocate_blocks(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None) -> bool:
+        """`allocate_slots` in every KV cache group (the state slot aside)."""
         request_id = request.request_id
         if hit is None and self._one_block_size and request_id not in self._may_share:
             # Most decode steps need no block in any group (one block size: every list covers the same
@@ -262,6 +285,19 @@ class KVCacheCoordinator:
             manager.fork(parent_id, child_id)
         self._may_share.add(parent_id)
         self._may_share.add(child_id)
+        slots = self.state_slots
+        if slots is not None:  # the child's state: a copy of its parent's, in a slot of its own
+            if not slots.num_free:
+                raise RuntimeError("no state slot left for a fork: the scheduler's seats should have kept one")
+            child_slot = slots.take(child_id)
+            self._slot_updates.append((child_id, child_slot))
+            self._state_copies.append((slots.held[parent_id], child_slot))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) state-slot copies made since the last call (forks), to run before the
+        step's forward."""
+        pairs, self._state_copies = self._state_copies, []
+        return pairs
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies made since the last call, to run before the step's
@@ -384,14 +420,16 @@ class KVCacheCoordinator:
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
         self._next_change.pop(request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(request_id)
         self._freed.append(request_id)
 
     def take_table_updates(self) -> TableUpdates:
         """What changed in the block tables since the last call: the freed requests, then per group and request
         the entries from the first changed position on (the model runner's persistent batch applies them:
         hybridkv/input_batch.py). Called once a step's allocations are made."""
-        updates = TableUpdates(freed=self._freed)
-        self._freed = []
+        updates = TableUpdates(freed=self._freed, slots=self._slot_updates)
+        self._freed, self._slot_updates = [], []
         entries = updates.entries
         for manager in self.managers:
             changed, manager.changed_from = manager.changed_from, {}

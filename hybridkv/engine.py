@@ -58,7 +58,16 @@ class LLMEngine(RunLoops):
         self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
         self.step_check = check_step_exactness(model, layout)
         self.bytes_per_block = self.kv_config.block_bytes
-        buckets = decode_buckets(config.max_num_seqs) if graph_mode(model, config.enforce_eager) else ()
+        if layout.states and config.compile:
+            raise ValueError(
+                "compile=True does not compile models with state layers yet (each layer runs per request segment); "
+                "patch with compile=False"
+            )
+        # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
+        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
+        buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
+        # One state slot per request that may run at once, and the scratch slot (hybridkv/state_slots.py).
+        num_state_slots = config.max_num_seqs + 1 if layout.states else 0
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
@@ -73,13 +82,23 @@ class LLMEngine(RunLoops):
             preemption_mode=config.preemption_mode,
             num_swap_blocks=num_swap_blocks,
         )
-        self.coordinator = KVCacheCoordinator(self.kv_config, num_blocks, config.enable_prefix_caching)
+        self.coordinator = KVCacheCoordinator(
+            self.kv_config, num_blocks, config.enable_prefix_caching, num_state_slots=num_state_slots
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
         limits = RunnerLimits(
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, buckets, config.compile
         )
         self.runner = ModelRunner(
-            model, self.kv_config, layout.module_names, num_blocks, self.layer_dtypes, limits, config.attention_backend
+            model,
+            self.kv_config,
+            layout.module_names,
+            num_blocks,
+            self.layer_dtypes,
+            limits,
+            config.attention_backend,
+            states=layout.states,
+            num_state_slots=num_state_slots,
         )
         self.runner.allocate_swap_space(num_swap_blocks)
         if config.compile or (buckets and captures_graphs(model)):
@@ -205,6 +224,7 @@ class LLMEngine(RunLoops):
         if self.tp is not None:
             self.tp.stop()
         self.coordinator.pool.close()
+        self.runner.close()
         self._closed = True
 
     def run_worker(self) -> None:

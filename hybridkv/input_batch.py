@@ -47,6 +47,8 @@ class InputBatch:
         }
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
+        # Each row's state slot (a model with state layers; the padding row's is the scratch slot, 0).
+        self.state_slots = np.zeros(max_rows + 1, dtype=np.int64)
 
     @property
     def padding_row(self) -> int:
@@ -66,6 +68,11 @@ class InputBatch:
                 row = rows[request_id] = self._take_row()
             block_size, index = slots[group_id]
             tables[block_size][index, row, start : start + len(entries)] = entries
+        for request_id, state_slot in updates.slots:
+            row = rows.get(request_id)
+            if row is None:
+                row = rows[request_id] = self._take_row()
+            self.state_slots[row] = state_slot
 
     def _take_row(self) -> int:
         if not self._free_rows:
@@ -80,6 +87,9 @@ class InputBatch:
             grown = np.zeros((table.shape[0], self.max_rows + 1, table.shape[2]), dtype=np.int32)
             grown[:, :old] = table[:, :old]
             self.tables[block_size] = grown
+        state_slots = np.zeros(self.max_rows + 1, dtype=np.int64)
+        state_slots[:old] = self.state_slots[:old]
+        self.state_slots = state_slots
         self._free_rows = list(range(self.max_rows - 1, old - 1, -1)) + self._free_rows
 
     def row_of(self, request_id: str) -> int:

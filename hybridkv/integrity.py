@@ -25,6 +25,11 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
     """
     pool = coordinator.pool
     pool.check_integrity()
+    slots = coordinator.state_slots
+    if slots is not None:
+        slots.check_integrity()
+        holders = set(coordinator.managers[0].req_to_blocks)
+        assert set(slots.held) == holders, f"state slots held by {set(slots.held)}, blocks by {holders}"
     expected_refs = [0] * pool.num_blocks
     for manager in coordinator.managers:
         assert manager.req_to_block_ids.keys() == manager.req_to_blocks.keys(), "block tables out of step"

@@ -56,3 +56,28 @@ class LayerSpec:
     def page_bytes(self, block_size: int) -> int:
         """Bytes of one block of this layer (K and V)."""
         return block_size * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One state layer's per-request state (a linear-attention, SSM or short-convolution layer: Gated DeltaNet,
+    Mamba2, LFM2's conv), as the probe saw it go through transformers' cache interface: per state index, the
+    shape and dtype of one request's conv state (`[channels, kernel]`) and of its recurrent state (any shape),
+    and the module that computes it (whose forward the runner calls once per request segment,
+    hybridkv/state_layers.py). What a request keeps of it does not grow with its length."""
+
+    layer_idx: int
+    module_name: str
+    conv: tuple[tuple[tuple[int, ...], object], ...]
+    recurrent: tuple[tuple[tuple[int, ...], object], ...]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state in this layer."""
+        total = 0
+        for shape, dtype in (*self.conv, *self.recurrent):
+            count = 1
+            for size in shape:
+                count *= size
+            total += count * dtype.itemsize
+        return total

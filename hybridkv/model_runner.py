@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,9 +23,12 @@ from hybridkv.kernels import (
 )
 from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kv_dtypes import LayerDtypes
+from hybridkv.kv_spec import StateSpec
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
+from hybridkv.patches.layer_kinds import text_config
 from hybridkv.scheduler import SchedulerOutput
+from hybridkv.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
 from hybridkv.utils import cdiv
 
 
@@ -62,6 +65,8 @@ class ModelRunner:
         layer_dtypes: LayerDtypes,
         limits: RunnerLimits,
         backend: str | None = None,
+        states: list[StateSpec] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.kv_config = kv_config
@@ -145,6 +150,19 @@ class ModelRunner:
         self._forward_fn = self._compiled_forward() if limits.compile else self._forward
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
+        # State layers: their states' pool, the cache a step gives the model, and each layer's module run per
+        # request segment (hybridkv/state_layers.py) until `close`.
+        self.states = list(states or ())
+        self.state_pool = self.state_cache = None
+        self._wrapped: list[torch.nn.Module] = []
+        if self.states:
+            state_devices = {spec.layer_idx: execution_device(named, spec.module_name) for spec in self.states}
+            self.state_pool = StatePool(self.states, num_state_slots, state_devices)
+            self.state_cache = StepStateCache(text_config(model.config), self.state_pool)
+            for spec in self.states:
+                module = named[spec.module_name]
+                module.forward = segmented_forward(module.forward, spec.layer_idx)
+                self._wrapped.append(module)
         # Tests set it to the coordinator's `block_tables`: every step then checks the persistent rows.
         self.verify_tables = None
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
@@ -185,6 +203,21 @@ class ModelRunner:
                 )
             else:
                 self.graphs = graphs
+
+    def close(self) -> None:
+        """Give the state layers' modules their own forward back (the model as it was) and drop the device memory
+        the runner holds (pages, swap pages, captured graphs, states, step metadata), so that an engine patched
+        next sizes its pool from what the device then has free; the runner is unusable after."""
+        for module in self._wrapped:
+            module.__dict__.pop("forward", None)
+        self._wrapped = []
+        self.layers.clear()
+        self.context.metadata = []
+        self.context.deferred.clear()
+        self._pages = {}
+        self._swap_pages = {}
+        self.graphs = None
+        self.state_pool = self.state_cache = None
 
     def allocate_swap_space(self, num_cpu_blocks: int) -> None:
         """CPU pages for num_cpu_blocks blocks per device (pinned when the cache is on CUDA)."""
@@ -230,7 +263,17 @@ class ModelRunner:
         """The plan as plain lists (what another rank needs to run the same step)."""
         start_time = time.perf_counter()
         inputs = StepInputs(
-            [], [], [], [], [], plan.table_updates, plan.swap_out, plan.swap_in, plan.blocks_to_copy, logits_rows
+            [],
+            [],
+            [],
+            [],
+            [],
+            plan.table_updates,
+            plan.swap_out,
+            plan.swap_in,
+            plan.blocks_to_copy,
+            logits_rows,
+            state_copies=plan.state_copies,
         )
         request_ids, input_ids, query_lens, seq_lens = (
             inputs.request_ids,
@@ -300,6 +343,7 @@ class ModelRunner:
         for device in self.devices:
             by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows)
             metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
+        state_plan = self._state_plan(query_lens, seq_lens, rows) if self.states else None
         num_rows = len(input_ids)
         wanted = inputs.logits_rows if inputs.requested_rows is None else list(inputs.requested_rows)
         picked = None
@@ -308,7 +352,27 @@ class ModelRunner:
             wanted = self._all_rows[:num_rows]
         self.buffers[self.input_device].fill_inputs(input_ids, positions, wanted)
         self.prepare_seconds += time.perf_counter() - start_time
-        return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket)
+        return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket, state_plan)
+
+    def _state_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray) -> StatePlan:
+        """The step's request segments for the state layers: its decode rows (one new token after earlier ones)
+        run together, every other sequence alone."""
+        slots = self.batch.state_slots[rows]
+        decode = (query_lens == 1) & (seq_lens > 1)
+        first_rows = np.cumsum(query_lens) - query_lens
+        device = self.input_device
+        decode_rows = decode_slots = None
+        if decode.any():
+            decode_rows = torch.from_numpy(first_rows[decode]).to(device)
+            decode_slots = torch.from_numpy(slots[decode]).to(device)
+        segments = [
+            (int(first), int(first + length), int(slot), bool(total > length))
+            for first, length, total, slot, is_decode in zip(
+                first_rows, query_lens, seq_lens, slots, decode, strict=True
+            )
+            if not is_decode
+        ]
+        return StatePlan(decode_rows, decode_slots, segments)
 
     def padding_step(self, bucket: int) -> PreparedStep:
         """A decode step of `bucket` padding rows (what a graph is captured over): every row one token at
@@ -344,6 +408,8 @@ class ModelRunner:
         inputs = prepared.inputs
         self.swap(inputs.swap_out, inputs.swap_in)
         self.copy_blocks(inputs.blocks_to_copy)
+        if self.state_pool is not None:
+            self.state_pool.copy(inputs.state_copies)
         if prepared.metadata is None:
             return None
         forward_time = time.perf_counter()
@@ -355,10 +421,16 @@ class ModelRunner:
             logits = graph.replay()
         else:
             buffers = self.buffers[self.input_device]
-            with torch.inference_mode(), running_step(step):
-                logits = self._forward_fn(*buffers.model_inputs(prepared.num_tokens, prepared.num_logits_rows))
-                # A store waits for its layer's KV-sharing readers; one the forward did not reach is made now.
-                step.store_deferred(list(step.deferred))
+            if self.state_cache is not None:
+                self.state_cache.plan = prepared.state_plan
+            try:
+                with torch.inference_mode(), running_step(step):
+                    logits = self._forward_fn(*buffers.model_inputs(prepared.num_tokens, prepared.num_logits_rows))
+                    # A store waits for its layer's KV-sharing readers; one the forward did not reach is made now.
+                    step.store_deferred(list(step.deferred))
+            finally:
+                if self.state_cache is not None:
+                    self.state_cache.plan = None
         if prepared.picked_rows is not None:
             logits = logits.index_select(0, prepared.picked_rows)
         logits = logits.float()
@@ -370,11 +442,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The model's forward over a step's buffers: logits `[rows of logits_to_keep, vocab]` (what a CUDA graph
         captures and `torch.compile` compiles)."""
+        state_cache = {} if self.state_cache is None else {"cache": self.state_cache}
         output = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             logits_to_keep=logits_to_keep,
             use_cache=False,
+            **state_cache,
             **{STEP_KWARG: self.context},
         )
         return output.logits[0]
@@ -402,6 +476,8 @@ class StepInputs:
     requested_rows: Sequence[int] | None = None
     # The managers' lists of the step's requests, when the runner checks its persistent rows (tests).
     checked_tables: list[list[list[int]]] | None = None
+    # State-slot copies (source, destination) to make first: forks of a model with state layers.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -416,3 +492,4 @@ class PreparedStep:
     num_logits_rows: int
     picked_rows: torch.Tensor | None
     bucket: int | None = None
+    state_plan: StatePlan | None = None

@@ -84,6 +84,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # State-slot copies (source, destination) before the forward: forks of a model with state layers.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
     num_tokens: int = 0
     # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
@@ -181,6 +183,7 @@ class Scheduler:
         out.blocks_to_copy = self.coordinator.take_copies()
         if out.scheduled or out.swap_out or out.swap_in:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()
+            out.state_copies = self.coordinator.take_state_copies()
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -318,7 +321,9 @@ class Scheduler:
 
     def _swap_out(self, members: list[Request], out: SchedulerOutput) -> bool:
         """Copy the members' blocks to swap space (a block they share once) and free them; False, nothing
-        changed, when swap space lacks the room."""
+        changed, when swap space lacks the room (or the model keeps states, which are not swapped: recompute)."""
+        if self.coordinator.state_slots is not None:
+            return False
         # A member scheduled earlier in this step leaves it: its blocks go back to what its last step left.
         for member in members:
             self.coordinator.truncate(member.request_id, member.num_computed_tokens)

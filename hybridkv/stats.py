@@ -32,6 +32,11 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "kv_bytes_per_token": engine.kv_config.kv_bytes_per_token,
         # Each dtype the pages hold, with its layers (fp8: per-layer scales, hybridkv/kv_dtypes.py).
         "kv_cache_dtypes": engine.layer_dtypes.names,
+        # State layers (linear attention, SSM, conv): how many, the bytes one request's state takes in all of
+        # them (whatever its length), and the state pool's bytes (hybridkv/state_layers.py).
+        "state_layers": len(engine.runner.states),
+        "state_bytes_per_request": sum(spec.state_bytes for spec in engine.runner.states),
+        "state_pool_bytes": engine.runner.state_pool.nbytes if engine.runner.state_pool is not None else 0,
         "shared_kv_layers": engine.kv_config.shared_layers,
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,

@@ -33,7 +33,7 @@ import copy
 import os
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,6 +81,7 @@ class StepCheck:
     segments: tuple[Segment, ...]
     fp32: bool
     mode: str
+    has_states: bool = False
 
     @property
     def failed(self) -> list[Segment]:
@@ -118,6 +119,8 @@ def _run_check(model: torch.nn.Module, layout: ModelLayout) -> StepCheck:
     clone = _fp32_copy(model)
     clone_made = clone is not None
     try:
+        if clone is not None:
+            layout = _states_in_fp32(layout, next(model.parameters()).dtype)
         segments = tuple(_segments(model if clone is None else clone, layout))
     finally:
         if clone is not None:
@@ -126,11 +129,23 @@ def _run_check(model: torch.nn.Module, layout: ModelLayout) -> StepCheck:
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the pool is sized by what the device has free
     dtype = next(model.parameters()).dtype
+    has_states = bool(layout.states)
     if clone_made:
-        return StepCheck(segments, True, "fp32 copy")
+        return StepCheck(segments, True, "fp32 copy", has_states)
     if dtype == torch.float32:
-        return StepCheck(segments, True, "fp32")
-    return StepCheck(segments, False, f"{str(dtype).removeprefix('torch.')}, gross errors only")
+        return StepCheck(segments, True, "fp32", has_states)
+    return StepCheck(segments, False, f"{str(dtype).removeprefix('torch.')}, gross errors only", has_states)
+
+
+def _states_in_fp32(layout: ModelLayout, model_dtype: torch.dtype) -> ModelLayout:
+    """The layout of the model's fp32 copy: the state the model keeps in its own dtype (conv states) is fp32
+    there, as the copy's own forward keeps it; a state kept in 16 bits would round between chunks."""
+
+    def fp32(parts: tuple) -> tuple:
+        return tuple((shape, torch.float32 if dtype == model_dtype else dtype) for shape, dtype in parts)
+
+    states = [replace(spec, conv=fp32(spec.conv), recurrent=fp32(spec.recurrent)) for spec in layout.states]
+    return replace(layout, states=states)
 
 
 def _fp32_copy(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -183,9 +198,29 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
     kv_config = group_layers(specs, BLOCK_SIZE)
     prompts = _prompts(text_config(model.config).vocab_size)
     num_blocks = blocks_for_requests(kv_config, max(map(len, prompts.values())), len(prompts))
-    coordinator = KVCacheCoordinator(kv_config, num_blocks, enable_caching=False)
+    num_state_slots = len(prompts) + 1 if layout.states else 0
+    coordinator = KVCacheCoordinator(kv_config, num_blocks, enable_caching=False, num_state_slots=num_state_slots)
     limits = RunnerLimits(len(prompts), max(map(sum, STEPS)), max(map(len, prompts.values())))
-    runner = ModelRunner(model, kv_config, layout.module_names, num_blocks, layer_dtypes, limits)
+    runner = ModelRunner(
+        model,
+        kv_config,
+        layout.module_names,
+        num_blocks,
+        layer_dtypes,
+        limits,
+        states=layout.states,
+        num_state_slots=num_state_slots,
+    )
+    try:
+        yield from _compare(model, prompts, coordinator, runner)
+    finally:
+        runner.close()
+        coordinator.pool.close()  # its blocks link each other: freed now, not by the cycle collector
+
+
+def _compare(
+    model: torch.nn.Module, prompts: dict[str, list[int]], coordinator: KVCacheCoordinator, runner: ModelRunner
+) -> Iterator[Segment]:
     requests = [Request(name, tokens, SamplingParams(), None) for name, tokens in prompts.items()]
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
     found: list[tuple[str, int, int, int, int]] = []
@@ -249,7 +284,13 @@ def _refusal(model: torch.nn.Module, result: StepCheck) -> str:
             if getattr(m, "is_causal", True) is False and hasattr(m, "layer_idx")
         }
     )
-    if starts_ok:
+    if starts_ok and result.has_states:
+        cause = (
+            "the first chunk of each prompt matches and the rows that continue a prompt from its carried state do "
+            "not: a state layer of the model does not continue from the state it is given (a scan that ignores "
+            "its initial state over several tokens: Jamba's), so a prompt cannot be computed in chunks"
+        )
+    elif starts_ok:
         cause = (
             "the first chunk of the prompt that starts the step's batch matches, later rows do not: the model reads "
             "positions from its own cache or from where a token sits in its input (e.g. learned position embeddings "

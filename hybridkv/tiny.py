@@ -128,6 +128,37 @@ FAMILIES: dict[str, TinyFamily] = {
     "phi3": TinyFamily(
         "Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2)
     ),
+    # State layers beside attention (hybridkv/state_layers.py): Qwen3.5's 3 Gated DeltaNet : 1 full, and
+    # Bamba's 3 Mamba2 : 1 full (Granite 4 and Nemotron-H mix the same layers).
+    "qwen3_5": TinyFamily(
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            initializer_range=0.2,
+        ),
+    ),
+    "bamba": TinyFamily(
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_indices=[3],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+            mamba_expand=1,
+            mamba_chunk_size=32,
+            initializer_range=0.2,
+        ),
+    ),
 }
 
 

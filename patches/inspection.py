@@ -20,12 +20,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.kv_spec import LayerSpec
+from hybridkv.kv_spec import LayerSpec, StateSpec
 from hybridkv.patches.devices import check_weights_loaded, execution_device, input_device
-from hybridkv.patches.layer_checks import layer_problem
-from hybridkv.patches.layer_kinds import config_layers, text_config
+from hybridkv.patches.layer_checks import layer_problem, state_layer_problem, stateless_layer_problem
+from hybridkv.patches.layer_kinds import (
+    FULL_ATTENTION,
+    HYBRID_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
+    ConfigLayer,
+    config_layers,
+    text_config,
+)
 from hybridkv.patches.position_limit import position_limit
-from hybridkv.patches.probe import PROBE_TOKENS, AttentionCall, Probe, record_attention_calls
+from hybridkv.patches.probe import PROBE_TOKENS, AttentionCall, Probe, StateCall, record_probe_calls
 
 __all__ = [
     "PROBE_TOKENS",
@@ -51,6 +59,8 @@ class ModelLayout:
     limit_reason: str = ""
     # Per layer, the largest |K| and |V| of the probe forward: the calibration of fp8 pages' scales.
     kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # The state layers (linear attention, SSM, short convolution): a per-request state each, in layer order.
+    states: list[StateSpec] = field(default_factory=list)
 
 
 def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
@@ -66,8 +76,11 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
         )
     config = text_config(model.config)
     declared = config_layers(config)
-    recorded = record_attention_calls(model)
+    recorded, state_calls = record_probe_calls(model)
     names = {id(module): name for name, module in model.named_modules()}
+    states_by_layer: dict[int, list[StateCall]] = {}
+    for state_call in state_calls:
+        states_by_layer.setdefault(state_call.layer_idx, []).append(state_call)
     calls: dict[int, list[AttentionCall]] = {}
     problems: dict[str, list[int]] = {}
     for call in recorded:
@@ -77,7 +90,24 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             continue
         calls.setdefault(layer_idx, []).append(call)
     specs = []
+    states = []
     for layer_idx, layer in enumerate(declared):
+        layer_state_calls = states_by_layer.get(layer_idx, [])
+        if layer.layer_type in STATELESS_LAYER_TYPES:
+            problem = stateless_layer_problem(layer, calls.get(layer_idx, []), layer_state_calls)
+            if problem:
+                _add(problems, problem, layer_idx)
+            continue
+        hybrid = layer.layer_type in HYBRID_LAYER_TYPES
+        if layer.layer_type in STATE_LAYER_TYPES or hybrid:
+            problem = state_layer_problem(layer_idx, layer, calls.get(layer_idx, []), layer_state_calls, hybrid)
+            if problem:
+                _add(problems, problem, layer_idx)
+                continue
+            states.append(_state_spec(layer_idx, layer_state_calls, names))
+            if not hybrid:
+                continue
+            layer = ConfigLayer(FULL_ATTENTION)  # its attention side: full attention, checked as any other
         problem = layer_problem(model, layer_idx, layer, calls.get(layer_idx, []))
         latent = _layer_attribute(config, "kv_lora_rank", layer_idx)
         if not problem and latent:
@@ -114,7 +144,16 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     kv_amax = {
         spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs
     }
-    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax)
+    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax, states=states)
+
+
+def _state_spec(layer_idx: int, state_calls: list[StateCall], names: dict[int, str]) -> StateSpec:
+    """A state layer's spec from its probe calls (one module made them all: `state_layer_problem`)."""
+    by_kind: dict[str, dict[int, tuple[tuple[int, ...], torch.dtype]]] = {"conv": {}, "recurrent": {}}
+    for state_call in state_calls:
+        by_kind[state_call.kind][state_call.state_idx] = (state_call.shape, state_call.dtype)
+    conv, recurrent = (tuple(kind[i] for i in sorted(kind)) for kind in (by_kind["conv"], by_kind["recurrent"]))
+    return StateSpec(layer_idx, names[id(state_calls[0].module)], conv, recurrent)
 
 
 def _layer_attribute(config: object, name: str, layer_idx: int) -> object:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from hybridkv.patches.layer_kinds import SUPPORTED_LAYER_TYPES, ConfigLayer
-from hybridkv.patches.probe import AttentionCall
+from hybridkv.patches.probe import AttentionCall, StateCall
 
-_RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding", "moe"})
+_RECURRENT_LAYER_TYPES = frozenset({"hybrid_sliding"})
 _SPARSE_LAYER_TYPES = frozenset(
     {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse"}
 )
@@ -26,8 +26,8 @@ def layer_problem(model: torch.nn.Module, layer_idx: int, layer: ConfigLayer, ca
     layer_type = layer.layer_type
     if layer_type in _RECURRENT_LAYER_TYPES:
         return (
-            f"{layer_type!r} layers keep a per-request recurrent state, not a K/V cache; hybridkv pages "
-            "K/V only (such models need a state pool beside the block pool)"
+            f"{layer_type!r} layers mix a sliding window and a recurrent state in one layer, a kind hybridkv "
+            "does not implement (its state layers are linear_attention, mamba, conv and hybrid)"
         )
     if layer_type in _SPARSE_LAYER_TYPES:
         return f"{layer_type!r} layers use sparse or compressed attention, which hybridkv's kernels do not implement"
@@ -58,6 +58,39 @@ def layer_problem(model: torch.nn.Module, layer_idx: int, layer: ConfigLayer, ca
     if layer.attention_chunk_size is not None:
         return _shape_problem(call) or _chunk_problem(call, layer.attention_chunk_size)
     return _shape_problem(call) or _window_problem(call, layer.sliding_window)
+
+
+def stateless_layer_problem(layer: ConfigLayer, calls: list[AttentionCall], state_calls: list[StateCall]) -> str | None:
+    """Why a layer its config declares as neither attending nor keeping a state (an MLP or MoE layer) cannot be
+    served, or None: it must indeed do neither."""
+    if calls or state_calls:
+        return f"the {layer.layer_type!r} layer attends or keeps a state, which its config does not declare"
+    return None
+
+
+def state_layer_problem(
+    layer_idx: int,
+    layer: ConfigLayer,
+    calls: list[AttentionCall],
+    state_calls: list[StateCall],
+    attends: bool = False,
+) -> str | None:
+    """Why state layer `layer_idx` (its config declares a linear-attention, SSM or conv layer, or with `attends` a
+    layer that also attends) cannot be served exactly, or None: it must keep its state through transformers'
+    cache interface (get/update_conv_state, get/update_recurrent_state), from one module, and attend only if
+    declared to."""
+    if not state_calls:
+        return (
+            f"{layer.layer_type!r} layers keep a per-request state, and this one never reached it through "
+            "transformers' cache interface (get/update_conv_state, get/update_recurrent_state): it keeps it in a "
+            "cache of its own, which hybridkv cannot hold per request"
+        )
+    if calls and not attends:
+        return f"the {layer.layer_type!r} layer also calls the attention function, which its config does not declare"
+    modules = {id(state_call.module) for state_call in state_calls}
+    if None in {state_call.module for state_call in state_calls} or len(modules) > 1:
+        return "its state is kept by more than one module, or by none with this layer_idx"
+    return None
 
 
 def _shape_problem(call: AttentionCall) -> str | None:

@@ -23,6 +23,13 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
+# Layers that keep a per-request state (linear attention, SSM, short convolution) instead of K/V: served when
+# the probe sees the state go through transformers' cache interface (patches/inspection.py).
+STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
+# A layer that attends fully and keeps a state side by side (Falcon-H1), and layers that do neither (Nemotron-H's
+# MLP and MoE layers: nothing to cache).
+HYBRID_LAYER_TYPES = frozenset({"hybrid"})
+STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from hybridkv.patches import attention
 from hybridkv.patches.devices import input_device
-from hybridkv.patches.layer_kinds import text_config
+from hybridkv.patches.layer_kinds import HYBRID_LAYER_TYPES, STATE_LAYER_TYPES, config_layers, text_config
 from hybridkv.patches.visibility import Visibility, visibility_of_function, visibility_of_tensor
 
 PROBE_TOKENS = 40
@@ -92,20 +93,100 @@ class Probe:
         return query.new_zeros(batch, tokens, query.shape[1], value.shape[-1]), None
 
 
-def record_attention_calls(model: torch.nn.Module) -> list[AttentionCall]:
+@dataclass
+class StateCall:
+    """One call of a layer to transformers' cache interface for its state in the probe forward: which module
+    made it, whether the conv or the recurrent state, its state index, and one request's state shape and
+    dtype (a conv state `[channels, kernel]`)."""
+
+    layer_idx: int
+    module: torch.nn.Module | None
+    kind: str
+    state_idx: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def record_probe_calls(model: torch.nn.Module) -> tuple[list[AttentionCall], list[StateCall]]:
     """Run the probe forward (hybridkv's functions installed for its duration if the model is not
-    patched) and return every attention call, in call order."""
+    patched) and return every attention call and every state call, in call order. A model whose config
+    declares state layers runs with a cache that records their states (`StateRecorder`); any other runs
+    without a cache."""
     config = text_config(model.config)
     probe = Probe(horizon=_mask_horizon(config))
+    if any(layer.layer_type in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES for layer in config_layers(config)):
+        recorder = StateRecorder(model)
+        try:
+            _probe_forward(model, probe, config.vocab_size, recorder)
+            return probe.calls, recorder.calls
+        except ValueError:  # a model that needs a cache of its own kind (MiniMax's): probed without one
+            probe = Probe(horizon=_mask_horizon(config))
     _probe_forward(model, probe, config.vocab_size)
-    return probe.calls
+    return probe.calls, []
 
 
-def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int) -> None:
+class PassThroughCache(DynamicCache):
+    """transformers' own cache (`DynamicCache`) for a config, holding no K/V: attention updates return K/V as
+    given (hybridkv's attention keeps them, or the probe only looks) and it reports no past. The probe's
+    `StateRecorder` and a step's state cache (hybridkv/state_layers.py) answer its state calls; every other
+    use of a cache by the model still works."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+
+class StateRecorder(PassThroughCache):
+    """The probe forward's cache for a model with state layers: its state calls are recorded as a fresh
+    request's (no earlier state; a conv input shorter than the kernel padded on the left, as transformers
+    pads it), each attributed to the innermost running module with that `layer_idx` (`running`, kept by
+    `_tracking_layer_modules`)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(config=text_config(model.config))
+        self.calls: list[StateCall] = []
+        self.running: list[torch.nn.Module] = []
+
+    def _module(self, layer_idx: int) -> torch.nn.Module | None:
+        return next((m for m in reversed(self.running) if getattr(m, "layer_idx", None) == layer_idx), None)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def update_conv_state(self, conv_states, layer_idx, state_idx=0, conv_kernel_size=None, **kwargs):
+        kernel = conv_states.shape[-1] if conv_kernel_size is None else conv_kernel_size
+        shape = (*conv_states.shape[1:-1], kernel)
+        self.calls.append(StateCall(layer_idx, self._module(layer_idx), "conv", state_idx, shape, conv_states.dtype))
+        if conv_states.shape[-1] < kernel:
+            conv_states = torch.nn.functional.pad(conv_states, (kernel - conv_states.shape[-1], 0))
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, layer_idx, state_idx=0, **kwargs):
+        shape = tuple(recurrent_states.shape[1:])
+        module = self._module(layer_idx)
+        self.calls.append(StateCall(layer_idx, module, "recurrent", state_idx, shape, recurrent_states.dtype))
+        return recurrent_states
+
+
+def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int, recorder: Any = None) -> None:
     # Ordinary tokens from the middle of the vocabulary: special and multimodal ids sit at its ends.
     ids = (torch.arange(PROBE_TOKENS) + vocab_size // 2) % vocab_size
     device = input_device(model)
-    with attention_installed(model), attention.probing(probe), torch.inference_mode():
+    cache = {} if recorder is None else {"cache": recorder}
+    with (
+        attention_installed(model),
+        attention.probing(probe),
+        torch.inference_mode(),
+        _tracking_layer_modules(model, recorder),
+    ):
         try:
             model(
                 input_ids=ids[None].to(device),
@@ -114,6 +195,7 @@ def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int) -> Non
                 # rows in their KV-sharing layers, which a step never does.
                 logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
                 use_cache=False,
+                **cache,
                 **{attention.STEP_KWARG: probe},
             )
         except Exception as exc:
@@ -135,6 +217,39 @@ def attention_installed(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         attention.uninstall(model)
+
+
+@contextlib.contextmanager
+def _tracking_layer_modules(model: torch.nn.Module, recorder: Any) -> Iterator[None]:
+    """While the probe runs, keep on `recorder.running` the modules with a `layer_idx` whose forward runs (so a
+    state call names its module)."""
+    if recorder is None:
+        yield
+        return
+    handles = []
+    for module in model.modules():
+        if isinstance(getattr(module, "layer_idx", None), int):
+            handles.append(module.register_forward_pre_hook(_entering(recorder)))
+            handles.append(module.register_forward_hook(_leaving(recorder)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _entering(recorder: Any):
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        recorder.running.append(module)
+
+    return hook
+
+
+def _leaving(recorder: Any):
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        recorder.running.pop()
+
+    return hook
 
 
 def _mask_horizon(config: Any) -> int:

@@ -4,10 +4,12 @@
 MoE, attention sinks, softcapping, layers without RoPE, KV shared across layers, and multimodal wrappers fed
 text only. It re-exports every family of tests/tiny_models.py (`FAMILIES`) and adds the other transformers
 5.23 model types that gave `generate`'s exact greedy tokens through hybridkv. `REFUSED` holds families
-hybridkv must refuse, because their layers keep something other than a per-token K/V cache it can page
-exactly: linear attention, mamba, conv or recurrent state, multi-head latent attention, sparse or
-compressed attention. `KV_LAYOUTS` holds the served layouts beyond one K/V shape: per-layer head dims and
-head counts (Gemma 4, MiMo-V2-Flash), KV-sharing layers, chunked local attention (Llama 4).
+hybridkv must refuse, because their layers keep something it cannot serve exactly: a recurrent state in a
+cache of their own or a scan that ignores the state it is given, multi-head latent attention, sparse or
+compressed attention. `STATE` holds the families with state layers (linear attention, Mamba2, short
+convolutions) beside attention, whose states hybridkv keeps in state slots. `KV_LAYOUTS` holds the served
+layouts beyond one K/V shape: per-layer head dims and head counts (Gemma 4, MiMo-V2-Flash), KV-sharing
+layers, chunked local attention (Llama 4).
 
 Every builder seeds torch with 0 and returns an fp32 model in eval() mode with a 256-token vocabulary,
 hidden size 64, 2-6 layers, and windows (`WINDOW`, 16) shorter than the test prompts so that they really
@@ -22,10 +24,14 @@ layer layout as built, for `ZOO` and `REFUSED`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
 from transformers import models as hf
+
+from hybridkv import tiny
+from hybridkv.tiny import tiny_model
 
 from tiny_models import COMMON, FAMILIES, VOCAB, WINDOW
 
@@ -505,10 +511,88 @@ KV_LAYOUTS = {
     ),
 }
 
-ZOO: dict[str, Callable[[], PreTrainedModel]] = {**FAMILIES, **NEW, **EXTRA, **KV_LAYOUTS}
-
-
 LIN = "linear_attention"
+
+# State layers (linear attention, SSM, short convolution) beside attention: a per-request state each, held in
+# state slots (hybridkv/state_layers.py). Each builder's state reaches its output: the first of 40 prompt
+# tokens changes the greedy tokens (tests/test_model_zoo.py), and the step check continues a prompt from it.
+STATE = {
+    "qwen3_next": lambda: _build(  # hybridkv.tiny's qwen3_5 layers, with MoE
+        hf.qwen3_next.Qwen3NextForCausalLM,
+        hf.qwen3_next.Qwen3NextConfig,
+        **tiny.FAMILIES["qwen3_5"].config_values,
+        num_experts=4,
+        shared_expert_intermediate_size=32,
+        **MOE,
+    ),
+    "lfm2": lambda: _build(
+        hf.lfm2.Lfm2ForCausalLM,
+        hf.lfm2.Lfm2Config,
+        num_hidden_layers=4,
+        layer_types=["conv", F, "conv", F],
+        block_auto_adjust_ff_dim=False,
+        initializer_range=0.1,
+    ),
+    "lfm3": lambda: _build(
+        hf.lfm3.Lfm3ForCausalLM,
+        hf.lfm3.Lfm3Config,
+        num_hidden_layers=5,  # conv, conv, full, conv, sliding
+        head_dim=16,
+        sliding_window=WINDOW,
+        initializer_range=0.2,
+    ),
+    "qwen3_5_text": partial(tiny_model, "qwen3_5"),  # 3 Gated DeltaNet : 1 full
+    "bamba": partial(tiny_model, "bamba"),  # 3 Mamba2 : 1 full
+    "granitemoehybrid": lambda: _build(
+        hf.granitemoehybrid.GraniteMoeHybridForCausalLM,
+        hf.granitemoehybrid.GraniteMoeHybridConfig,
+        num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_expand=1,
+        mamba_chunk_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        initializer_range=0.2,
+    ),
+    "nemotron_h": lambda: _build(
+        hf.nemotron_h.NemotronHForCausalLM,
+        hf.nemotron_h.NemotronHConfig,
+        layers_block_type=[LIN, "moe", F, LIN, "mlp", F],
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        chunk_size=32,
+        n_groups=1,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+    ),
+    "falcon_h1": lambda: _build(
+        hf.falcon_h1.FalconH1ForCausalLM,
+        hf.falcon_h1.FalconH1Config,
+        num_hidden_layers=3,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_expand=1,
+        mamba_chunk_size=32,
+        head_dim=16,
+        initializer_range=0.2,
+    ),
+}
+
+ZOO: dict[str, Callable[[], PreTrainedModel]] = {**FAMILIES, **NEW, **EXTRA, **KV_LAYOUTS, **STATE}
+
+
 MLA = dict(  # multi-head latent attention: K/V are projected from a shared latent, K 24 / V 16 per head
     num_key_value_heads=4,
     kv_lora_rank=16,
@@ -556,21 +640,6 @@ def _paligemma():
 
 
 REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
-    "qwen3_next": lambda: _build(
-        hf.qwen3_next.Qwen3NextForCausalLM,
-        hf.qwen3_next.Qwen3NextConfig,
-        num_hidden_layers=4,
-        head_dim=16,
-        layer_types=[LIN, LIN, LIN, F],
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        shared_expert_intermediate_size=32,
-        **MOE,
-        initializer_range=0.2,
-    ),
     "jamba": lambda: _build(
         hf.jamba.JambaForCausalLM,
         hf.jamba.JambaConfig,
@@ -602,22 +671,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         block_size=16,
         num_local_experts=4,
         num_experts_per_tok=2,
-        initializer_range=0.2,
-    ),
-    "lfm2": lambda: _build(
-        hf.lfm2.Lfm2ForCausalLM,
-        hf.lfm2.Lfm2Config,
-        num_hidden_layers=4,
-        layer_types=["conv", F, "conv", F],
-        block_auto_adjust_ff_dim=False,
-        initializer_range=0.1,
-    ),
-    "lfm3": lambda: _build(
-        hf.lfm3.Lfm3ForCausalLM,
-        hf.lfm3.Lfm3Config,
-        num_hidden_layers=5,  # conv, conv, full, conv, sliding
-        head_dim=16,
-        sliding_window=WINDOW,
         initializer_range=0.2,
     ),
     "recurrent_gemma": lambda: _tiny(
@@ -748,13 +801,19 @@ LAYER_KINDS: dict[str, str] = {
     "(multimodal wrapper, text only)",
     "mimo_v2_flash": "3 sliding (twice the kv heads, attention sinks) : 1 full, K head dim 24 / V head dim 16",
     "llama4_text": "3 chunked local (chunks of 16) : 1 full (no RoPE)",
+    # STATE
+    "qwen3_next": "3 Gated DeltaNet (linear attention, state) : 1 full",
+    "lfm2": "alternating short conv (state) / full",
+    "lfm3": "conv, conv, full, conv, sliding (conv layers: state)",
+    "qwen3_5_text": "3 Gated DeltaNet (linear attention, state) : 1 full",
+    "bamba": "3 Mamba2 (state) : 1 full",
+    "granitemoehybrid": "3 Mamba2 (state) : 1 full, MoE",
+    "nemotron_h": "Mamba2 (state), MoE, full, Mamba2, MLP, full",
+    "falcon_h1": "every layer full attention and Mamba2 side by side (state)",
     # REFUSED
-    "qwen3_next": "3 linear attention (recurrent state) : 1 full",
     "jamba": "alternating mamba / full",
     "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
     "minimax": "3 linear attention (recurrent state) : 1 full",
-    "lfm2": "alternating conv (recurrent state) / full",
-    "lfm3": "conv, conv, full, conv, sliding",
     "recurrent_gemma": "recurrent, recurrent, local attention",
     "deepseek_v32": "indexed sparse attention (top 8 keys) over latent attention",
     "deepseek_v4": "heavily compressed, compressed sparse",

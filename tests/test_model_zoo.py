@@ -17,14 +17,11 @@ from tiny_models import hf_greedy, prompts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
-RECURRENT = r"keep a per-request recurrent state, not a K/V cache"
+OWN_CACHE = r"keep a per-request state, and this one never reached it through transformers' cache interface"
 REFUSAL_REASONS = {
-    "qwen3_next": RECURRENT,
-    "jamba": RECURRENT,
-    "minimax": RECURRENT,
-    "lfm2": RECURRENT,
-    "lfm3": RECURRENT,
-    "recurrent_gemma": RECURRENT,
+    "jamba": r"(?s)give other logits.*a state layer of the model does not continue from the state it is given",
+    "minimax": OWN_CACHE,
+    "recurrent_gemma": OWN_CACHE,
     "deepseek_v3": r"multi-head latent attention \(kv_lora_rank=16\): hybridkv would page the decompressed",
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",

@@ -48,7 +48,11 @@ def test_prefix_cache_hits_change_nothing(name, patched):
     assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
     first_hits = llm.stats()["prefix_cache_hits"]
     assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
-    assert llm.stats()["prefix_cache_hits"] - first_hits >= 3 * 96
+    hits = llm.stats()["prefix_cache_hits"] - first_hits
+    if llm.stats()["state_layers"]:  # no state is kept at a hit's end yet: state-layer models take no hit
+        assert hits == 0
+    else:
+        assert hits >= 3 * 96
 
 
 def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
@@ -86,7 +90,10 @@ def test_prefill_logits_match_forward(name):
     llm = hybridkv.patch(model, block_size=8, max_model_len=256)
     try:
         request = Request("logits", prompt, SamplingParams(), block_size=8)
-        first = 100  # two chunks: the second attends to the first through the paged cache
+        # Two chunks: the second attends to the first through the paged cache, and state layers continue from
+        # the state the first left, at a multiple of their scan's chunk (64 for Gated DeltaNet: elsewhere a
+        # chunk's scan sums in another order, ~1e-4 on these logits).
+        first = 64
         assert llm.coordinator.allocate_slots(request, first)
         head = llm.runner.execute(plan_of(llm, request, first), logits_rows=range(first))
         request.num_computed_tokens = first

@@ -22,6 +22,8 @@ def test_every_family_is_its_transformers_model_type():
         "gpt_oss": "gpt_oss",
         "cohere2": "cohere2",
         "phi3": "phi3",
+        "qwen3_5": "qwen3_5_text",
+        "bamba": "bamba",
     }
 
 
@@ -40,5 +42,21 @@ def test_the_same_arguments_give_the_same_weights_and_another_seed_others():
 
 
 def test_an_unknown_family_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"no tiny model family 'gemma9'; choose one of: llama, mistral, .*, phi3"):
+    with pytest.raises(
+        ValueError, match=r"no tiny model family 'gemma9'; choose one of: llama, mistral, .*, phi3, qwen3_5, bamba"
+    ):
         tiny_model("gemma9")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_the_state_layer_families_are_served_token_exact(family, patched):
+    import hybridkv
+
+    model = tiny_model(family)
+    prompt = list(range(3, 43))
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, 40:].tolist()
+    llm = patched(model, max_model_len=128)
+    assert llm.stats()["state_layers"] == 3
+    (out,) = llm.generate([prompt], hybridkv.SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.outputs[0].token_ids == expected
