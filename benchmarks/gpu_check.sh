@@ -12,7 +12,8 @@
 #
 # Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
 # Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
-# some of them ("kernels graphs zoo attention throughput"), THROUGHPUT_ARGS for throughput_gpu.py's.
+# some of them, in the order given ("kernels graphs zoo attention throughput"), THROUGHPUT_ARGS for
+# throughput_gpu.py's, and KERNELS_SECONDS, GRAPHS_SECONDS, ... for a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
@@ -42,11 +43,11 @@ run_part() { # name, seconds, command...
 gpu_tests=(env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider -n 8)
 for part in $parts; do
     case $part in
-    kernels) run_part kernels 180 "${gpu_tests[@]}" tests/test_kernels_attention.py tests/test_kernels_in_flight.py \
+    kernels) run_part kernels "${KERNELS_SECONDS:-180}" "${gpu_tests[@]}" tests/test_kernels_attention.py tests/test_kernels_in_flight.py \
         tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
-    graphs) run_part graphs 240 "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
-    zoo) run_part zoo 170 "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
-    attention) run_part attention 60 python3 benchmarks/attention_gpu.py ;;
+    graphs) run_part graphs "${GRAPHS_SECONDS:-240}" "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
+    zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
+    attention) run_part attention "${ATTENTION_SECONDS:-60}" python3 benchmarks/attention_gpu.py ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-300}" python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
     *) echo "unknown part $part" ;;
     esac

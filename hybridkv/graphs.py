@@ -93,7 +93,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # A step's forward that synchronises with the host cannot be replayed: make any such call an error.
             with (
-                _sync_is_an_error(),
+                sync_is_an_error(),
                 torch.inference_mode(),
                 running_step(runner.context),
                 torch.cuda.graph(graph, pool=pool),
@@ -106,7 +106,9 @@ class DecodeGraphs:
 
 
 @contextlib.contextmanager
-def _sync_is_an_error() -> Iterator[None]:
+def sync_is_an_error() -> Iterator[None]:
+    """Within: a CUDA call that synchronises with the host raises (torch.cuda.set_sync_debug_mode("error"),
+    which sets a process-wide mode: restored on the way out, also on an error)."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:

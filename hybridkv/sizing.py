@@ -130,6 +130,8 @@ def num_kv_blocks(
         if largest_graph:
             activation_peak += _profile_forward(model, largest_graph, device)
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        # What torch's caching allocator holds but no tensor uses (an unpatched engine's pool, say) is ours.
+        free_bytes += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return num_blocks_for_memory_utilization(
             config.gpu_memory_utilization, free_bytes - activation_peak, total_bytes, bytes_per_block, min_blocks
         )

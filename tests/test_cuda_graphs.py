@@ -8,32 +8,48 @@ synchronise with the host (`torch.cuda.set_sync_debug_mode("error")`)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from hybridkv import SamplingParams
+from hybridkv.graphs import sync_is_an_error
 
-from model_zoo import ZOO
-from tiny_models import DEVICE, prompts
+from model_zoo import STATE, ZOO
+from tiny_models import DEVICE, hf_greedy, prompts
 
 if DEVICE.type != "cuda":
     pytest.skip("CUDA graphs need a CUDA GPU (benchmarks/gpu_check.sh runs these there)", allow_module_level=True)
 
 
+def _has_experts(model) -> bool:
+    return any(type(module).__name__.endswith("Experts") for module in model.modules())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE)))
 def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patched):
     model = ZOO[name]().to(DEVICE, dtype)
-    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
     stats = llm.stats()
-    assert stats["cuda_graph_error"] is None and stats["cuda_graphs"] == [1, 2, 4, 8]
+    if stats["cuda_graph_error"] is not None:
+        # Only a model whose own experts loop over the experts its router picked (transformers' eager experts,
+        # and its grouped_mm path in fp32) syncs with the host, so that its decode steps cannot be captured:
+        # they run eagerly, with a warning that says why (test_models_without_graphs_... serves one).
+        assert _has_experts(model), stats["cuda_graph_error"]
+        assert stats["cuda_graphs"] == [] and any("could not capture" in str(w.message) for w in caught)
+        return
+    assert stats["cuda_graphs"] == [1, 2, 4, 8]
     for prompt in prompts((7, 33, 70)):
         llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=5))
     llm.step()  # the prompts, eagerly
     runner, scheduler = llm.runner, llm.scheduler
     for _ in range(4):
         plan = scheduler.schedule()
-        with torch.cuda.set_sync_debug_mode("error"):
+        with sync_is_an_error():
             prepared = runner.prepare(runner.step_inputs(plan))
             assert prepared.bucket == 4
             replayed = runner.forward(prepared).clone()
@@ -60,3 +76,23 @@ def test_graph_mode_serves_requests_of_every_batch_size_as_generate_does(patched
     for size in range(1, len(batch) + 1):
         got = [o.outputs[0].token_ids for o in llm.generate(batch[:size], params, use_tqdm=False)]
         assert got == expected[:size]
+
+
+@pytest.mark.parametrize("name", [*sorted(STATE), "qwen2_moe"])
+def test_models_without_graphs_decode_eagerly_on_cuda_as_generate_does(name, patched):
+    """State layers run per request segment (no graph yet), and a model whose own code syncs with the host cannot
+    be captured (qwen2_moe in fp32: its experts loop): both decode eagerly, the capture's error in stats(), and
+    give generate's tokens."""
+    model = ZOO[name]().to(DEVICE)
+    if name in STATE:
+        llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
+        assert llm.stats()["cuda_graph_error"] is None
+    else:
+        with pytest.warns(UserWarning, match="could not capture"):
+            llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
+        assert llm.stats()["cuda_graph_error"]
+    assert llm.stats()["cuda_graphs"] == []
+    batch = prompts((7, 33))
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0]

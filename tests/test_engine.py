@@ -268,6 +268,20 @@ def test_unpatch_closes_the_engine_and_frees_its_blocks_without_the_cycle_collec
         gc.enable()
 
 
+def test_unpatch_frees_the_pages_while_the_caller_still_holds_the_engine(gemma3):
+    """A benchmark or notebook that unpatches and patches again must find the device memory free: the pages,
+    views of them and the captured graphs go with `unpatch`, not when the last reference to the engine does."""
+    import weakref
+
+    model, batch, _ = gemma3
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    llm.generate([batch[0]], GREEDY, use_tqdm=False)
+    pages = [weakref.ref(p) for p in llm.runner._pages.values()]
+    assert pages and all(ref() is not None for ref in pages)
+    hybridkv.unpatch(model)
+    assert all(ref() is None for ref in pages)  # `llm` is still alive here
+
+
 def test_an_engine_closed_by_unpatch_says_how_to_get_a_new_one(gemma3):
     model, batch, _ = gemma3
     llm = hybridkv.patch(model, max_model_len=256)
