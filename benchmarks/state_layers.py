@@ -55,7 +55,29 @@ MODELS = {
         mamba_chunk_size=64,
         initializer_range=0.02,
     ),
+    # Nemotron-H's pattern: Mamba2 and MLP layers, a full-attention layer after every few.
+    "nemotron_h": lambda: _nemotron_h(),
 }
+
+
+def _nemotron_h() -> torch.nn.Module:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        **SIZE,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention"] * 2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        mamba_num_heads=8,
+        mamba_head_dim=32,
+        ssm_state_size=16,
+        n_groups=1,
+        chunk_size=64,
+        initializer_range=0.02,
+    )
+    torch.manual_seed(0)
+    return NemotronHForCausalLM(config).eval()
 
 
 def workload() -> tuple[list[list[int]], int]:

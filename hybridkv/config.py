@@ -31,6 +31,11 @@ class EngineConfig:
     is graph mode on a single CUDA device and eager elsewhere. `compile`: the forward under
     `torch.compile(fullgraph=True, dynamic=True)` (inductor), off by default.
 
+    A model with state layers keeps, with prefix caching on, `num_state_checkpoints` states at block boundaries of
+    computed prefixes (default `max_num_seqs`; 0: no hit on such a model), one every `state_checkpoint_interval`
+    tokens (default: the smallest multiple of every group's block size and of the state layers' scan chunk, so
+    that a computation split there continues exactly): a prefix-cache hit restores the state at its end.
+
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
     rule. `from_kwargs` also names the closest settings to an unknown one.
@@ -52,6 +57,8 @@ class EngineConfig:
     cpu_threads: int | str | None = "auto"
     enforce_eager: bool | None = None
     compile: bool = False
+    num_state_checkpoints: int | None = None
+    state_checkpoint_interval: int | None = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -68,6 +75,8 @@ class EngineConfig:
             ("num_blocks", 2, " (block 0 is the null block, never used)"),
             ("kv_cache_memory", 1, " (bytes)"),
             ("max_model_len", 1, ""),
+            ("num_state_checkpoints", 0, " (0: no prefix-cache hit on a model with state layers)"),
+            ("state_checkpoint_interval", 1, " (tokens)"),
         )
         for name, minimum, rule in optional_counts:
             if getattr(self, name) is not None:

@@ -16,7 +16,7 @@ from hybridkv.grouping import KVCacheConfig
 from hybridkv.integrity import check_coordinator
 from hybridkv.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.request import KVRequest
-from hybridkv.state_slots import StateSlots
+from hybridkv.state_slots import StateCheckpoints, StateSlots
 from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 from hybridkv.window_managers import WindowedManager
@@ -41,6 +41,8 @@ class CacheHit:
 
     blocks: list[list[KVBlock]]
     num_tokens: int
+    # A model with state layers: the checkpoint slot of the state at the hit's end (hybridkv/state_slots.py).
+    state_slot: int | None = None
 
 
 @dataclass
@@ -91,11 +93,26 @@ class KVCacheCoordinator:
     """
 
     def __init__(
-        self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True, num_state_slots: int = 0
+        self,
+        config: KVCacheConfig,
+        num_blocks: int,
+        enable_caching: bool = True,
+        num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
+        state_checkpoint_interval: int = 0,
     ) -> None:
         self.config = config
-        # A model with state layers: one state slot per request that holds blocks (hybridkv/state_slots.py).
+        # A model with state layers: one state slot per request that holds blocks, and with prefix caching the
+        # states at block boundaries that hits restore, in the slots after those (hybridkv/state_slots.py).
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.state_checkpoints = None
+        if num_state_slots and enable_caching and num_state_checkpoints:
+            if state_checkpoint_interval % config.hit_alignment:
+                raise ValueError(
+                    f"state_checkpoint_interval={state_checkpoint_interval} must be a multiple of every group's "
+                    f"block size ({config.hit_alignment} tokens)"
+                )
+            self.state_checkpoints = StateCheckpoints(num_state_slots, num_state_checkpoints, state_checkpoint_interval)
         self._slot_updates: list[tuple[str, int]] = []
         self._state_copies: list[tuple[int, int]] = []
         self.block_size = config.block_size  # of prefix-cache hashes; the smallest group block size
@@ -145,14 +162,17 @@ class KVCacheCoordinator:
         Called before a request's first allocation (new, or back after preemption, when its known
         tokens include its outputs). Never covers the last token: it must be computed to produce
         logits. A hit ends where every group's blocks end (a multiple of `hit_alignment` tokens).
-        Iterates to a fixed point, since a shorter hit in one group can move a sliding group's hit.
+        Iterates to a fixed point, since a shorter hit in one group can move a sliding group's hit. A model with
+        state layers hits only where a state checkpoint is kept too (a multiple of its interval): the state at
+        the hit's end is restored from it.
         """
-        if not self.enable_caching or self.state_slots is not None:
-            # A state layer's state at a hit's end is not kept (yet): a hit would start from an empty state.
+        checkpoints = self.state_checkpoints
+        if not self.enable_caching or (self.state_slots is not None and checkpoints is None):
             return CacheHit([[] for _ in self.managers], 0)
-        align = self.hit_alignment
+        align = self.hit_alignment if checkpoints is None else checkpoints.interval
         max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
+        state_slot = None
         settled = False
         while not settled and max_tokens > 0:
             settled = True
@@ -164,11 +184,49 @@ class KVCacheCoordinator:
                     max_tokens = hit_tokens // align * align
                     # A shorter prefix of a prefix-closed kind's hit is a hit; a window's is not.
                     settled = manager.hits_are_prefix_closed and settled
+            if checkpoints is not None and max_tokens > 0:
+                kept, state_slot = self._longest_checkpoint(request.block_hashes, max_tokens)
+                # A checkpoint short of the groups' hit: search them again up to it (a window's hit moves).
+                settled = settled and kept == max_tokens
+                max_tokens = kept
         if max_tokens == 0:
             hits = [[] for _ in self.managers]
+            state_slot = None
         for manager, hit in zip(self.managers, hits, strict=True):
             del hit[max_tokens // manager.block_size :]
-        return CacheHit(hits, max_tokens)
+        return CacheHit(hits, max_tokens, state_slot)
+
+    def _longest_checkpoint(self, block_hashes: Sequence[bytes], max_tokens: int) -> tuple[int, int | None]:
+        """The longest prefix of at most max_tokens tokens whose state is kept, and its checkpoint slot."""
+        checkpoints = self.state_checkpoints
+        interval, size = checkpoints.interval, self.block_size
+        for end in range(max_tokens // interval * interval, 0, -interval):
+            slot = checkpoints.find(block_hashes[end // size - 1])
+            if slot is not None:
+                return end, slot
+        return 0, None
+
+    def plan_state_checkpoints(self, scheduled: Sequence[tuple[KVRequest, int, object]]) -> dict[str, list]:
+        """Before a step runs: per request, (tokens into its step, checkpoint slot) of each boundary of the
+        checkpoint interval that its step computes across and that no checkpoint holds yet; the state layers
+        copy the request's state there as they pass it (hybridkv/state_layers.py)."""
+        checkpoints = self.state_checkpoints
+        interval, size = checkpoints.interval, self.block_size
+        planned: dict[str, list[tuple[int, int]]] = {}
+        for request, num_new, _ in scheduled:
+            start = request.num_computed_tokens
+            end = min(start + num_new, len(request.block_hashes) * size)
+            first = (start // interval + 1) * interval
+            if first > end:
+                continue
+            found = []
+            for boundary in range(first, end + 1, interval):
+                slot = checkpoints.reserve(request.block_hashes[boundary // size - 1])
+                if slot is not None:
+                    found.append((boundary - start, slot))
+            if found:
+                planned[request.request_id] = found
+        return planned
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
@@ -186,7 +244,10 @@ class KVCacheCoordinator:
                 return False
             if not self._allocate_blocks(request, num_new_tokens, hit):
                 return False
-            self._slot_updates.append((request_id, slots.take(request_id)))
+            slot = slots.take(request_id)
+            self._slot_updates.append((request_id, slot))
+            if hit is not None and hit.state_slot is not None:  # the state at the hit's end, before the forward
+                self._state_copies.append((hit.state_slot, slot))
             return True
         return self._allocate_blocks(request, num_new_tokens, hit)
 
@@ -294,8 +355,8 @@ class KVCacheCoordinator:
             self._state_copies.append((slots.held[parent_id], child_slot))
 
     def take_state_copies(self) -> list[tuple[int, int]]:
-        """The (source, destination) state-slot copies made since the last call (forks), to run before the
-        step's forward."""
+        """The (source, destination) state-slot copies made since the last call (forks, and hits' checkpoints
+        restored), to run before the step's forward."""
         pairs, self._state_copies = self._state_copies, []
         return pairs
 

@@ -13,6 +13,7 @@ held returns to the pool.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ from hybridkv.sampler import sample_each
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
+from hybridkv.state_layers import scan_chunk
 from hybridkv.stats import engine_stats
 from hybridkv.step_check import check_step_exactness
 from hybridkv.stopping import StopRules
@@ -66,8 +68,17 @@ class LLMEngine(RunLoops):
         # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
         graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
-        # One state slot per request that may run at once, and the scratch slot (hybridkv/state_slots.py).
+        # One state slot per request that may run at once, and the scratch slot; with prefix caching, the states
+        # at block boundaries that hits restore (hybridkv/state_slots.py).
         num_state_slots = config.max_num_seqs + 1 if layout.states else 0
+        num_checkpoints = checkpoint_interval = 0
+        if layout.states and config.enable_prefix_caching:
+            num_checkpoints = config.num_state_checkpoints
+            if num_checkpoints is None:
+                num_checkpoints = config.max_num_seqs
+            named = dict(model.named_modules())
+            chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
+            checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
         num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
@@ -83,7 +94,12 @@ class LLMEngine(RunLoops):
             num_swap_blocks=num_swap_blocks,
         )
         self.coordinator = KVCacheCoordinator(
-            self.kv_config, num_blocks, config.enable_prefix_caching, num_state_slots=num_state_slots
+            self.kv_config,
+            num_blocks,
+            config.enable_prefix_caching,
+            num_state_slots=num_state_slots,
+            num_state_checkpoints=num_checkpoints,
+            state_checkpoint_interval=checkpoint_interval,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
         limits = RunnerLimits(
@@ -98,7 +114,7 @@ class LLMEngine(RunLoops):
             limits,
             config.attention_backend,
             states=layout.states,
-            num_state_slots=num_state_slots,
+            num_state_slots=num_state_slots + num_checkpoints,
         )
         self.runner.allocate_swap_space(num_swap_blocks)
         if config.compile or (buckets and captures_graphs(model)):
@@ -259,10 +275,12 @@ class LLMEngine(RunLoops):
             tokens, logprobs = self._execute(plan)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
+            self._discard_checkpoints()
             self._fail(plan, self._touched_by(plan), f"the step failed: {type(exc).__name__}: {exc}")
             tokens, logprobs = [], []
         except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
             # so its requests fail, and so do those whose swap copies it made.
+            self._discard_checkpoints()
             self._fail(plan, self._touched_by(plan), f"the step was interrupted ({type(exc).__name__})")
             self._unreported.extend(touched.values())
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
@@ -346,6 +364,11 @@ class LLMEngine(RunLoops):
         for search in searches.values():
             if search.ready:
                 search.advance(self.scheduler)
+
+    def _discard_checkpoints(self) -> None:
+        """A failed step's state checkpoints were not (all) written: none of them may be hit."""
+        if self.coordinator.state_checkpoints is not None:
+            self.coordinator.state_checkpoints.discard()
 
     def _fail(self, plan: SchedulerOutput, requests: Sequence[Request], error: str) -> None:
         """Fail the requests with every sample of their groups, and take them out of the plan."""

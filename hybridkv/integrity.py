@@ -30,6 +30,9 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
         slots.check_integrity()
         holders = set(coordinator.managers[0].req_to_blocks)
         assert set(slots.held) == holders, f"state slots held by {set(slots.held)}, blocks by {holders}"
+    if coordinator.state_checkpoints is not None:
+        coordinator.state_checkpoints.check_integrity()
+        assert coordinator.state_checkpoints.first_slot == slots.num_slots, "checkpoints overlap requests' slots"
     expected_refs = [0] * pool.num_blocks
     for manager in coordinator.managers:
         assert manager.req_to_block_ids.keys() == manager.req_to_blocks.keys(), "block tables out of step"

@@ -274,6 +274,7 @@ class ModelRunner:
             plan.blocks_to_copy,
             logits_rows,
             state_copies=plan.state_copies,
+            state_checkpoints=plan.state_checkpoints,
         )
         request_ids, input_ids, query_lens, seq_lens = (
             inputs.request_ids,
@@ -343,7 +344,7 @@ class ModelRunner:
         for device in self.devices:
             by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows)
             metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
-        state_plan = self._state_plan(query_lens, seq_lens, rows) if self.states else None
+        state_plan = self._state_plan(inputs, query_lens, seq_lens, rows) if self.states else None
         num_rows = len(input_ids)
         wanted = inputs.logits_rows if inputs.requested_rows is None else list(inputs.requested_rows)
         picked = None
@@ -354,9 +355,11 @@ class ModelRunner:
         self.prepare_seconds += time.perf_counter() - start_time
         return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket, state_plan)
 
-    def _state_plan(self, query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray) -> StatePlan:
+    def _state_plan(
+        self, inputs: StepInputs, query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray
+    ) -> StatePlan:
         """The step's request segments for the state layers: its decode rows (one new token after earlier ones)
-        run together, every other sequence alone."""
+        run together, every other sequence alone, with the state checkpoints each writes."""
         slots = self.batch.state_slots[rows]
         decode = (query_lens == 1) & (seq_lens > 1)
         first_rows = np.cumsum(query_lens) - query_lens
@@ -365,14 +368,17 @@ class ModelRunner:
         if decode.any():
             decode_rows = torch.from_numpy(first_rows[decode]).to(device)
             decode_slots = torch.from_numpy(slots[decode]).to(device)
-        segments = [
-            (int(first), int(first + length), int(slot), bool(total > length))
-            for first, length, total, slot, is_decode in zip(
-                first_rows, query_lens, seq_lens, slots, decode, strict=True
-            )
-            if not is_decode
-        ]
-        return StatePlan(decode_rows, decode_slots, segments)
+        planned = inputs.state_checkpoints
+        segments, after = [], []
+        for request_id, first, length, total, slot, is_decode in zip(
+            inputs.request_ids, first_rows, query_lens, seq_lens, slots, decode, strict=True
+        ):
+            checkpoints = tuple(planned.get(request_id, ()))
+            if is_decode:
+                after.extend((int(slot), checkpoint) for _, checkpoint in checkpoints)
+            else:
+                segments.append((int(first), int(first + length), int(slot), bool(total > length), checkpoints))
+        return StatePlan(decode_rows, decode_slots, segments, after)
 
     def padding_step(self, bucket: int) -> PreparedStep:
         """A decode step of `bucket` padding rows (what a graph is captured over): every row one token at
@@ -431,6 +437,8 @@ class ModelRunner:
             finally:
                 if self.state_cache is not None:
                     self.state_cache.plan = None
+            if prepared.state_plan is not None:
+                self.state_pool.copy(prepared.state_plan.after)  # the decode rows' checkpoints
         if prepared.picked_rows is not None:
             logits = logits.index_select(0, prepared.picked_rows)
         logits = logits.float()
@@ -476,8 +484,10 @@ class StepInputs:
     requested_rows: Sequence[int] | None = None
     # The managers' lists of the step's requests, when the runner checks its persistent rows (tests).
     checked_tables: list[list[list[int]]] | None = None
-    # State-slot copies (source, destination) to make first: forks of a model with state layers.
+    # State-slot copies (source, destination) to make first: forks of a model with state layers, and restored
+    # checkpoints; per request, the state checkpoints its step writes (tokens into the step, checkpoint slot).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

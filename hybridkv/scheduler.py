@@ -84,8 +84,11 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # State-slot copies (source, destination) before the forward: forks of a model with state layers.
+    # State-slot copies (source, destination) before the forward: forks of a model with state layers, and the
+    # checkpoints prefix-cache hits restore; then per request, the checkpoints its step writes (tokens into the
+    # step, checkpoint slot).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
     num_tokens: int = 0
     # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
@@ -184,6 +187,8 @@ class Scheduler:
         if out.scheduled or out.swap_out or out.swap_in:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()
             out.state_copies = self.coordinator.take_state_copies()
+            if self.coordinator.state_checkpoints is not None:
+                out.state_checkpoints = self.coordinator.plan_state_checkpoints(out.scheduled)
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -361,6 +366,8 @@ class Scheduler:
                 if len(samples) > 1:
                     forks.append((request, [(follower, next(tokens)) for follower in samples[1:]]))
         self.coordinator.update_computed_many([s.request for s in out.scheduled])
+        if self.coordinator.state_checkpoints is not None:
+            self.coordinator.state_checkpoints.commit()  # the step wrote them
         for request, followers in forks:
             for follower, token in followers:
                 self.fork(request, follower)

@@ -12,15 +12,21 @@ prompt's chunk) alone. Its cache calls go to `StepStateCache`, which gathers the
 `StatePool` and scatters what the layer leaves back after the call, so the layers' own code, and numerics,
 compute every state. Attention layers' cache updates pass K/V through: the paged attention op keeps them.
 
+A prompt's chunk that crosses a boundary where a state checkpoint is planned (hybridkv/state_slots.py) runs
+in pieces split there, and after each piece the layer copies its state into the checkpoint's slot; the
+boundaries are multiples of the layers' scan chunk (`scan_chunk`), where a split computation continues bit for
+bit. A decode row's checkpoint is copied after the step (every layer at once).
+
     StatePool     per state layer and state index: conv states [slots, channels, kernel] and recurrent
-                  states [slots, ...], slot 0 scratch (hybridkv/state_slots.py)
-    StatePlan     a step's segments: the decode rows and their slots; (first row, end row, slot, has a state)
-                  of every other sequence
+                  states [slots, ...], slot 0 scratch, then the requests' slots and the checkpoints
+    StatePlan     a step's segments: the decode rows and their slots; (first row, end row, slot, has a state,
+                  checkpoints) of every other sequence; the checkpoint copies after the step
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +55,11 @@ class StatePool:
             t.numel() * t.element_size() for ts in (*self.conv.values(), *self.recurrent.values()) for t in ts
         )
 
+    def copy_layer(self, layer_idx: int, source: int, destination: int) -> None:
+        """Copy one layer's state from slot `source` to slot `destination` (a checkpoint, as the layer passes it)."""
+        for tensor in (*self.conv[layer_idx], *self.recurrent[layer_idx]):
+            tensor[destination].copy_(tensor[source])
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) slot's state, every layer (a fork: the child starts from its parent)."""
         if not pairs:
@@ -60,15 +71,33 @@ class StatePool:
                 tensor[destinations] = tensor[sources]
 
 
+# The chunk of a Gated DeltaNet layer's chunked rule (transformers' fallback and flash-linear-attention's).
+GATED_DELTA_CHUNK = 64
+
+
+def scan_chunk(modules: Iterable[torch.nn.Module]) -> int:
+    """The length along the sequence whose multiples a state layer's computation can be split at and continue
+    bit for bit: the least common multiple of every layer's scan chunk (a Mamba2 mixer's `chunk_size`;
+    `GATED_DELTA_CHUNK` for the others, which also suits a short convolution, exact at any split)."""
+    chunk = 1
+    for module in modules:
+        size = getattr(module, "chunk_size", None)
+        chunk = math.lcm(chunk, size if isinstance(size, int) and size > 0 else GATED_DELTA_CHUNK)
+    return chunk
+
+
 @dataclass(slots=True)
 class StatePlan:
     """A step's request segments for the state layers: `decode_rows` (rows of the flattened batch that are a
     sequence's one new token after earlier ones) and their `decode_slots`, then `segments`, (first row, end
-    row, slot, whether the slot holds the sequence's state so far) of every other sequence."""
+    row, slot, whether the slot holds the sequence's state so far, (rows into the segment, checkpoint slot) of
+    the checkpoints it writes) of every other sequence, and `after` (slot, checkpoint slot), the decode rows'
+    checkpoints, copied after the step."""
 
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
-    segments: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    segments: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    after: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _SegmentView:
@@ -177,13 +206,21 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
             result = run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1), _decode_view(cache, layer_idx))
             out = result.new_empty((1, num_rows, result.shape[-1]))
             out[0].index_copy_(0, rows, result[:, 0])
-        for start, end, slot, has_state in plan.segments:
+        for start, end, slot, has_state, checkpoints in plan.segments:
             slots = torch.tensor([slot], device=hidden_states.device)
-            view = _SegmentView(cache.pool, layer_idx, slots, has_state)
-            result = run(slice(start, end), hidden_states[:, start:end], view)
-            if out is None:
-                out = result.new_empty((1, num_rows, result.shape[-1]))
-            out[:, start:end] = result
+            first = start
+            # Pieces that end at each checkpoint (the layer copies its state there), then the rest.
+            for offset, checkpoint in (*checkpoints, (end - start, None)):
+                stop = start + offset
+                if stop > first:
+                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first > start)
+                    result = run(slice(first, stop), hidden_states[:, first:stop], view)
+                    if out is None:
+                        out = result.new_empty((1, num_rows, result.shape[-1]))
+                    out[:, first:stop] = result
+                    first = stop
+                if checkpoint is not None:
+                    cache.pool.copy_layer(layer_idx, slot, checkpoint)
         return out
 
     return forward

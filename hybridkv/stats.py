@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 def engine_stats(engine: LLMEngine) -> dict[str, Any]:
     """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
     kv = engine.coordinator.stats()
+    checkpoints = engine.coordinator.state_checkpoints
+    state_bytes = sum(spec.state_bytes for spec in engine.runner.states)
     return {
         "num_blocks": kv.num_blocks,
         "block_size": engine.config.block_size,
@@ -33,10 +35,15 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # Each dtype the pages hold, with its layers (fp8: per-layer scales, hybridkv/kv_dtypes.py).
         "kv_cache_dtypes": engine.layer_dtypes.names,
         # State layers (linear attention, SSM, conv): how many, the bytes one request's state takes in all of
-        # them (whatever its length), and the state pool's bytes (hybridkv/state_layers.py).
+        # them (whatever its length), the state pool's bytes (the requests' slots and the checkpoints), and the
+        # checkpoints of prefix-cache hits: their interval in tokens, slots, how many are kept and their bytes.
         "state_layers": len(engine.runner.states),
-        "state_bytes_per_request": sum(spec.state_bytes for spec in engine.runner.states),
+        "state_bytes_per_request": state_bytes,
         "state_pool_bytes": engine.runner.state_pool.nbytes if engine.runner.state_pool is not None else 0,
+        "state_checkpoint_interval": checkpoints.interval if checkpoints is not None else 0,
+        "state_checkpoints": checkpoints.num_slots if checkpoints is not None else 0,
+        "state_checkpoints_kept": checkpoints.num_kept if checkpoints is not None else 0,
+        "state_checkpoint_bytes": checkpoints.num_slots * state_bytes if checkpoints is not None else 0,
         "shared_kv_layers": engine.kv_config.shared_layers,
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,

@@ -49,8 +49,9 @@ def test_prefix_cache_hits_change_nothing(name, patched):
     first_hits = llm.stats()["prefix_cache_hits"]
     assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
     hits = llm.stats()["prefix_cache_hits"] - first_hits
-    if llm.stats()["state_layers"]:  # no state is kept at a hit's end yet: state-layer models take no hit
-        assert hits == 0
+    if llm.stats()["state_layers"]:  # a hit ends where a state checkpoint is kept: a multiple of its interval
+        interval = llm.coordinator.state_checkpoints.interval
+        assert hits >= 3 * (100 // interval * interval) > 0
     else:
         assert hits >= 3 * 96
 

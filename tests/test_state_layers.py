@@ -1,6 +1,7 @@
 """State layers (linear attention, SSM, short convolution): each request's state lives in a state slot, every
-slot comes back whatever ends a request, the pool really carries the state from step to step, and a request's
-state takes the same bytes as transformers' own cache, whatever its length.
+slot comes back whatever ends a request, the pool really carries the state from step to step, a request's
+state takes the same bytes as transformers' own cache, whatever its length, and prefix-cache hits restore the
+state kept at their end (a checkpoint), which really is what the next tokens come from.
 
 Token-for-token equality with generate, for every state family, is in tests/test_patch_equivalence.py and
 tests/test_beam_search.py; this file is about the slots and the pool.
@@ -15,7 +16,7 @@ from hybridkv import BeamSearchParams, SamplingParams
 
 from greedy_reference import family
 from model_zoo import STATE, ZOO
-from tiny_models import prompts
+from tiny_models import hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -119,8 +120,10 @@ def test_a_request_state_takes_what_transformers_cache_holds_whatever_its_length
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=4)
     stats = llm.stats()
     assert stats["state_layers"] > 0
-    # One slot per request that may run at once, and the scratch slot.
-    assert stats["state_pool_bytes"] == (4 + 1) * stats["state_bytes_per_request"]
+    # One slot per request that may run at once, the scratch slot, and as many checkpoints (the default).
+    assert stats["state_checkpoints"] == 4
+    assert stats["state_checkpoint_bytes"] == 4 * stats["state_bytes_per_request"]
+    assert stats["state_pool_bytes"] == (4 + 1 + 4) * stats["state_bytes_per_request"]
     for length in (9, 120):
         (prompt,) = prompts((length,), seed=3)
         with torch.inference_mode():
@@ -145,3 +148,85 @@ def test_a_bf16_state_model_is_checked_on_an_fp32_copy_whose_states_are_fp32(nam
     assert llm.stats()["step_check"] == "fp32 copy"
     for spec in llm.runner.states:
         assert {dtype for _, dtype in spec.conv} <= {torch.bfloat16}
+
+
+def _fill_kept_checkpoints_with_noise(llm) -> None:
+    checkpoints = llm.coordinator.state_checkpoints
+    pool = llm.runner.state_pool
+    generator = torch.Generator().manual_seed(0)
+    for slot in checkpoints._kept.values():
+        for tensors in (*pool.conv.values(), *pool.recurrent.values()):
+            for tensor in tensors:
+                tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
+
+
+@pytest.mark.parametrize("name", sorted(STATE))
+def test_a_hit_restores_the_state_kept_at_its_end(name, patched):
+    """A prompt sharing a prefix with an earlier one hits up to the last checkpoint of the prefix (a multiple of
+    the interval), with generate's tokens; with noise in the kept checkpoints the tokens change, so the state
+    they come from is the restored one (a state recomputed, or left empty, would not change them)."""
+    model, _, _ = family(name)
+    llm = patched(model, block_size=8, max_model_len=512, max_num_seqs=2)
+    interval = llm.stats()["state_checkpoint_interval"]
+    # The second prompt is the shared prefix and one token: every token it computes comes from the hit's state.
+    first, second = prompts((10, 1), seed=7, shared_prefix=2 * interval)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    expected = hf_greedy(model, second, 8)[0]
+    (cold,) = llm.generate([first], greedy, use_tqdm=False)
+    assert cold.metrics.num_cached_tokens == 0
+    assert llm.stats()["state_checkpoints_kept"] >= 2  # at interval and 2 x interval (and beyond, its own)
+    (warm,) = llm.generate([second], greedy, use_tqdm=False)
+    assert warm.metrics.num_cached_tokens == 2 * interval
+    assert warm.outputs[0].token_ids == expected
+    _all_returned(llm)
+    llm.coordinator.check_integrity()
+
+    _fill_kept_checkpoints_with_noise(llm)
+    (noisy,) = llm.generate([second], greedy, use_tqdm=False)
+    assert noisy.metrics.num_cached_tokens > 0 and noisy.outputs[0].token_ids != expected
+    _all_returned(llm)
+
+
+def test_checkpoints_are_bounded_and_the_least_recently_used_goes(patched):
+    model, _, _ = family("qwen3_5_text")
+    llm = patched(model, block_size=8, max_model_len=512, max_num_seqs=2, num_state_checkpoints=2)
+    checkpoints = llm.coordinator.state_checkpoints
+    interval = checkpoints.interval
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    shared = prompts((3,), seed=8, shared_prefix=interval + 1)[0]
+    llm.generate([shared], greedy, use_tqdm=False)  # one checkpoint, at the interval
+    for seed in range(9, 12):  # three other prompts: each a checkpoint, the shared one used between them
+        llm.generate(prompts((interval + 3,), seed=seed), greedy, use_tqdm=False)
+        (hit,) = llm.generate([shared], greedy, use_tqdm=False)
+        assert hit.metrics.num_cached_tokens == interval  # kept: the most recently used each time
+        assert checkpoints.num_kept == 2
+        checkpoints.check_integrity()
+    assert llm.stats()["state_checkpoint_bytes"] == 2 * llm.stats()["state_bytes_per_request"]
+
+
+def test_no_checkpoints_no_hit_and_an_interval_must_fit_the_blocks(patched):
+    model, _, _ = family("qwen3_5_text")
+    llm = patched(model, block_size=8, max_model_len=512, num_state_checkpoints=0)
+    batch = prompts((5, 9), seed=2, shared_prefix=100)
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == 0 and llm.stats()["state_checkpoints"] == 0
+    with pytest.raises(ValueError, match="must be a multiple of every group's block size"):
+        patched(model, block_size=8, max_model_len=512, state_checkpoint_interval=12)
+
+
+def test_a_failed_step_keeps_none_of_its_checkpoints(patched, monkeypatch):
+    """A step that raises may not have written its checkpoints: none of them may be hit afterwards."""
+    model, _, _ = family("qwen3_5_text")
+    llm = patched(model, block_size=8, max_model_len=512, max_num_seqs=2)
+    interval = llm.stats()["state_checkpoint_interval"]
+    prompt = prompts((interval + 9,), seed=4)[0]
+    original = llm.runner.forward
+    monkeypatch.setattr(llm.runner, "forward", lambda prepared: 1 / 0)
+    (failed,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"
+    assert llm.stats()["state_checkpoints_kept"] == 0
+    llm.coordinator.check_integrity()
+    monkeypatch.setattr(llm.runner, "forward", original)
+    (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert again.metrics.num_cached_tokens == 0 and again.outputs[0].token_ids == hf_greedy(model, prompt, 2)[0]
+    _all_returned(llm)
