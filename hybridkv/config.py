@@ -22,7 +22,8 @@ class EngineConfig:
     KV memory: `num_blocks` if given, else `kv_cache_memory` bytes, else on CUDA
     `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `kv_cache_dtype`: the pages' dtype,
     one for every layer or one per layer kind, fp8 included (hybridkv/kv_dtypes.py). `swap_space` bytes of CPU memory
-    hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool).
+    hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool; with state
+    layers, up to half of it holds their states, one CPU slot per swapped request).
     `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
     leave free, at most torch's count; hybridkv/threads.py), a count, or None (torch's setting as it is).
     `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a

@@ -360,6 +360,10 @@ class KVCacheCoordinator:
         pairs, self._state_copies = self._state_copies, []
         return pairs
 
+    def requeue_state_copies(self, pairs: list[tuple[int, int]]) -> None:
+        """State copies taken for a plan that reached no runner: first in line again."""
+        self._state_copies[:0] = pairs
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The (source, destination) block copies made since the last call, to run before the step's
         forward: each destination takes its source's contents in every KV tensor of the group."""
@@ -454,9 +458,13 @@ class KVCacheCoordinator:
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
         table of swap ids by position (None where the null block was). A swap id in several tables
-        becomes one block that all of them share. None, changing nothing, if the pool lacks the blocks
-        (after taking back other pending steps' spare blocks); else the (swap id, new block id) pairs to
+        becomes one block that all of them share; a model with state layers gives each a state slot too (the
+        scheduler copies its swapped state there). None, changing nothing, if the pool lacks the blocks (after
+        taking back other pending steps' spare blocks) or the slots; else the (swap id, new block id) pairs to
         copy."""
+        slots = self.state_slots
+        if slots is not None and slots.num_free < len(tables):  # each takes a state slot, for its swapped state
+            return None
         unique = dict.fromkeys(swap_id for rows in tables.values() for row in rows for swap_id in row)
         unique.pop(None, None)
         shortfall = len(unique) - self.pool.num_free_blocks
@@ -472,6 +480,8 @@ class KVCacheCoordinator:
             block.ref_cnt = holders[swap_id]  # one reference per request that holds it
         if len(tables) > 1:
             self._may_share.update(tables)
+        if slots is not None:
+            self._slot_updates.extend((request_id, slots.take(request_id)) for request_id in tables)
         return [(swap_id, block.block_id) for swap_id, block in fresh.items()]
 
     def free(self, request_id: str) -> None:

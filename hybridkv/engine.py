@@ -80,7 +80,14 @@ class LLMEngine(RunLoops):
             chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
             checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
-        num_swap_blocks = min(config.swap_space // self.bytes_per_block, num_blocks - 1)
+        # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
+        # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
+        swap_space, num_swap_state_slots = config.swap_space, 0
+        if layout.states and swap_space:
+            state_bytes = sum(spec.state_bytes for spec in layout.states)
+            num_swap_state_slots = min(config.max_num_seqs, swap_space // 2 // state_bytes)
+            swap_space -= num_swap_state_slots * state_bytes
+        num_swap_blocks = min(swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
         if self.tp is not None:
@@ -92,6 +99,7 @@ class LLMEngine(RunLoops):
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             preemption_mode=config.preemption_mode,
             num_swap_blocks=num_swap_blocks,
+            num_swap_state_slots=num_swap_state_slots,
         )
         self.coordinator = KVCacheCoordinator(
             self.kv_config,
@@ -117,6 +125,7 @@ class LLMEngine(RunLoops):
             num_state_slots=num_state_slots + num_checkpoints,
         )
         self.runner.allocate_swap_space(num_swap_blocks)
+        self.runner.allocate_state_swap_space(num_swap_state_slots)
         if config.compile or (buckets and captures_graphs(model)):
             with attention_installed(model):
                 self.runner.warm_up(capture=bool(buckets) and captures_graphs(model))

@@ -168,6 +168,7 @@ class ModelRunner:
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
+        self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
 
     def warm_up(self, capture: bool) -> None:
@@ -216,6 +217,7 @@ class ModelRunner:
         self.context.deferred.clear()
         self._pages = {}
         self._swap_pages = {}
+        self._swap_states = None
         self.graphs = None
         self.state_pool = self.state_cache = None
 
@@ -227,6 +229,15 @@ class ModelRunner:
             self._swap_pages[device] = torch.empty(
                 (num_cpu_blocks, pages.shape[1]), dtype=pages.dtype, pin_memory=device.type == "cuda"
             )
+
+    def allocate_state_swap_space(self, num_slots: int) -> None:
+        """CPU state slots for swapped requests' states (pinned when a state layer runs on CUDA); slot 0 unused."""
+        if num_slots and self.state_pool is not None:
+            pinned = any(t.is_cuda for ts in self.state_pool.conv.values() for t in ts) or any(
+                t.is_cuda for ts in self.state_pool.recurrent.values() for t in ts
+            )
+            cpu = {spec.layer_idx: torch.device("cpu") for spec in self.states}
+            self._swap_states = StatePool(self.states, num_slots + 1, cpu, pin_memory=pinned)
 
     def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
         """Copy blocks device -> CPU (device id, CPU id), then CPU -> device (CPU id, device id): a block
@@ -275,6 +286,9 @@ class ModelRunner:
             logits_rows,
             state_copies=plan.state_copies,
             state_checkpoints=plan.state_checkpoints,
+            state_fork_copies=plan.state_fork_copies,
+            state_swap_out=plan.state_swap_out,
+            state_swap_in=plan.state_swap_in,
         )
         request_ids, input_ids, query_lens, seq_lens = (
             inputs.request_ids,
@@ -415,6 +429,8 @@ class ModelRunner:
         self.swap(inputs.swap_out, inputs.swap_in)
         self.copy_blocks(inputs.blocks_to_copy)
         if self.state_pool is not None:
+            self.state_pool.copy(inputs.state_fork_copies)
+            self.state_pool.swap(self._swap_states, inputs.state_swap_out, inputs.state_swap_in)
             self.state_pool.copy(inputs.state_copies)
         if prepared.metadata is None:
             return None
@@ -488,6 +504,11 @@ class StepInputs:
     # checkpoints; per request, the state checkpoints its step writes (tokens into the step, checkpoint slot).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # Before those copies: the forks' copies since the last step, then swapped states ((device slot, CPU slot)
+    # out, (CPU slot, device slot) in): the order of `SchedulerOutput`'s fields.
+    state_fork_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from hybridkv.coordinator import KVCacheCoordinator, TableUpdates
 from hybridkv.request import Request, RequestStatus, SampleGroup
+from hybridkv.state_slots import StateSlots
 from hybridkv.swap import SwapRecord, SwapSpace
 from hybridkv.utils import NULL_BLOCK_ID
 from hybridkv.validation import check_choice, check_int
@@ -46,6 +47,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap
     preemption_mode: str = "recompute"
     num_swap_blocks: int = 0
+    # A model with state layers: CPU state slots for swapped requests (0: its requests are recomputed).
+    num_swap_state_slots: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -84,9 +87,14 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # State-slot copies (source, destination) before the forward: forks of a model with state layers, and the
-    # checkpoints prefix-cache hits restore; then per request, the checkpoints its step writes (tokens into the
-    # step, checkpoint slot).
+    # A model with state layers, in this order before the forward: the state-slot copies (source, destination)
+    # of the forks made since the last step, swapped states ((device slot, CPU slot) out, then (CPU slot, device
+    # slot) in: a slot freed by a swap-out may be given again in the same step), and the copies made while this
+    # plan was made (checkpoints that prefix-cache hits restore); then per request, the checkpoints its step
+    # writes (tokens into the step, checkpoint slot).
+    state_fork_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
@@ -132,6 +140,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.swap_space = SwapSpace(config.num_swap_blocks)
+        # A swapped request's state, in a CPU state slot of its own (slot 0 unused).
+        self.swap_states = StateSlots(config.num_swap_state_slots + 1) if config.num_swap_state_slots else None
         self.swap_records: dict[str, SwapRecord] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -179,16 +189,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring); the plan carries the block-table rows."""
         out = SchedulerOutput()
+        if self.coordinator.state_slots is not None:  # forks' copies, before this plan frees or gives a slot
+            out.state_fork_copies = self.coordinator.take_state_copies()
         self._schedule(out)
         # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
         self.coordinator.use_slack_for_caching()
         out.coordinator = self.coordinator
         out.blocks_to_copy = self.coordinator.take_copies()
-        if out.scheduled or out.swap_out or out.swap_in:  # the plan reaches the model runner
+        if out.scheduled or out.swap_out or out.swap_in or out.state_swap_out:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()
             out.state_copies = self.coordinator.take_state_copies()
             if self.coordinator.state_checkpoints is not None:
                 out.state_checkpoints = self.coordinator.plan_state_checkpoints(out.scheduled)
+        elif out.state_fork_copies:  # a plan that reaches no runner: they wait for the next one
+            self.coordinator.requeue_state_copies(out.state_fork_copies)
+            out.state_fork_copies = []
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
 
@@ -282,6 +297,10 @@ class Scheduler:
             for request in members:
                 self.swapped.remove(request)
                 self.swap_space.free(self.swap_records.pop(request.request_id).cpu_block_ids)
+                if self.swap_states is not None:  # its state, into the device slot restore gave it
+                    cpu_slot = self.swap_states.held[request.request_id]
+                    out.state_swap_in.append((cpu_slot, self.coordinator.state_slots.held[request.request_id]))
+                    self.swap_states.release(request.request_id)
                 out.swapped_in.append(request)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -325,9 +344,10 @@ class Scheduler:
         return [prompt]
 
     def _swap_out(self, members: list[Request], out: SchedulerOutput) -> bool:
-        """Copy the members' blocks to swap space (a block they share once) and free them; False, nothing
-        changed, when swap space lacks the room (or the model keeps states, which are not swapped: recompute)."""
-        if self.coordinator.state_slots is not None:
+        """Copy the members' blocks to swap space (a block they share once), and their states to CPU state slots
+        (a model with state layers), and free them; False, nothing changed, when swap space lacks the room."""
+        state_slots = self.coordinator.state_slots
+        if state_slots is not None and (self.swap_states is None or self.swap_states.num_free < len(members)):
             return False
         # A member scheduled earlier in this step leaves it: its blocks go back to what its last step left.
         for member in members:
@@ -344,6 +364,10 @@ class Scheduler:
             record = SwapRecord([[None if b == NULL_BLOCK_ID else to_cpu[b] for b in row] for row in rows])
             self.swap_space.hold(record.cpu_block_ids)
             self.swap_records[member.request_id] = record
+            if state_slots is not None:  # copied out before the step's forward, so the freed slot can be reused
+                out.state_swap_out.append(
+                    (state_slots.held[member.request_id], self.swap_states.take(member.request_id))
+                )
             self.coordinator.free(member.request_id)
             member.status = RequestStatus.SWAPPED
             self.swapped.append(member)
@@ -410,6 +434,8 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.swap_space.free(self.swap_records.pop(request.request_id).cpu_block_ids)
+            if self.swap_states is not None:
+                self.swap_states.release(request.request_id)
         self.coordinator.free(request.request_id)
         for follower in request.group.held_followers(request):
             follower.finish(status, error)

@@ -40,17 +40,18 @@ from hybridkv.patches.probe import PassThroughCache
 class StatePool:
     """Every slot's state in every state layer (module docstring), on each layer's device."""
 
-    def __init__(self, states: list[StateSpec], num_slots: int, devices: dict[int, torch.device]) -> None:
+    def __init__(
+        self, states: list[StateSpec], num_slots: int, devices: dict[int, torch.device], pin_memory: bool = False
+    ) -> None:
         self.conv: dict[int, list[torch.Tensor]] = {}
         self.recurrent: dict[int, list[torch.Tensor]] = {}
         for spec in states:
             device = devices[spec.layer_idx]
-            self.conv[spec.layer_idx] = [
-                torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in spec.conv
-            ]
-            self.recurrent[spec.layer_idx] = [
-                torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in spec.recurrent
-            ]
+            for held, parts in ((self.conv, spec.conv), (self.recurrent, spec.recurrent)):
+                held[spec.layer_idx] = [
+                    torch.zeros((num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
+                    for shape, dtype in parts
+                ]
         self.nbytes = sum(
             t.numel() * t.element_size() for ts in (*self.conv.values(), *self.recurrent.values()) for t in ts
         )
@@ -59,6 +60,27 @@ class StatePool:
         """Copy one layer's state from slot `source` to slot `destination` (a checkpoint, as the layer passes it)."""
         for tensor in (*self.conv[layer_idx], *self.recurrent[layer_idx]):
             tensor[destination].copy_(tensor[source])
+
+    def swap(self, cpu: StatePool | None, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy swapped requests' states: (slot, CPU slot) pairs out to `cpu` (a pool of the same layers on the CPU),
+        then (CPU slot, slot) pairs back in."""
+        if not (swap_out or swap_in):
+            return
+        for layer_idx in self.conv:
+            for here, there in zip(
+                (*self.conv[layer_idx], *self.recurrent[layer_idx]),
+                (*cpu.conv[layer_idx], *cpu.recurrent[layer_idx]),
+                strict=True,
+            ):
+                for pairs, outbound in ((swap_out, True), (swap_in, False)):
+                    if not pairs:
+                        continue
+                    slots = torch.tensor([p[0] if outbound else p[1] for p in pairs], device=here.device)
+                    cpu_slots = torch.tensor([p[1] if outbound else p[0] for p in pairs])
+                    if outbound:
+                        there[cpu_slots] = here[slots].to("cpu")
+                    else:
+                        here[slots] = there[cpu_slots].to(here.device)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) slot's state, every layer (a fork: the child starts from its parent)."""

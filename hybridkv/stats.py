@@ -14,6 +14,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
     """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
     kv = engine.coordinator.stats()
     checkpoints = engine.coordinator.state_checkpoints
+    swap_states = engine.scheduler.swap_states
     state_bytes = sum(spec.state_bytes for spec in engine.runner.states)
     return {
         "num_blocks": kv.num_blocks,
@@ -44,6 +45,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "state_checkpoints": checkpoints.num_slots if checkpoints is not None else 0,
         "state_checkpoints_kept": checkpoints.num_kept if checkpoints is not None else 0,
         "state_checkpoint_bytes": checkpoints.num_slots * state_bytes if checkpoints is not None else 0,
+        # CPU state slots for swapped requests' states (preemption_mode="swap"; taken from swap_space).
+        "state_swap_slots": swap_states.num_slots - 1 if swap_states is not None else 0,
         "shared_kv_layers": engine.kv_config.shared_layers,
         "prefix_cache_queries": kv.prefix_cache_queries,
         "prefix_cache_hits": kv.prefix_cache_hits,

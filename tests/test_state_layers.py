@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 
-from greedy_reference import family
+from greedy_reference import MAX_NEW, family
 from model_zoo import STATE, ZOO
 from tiny_models import hf_greedy, prompts
 
@@ -229,4 +230,78 @@ def test_a_failed_step_keeps_none_of_its_checkpoints(patched, monkeypatch):
     monkeypatch.setattr(llm.runner, "forward", original)
     (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert again.metrics.num_cached_tokens == 0 and again.outputs[0].token_ids == hf_greedy(model, prompt, 2)[0]
+    _all_returned(llm)
+
+
+def _swapping(model, patched, **settings):
+    """An engine whose pool holds the longest request alone, preempting by swap, with room in swap space."""
+    base = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
+    num_blocks = hybridkv.min_num_blocks(model, **base) + 1
+    llm = patched(model, **base, num_blocks=num_blocks, preemption_mode="swap", **settings)
+    llm.runner.verify_tables = llm.coordinator.block_tables
+    return llm
+
+
+@pytest.mark.parametrize("name", sorted(STATE))
+def test_preemption_by_swap_carries_the_state_out_and_back(name, patched):
+    """A tight pool preempts by swap: every swapped request's state goes to a CPU state slot and comes back, the
+    tokens stay generate's, and every device and CPU slot comes back."""
+    model, batch, references = family(name)
+    probe = patched(model, block_size=8, max_model_len=176)
+    swap_space = 64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]
+    llm = _swapping(model, patched, swap_space=swap_space)
+    assert llm.stats()["state_swap_slots"] >= len(batch)
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
+    assert llm.stats()["num_swaps"] > 0
+    _all_returned(llm)
+    swap_states = llm.scheduler.swap_states
+    assert not swap_states.held and swap_states.num_free == swap_states.num_slots - 1
+
+
+def test_a_swapped_state_is_the_one_that_comes_back(patched):
+    """Noise written into a decoding request's CPU state slot while it is swapped out changes its next tokens:
+    the state it continues from is the one swapped out (were it recomputed, or left in the device slot, they
+    would not change). Short prompts and long outputs, so that requests are swapped while decoding."""
+    model, _, _ = family("qwen3_5_text")
+    batch = prompts((12, 15, 18, 20), seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    references = [hf_greedy(model, p, 60)[0] for p in batch]
+    probe = patched(model, block_size=8, max_model_len=176)
+    swap_space = 64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]
+    llm = _swapping(model, patched, swap_space=swap_space)
+    ids = [llm.add_request(p, greedy) for p in batch]
+    done, noised = {}, set()
+    generator = torch.Generator().manual_seed(0)
+    cpu = llm.runner._swap_states
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            done[output.request_id] = output
+        for request in llm.scheduler.swapped:  # decoding: its next token comes from this state
+            request_id = request.group.request_id
+            if request.num_computed_tokens > request.num_prompt_tokens and request_id not in noised:
+                noised.add(request_id)
+                slot = llm.scheduler.swap_states.held[request.request_id]
+                for tensors in (*cpu.conv.values(), *cpu.recurrent.values()):
+                    for tensor in tensors:
+                        tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
+    assert noised, "no decoding request was swapped: the pool is not tight enough for this test"
+    changed = {
+        request_id
+        for request_id, tokens in zip(ids, references, strict=True)
+        if done[request_id].outputs[0].token_ids != tokens
+    }
+    assert changed == noised
+    _all_returned(llm)
+
+
+def test_without_room_for_states_a_swap_falls_back_to_recompute(patched):
+    """swap_space too small for a state: nothing is swapped, preemption recomputes, the tokens are the same."""
+    model, batch, references = family("bamba")
+    probe = patched(model, block_size=8, max_model_len=176)
+    llm = _swapping(model, patched, swap_space=probe.stats()["state_bytes_per_request"])  # blocks only
+    assert llm.stats()["state_swap_slots"] == 0
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
+    assert llm.stats()["num_preemptions"] > 0 and llm.stats()["num_swaps"] == 0
     _all_returned(llm)
