@@ -140,6 +140,12 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             + "\n".join(lines)
             + "\nSee docs/adding_a_model.md for what each of these needs."
         )
+    if not specs:
+        kind = "only state layers (SSM, linear attention or convolution)" if states else "no attention layers"
+        raise ValueError(
+            f"{type(model).__name__} has {kind}: hybridkv pages attention layers' K/V and keeps state layers' "
+            "states beside them, and does not serve a model without attention layers yet; use its own generate"
+        )
     module_names = {spec.layer_idx: names[id(calls[spec.layer_idx][0].module)] for spec in specs}
     kv_amax = {
         spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs

@@ -517,6 +517,27 @@ LIN = "linear_attention"
 # state slots (hybridkv/state_layers.py). Each builder's state reaches its output: the first of 40 prompt
 # tokens changes the greedy tokens (tests/test_model_zoo.py), and the step check continues a prompt from it.
 STATE = {
+    "lfm2_moe": lambda: _build(
+        hf.lfm2_moe.Lfm2MoeForCausalLM,
+        hf.lfm2_moe.Lfm2MoeConfig,
+        num_hidden_layers=4,
+        layer_types=["conv", F, "conv", F],
+        num_dense_layers=2,
+        num_experts=4,
+        **MOE,
+        initializer_range=0.2,
+    ),
+    "olmo_hybrid": lambda: _build(
+        hf.olmo_hybrid.OlmoHybridForCausalLM,
+        hf.olmo_hybrid.OlmoHybridConfig,
+        num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, F],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        initializer_range=0.3,  # at 0.5 its tokens do not depend on the prompt's first token
+    ),
     "qwen3_next": lambda: _build(  # hybridkv.tiny's qwen3_5 layers, with MoE
         hf.qwen3_next.Qwen3NextForCausalLM,
         hf.qwen3_next.Qwen3NextConfig,
@@ -640,6 +661,49 @@ def _paligemma():
 
 
 REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
+    "zamba2": lambda: _build(
+        hf.zamba2.Zamba2ForCausalLM,
+        hf.zamba2.Zamba2Config,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "mamba", "mamba", "hybrid"],
+        mamba_d_state=8,
+        n_mamba_heads=8,
+        mamba_headdim=8,
+        mamba_expand=1,
+        chunk_size=32,
+        attention_head_dim=32,
+        initializer_range=0.2,
+    ),
+    "kimi_linear": lambda: _build(
+        hf.kimi_linear.KimiLinearForCausalLM,
+        hf.kimi_linear.KimiLinearConfig,
+        num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        initializer_range=0.2,
+    ),
+    "mamba2": lambda: _build(
+        hf.mamba2.Mamba2ForCausalLM,
+        hf.mamba2.Mamba2Config,
+        num_heads=4,
+        head_dim=16,
+        state_size=8,
+        expand=1,
+        n_groups=1,
+        chunk_size=32,
+        initializer_range=0.2,
+    ),
     "jamba": lambda: _build(
         hf.jamba.JambaForCausalLM,
         hf.jamba.JambaConfig,
@@ -810,7 +874,12 @@ LAYER_KINDS: dict[str, str] = {
     "granitemoehybrid": "3 Mamba2 (state) : 1 full, MoE",
     "nemotron_h": "Mamba2 (state), MoE, full, Mamba2, MLP, full",
     "falcon_h1": "every layer full attention and Mamba2 side by side (state)",
+    "lfm2_moe": "alternating short conv (state) / full, MoE after the first 2",
+    "olmo_hybrid": "3 Gated DeltaNet (linear attention, state) : 1 full",
     # REFUSED
+    "zamba2": "3 Mamba2 : 1 Mamba2 with a shared attention block",
+    "kimi_linear": "3 linear attention (state) : 1 multi-head latent attention",
+    "mamba2": "Mamba2 only (state), no attention",
     "jamba": "alternating mamba / full",
     "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
     "minimax": "3 linear attention (recurrent state) : 1 full",
