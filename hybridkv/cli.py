@@ -46,6 +46,8 @@ PATCH_FLAGS: dict[str, Any] = {
     "cpu_threads": cpu_threads_flag,
     "enforce_eager": bool,
     "compile": bool,
+    "num_state_checkpoints": int,
+    "state_checkpoint_interval": int,
 }
 DEMO_PROMPTS = [
     "Once upon a time",
