@@ -145,6 +145,27 @@ def test_a_chat_renders_the_template_and_streams_the_same_text(client, offline):
     assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
 
 
+def test_text_content_parts_are_the_text_and_any_other_part_is_a_400(server, client):
+    """A list of text parts is the text they join; an image (or any non-text part) would be dropped from the
+    prompt and answered as if it had not been sent, so it is refused, and nothing is queued."""
+    before = wait_until_idle(server)["num_generated_tokens"]
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    as_parts = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    as_text = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    for content, reason in (
+        ([{"type": "text", "text": "What is in this picture?"}, image], "part 1 is of type 'image_url'"),
+        ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "part 0 is of type 'input_audio'"),
+        ([{"type": "text"}], "part 0 \\(type 'text'\\) needs a string 'text'"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=reason):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4)
+    # Only the two text chats generated: no refused request reached the engine.
+    generated = as_parts.usage.completion_tokens + as_text.usage.completion_tokens
+    assert wait_until_idle(server)["num_generated_tokens"] == before + generated
+
+
 def test_a_chat_with_include_usage_ends_with_a_usage_chunk(client):
     chunks = list(
         client.chat.completions.create(

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from hybridkv.outputs import CompletionOutput, TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
@@ -89,6 +89,23 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Content parts must be text: an image (or audio, or any other part) dropped from the prompt would be
+        answered as if it had not been sent."""
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"part {index} is of type {kind!r}: this server serves text only (images and other "
+                        "inputs are not supported yet); send only parts of type 'text'"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {index} (type 'text') needs a string 'text'")
+        return content
 
     def as_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it; content parts are joined into one text."""
