@@ -198,7 +198,8 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+        app = build_app(engine, name, args.api_key)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
         hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
@@ -227,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     srv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = one fewer than the CPU cores)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("HYBRIDKV_API_KEY") or None,
+        help="every route but /health asks for 'Authorization: Bearer KEY' (default: $HYBRIDKV_API_KEY)",
+    )
     add_patch_flags(srv)
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -3,6 +3,7 @@ client (and httpx where the exact bytes matter), against a tiny checkpoint whose
 template; its answers are compared with the offline engine's for the same prompts and settings."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -338,9 +339,11 @@ def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
     port = free_port()
     command = [sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint), "--port", str(port)]
     command += ["--served-model-name", MODEL, "--max-model-len", "128", "--block-size", "8", "--threads", "1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # The key from the environment (HYBRIDKV_API_KEY), as `--api-key` would give it.
+    environment = {**os.environ, "HYBRIDKV_API_KEY": "s3cret"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, process.stdout.read()
@@ -356,6 +359,31 @@ def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
             == expected
         )
         assert client.models.list().data[0].max_model_len == 128
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="wrong").models.list()
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_with_an_api_key_every_route_but_health_asks_for_it(checkpoint, offline):
+    model, llm = load(checkpoint)
+    handle = hybridkv.serve(llm, port=0, model_name=MODEL, api_key="k-123")
+    try:
+        keyed = openai.OpenAI(base_url=handle.url + "/v1", api_key="k-123", max_retries=0, timeout=DEADLINE_SECONDS)
+        expected = offline.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].text
+        answer = keyed.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0)
+        assert answer.choices[0].text == expected
+        for key in ("k-12", "k-1234", "wrong"):
+            with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+                keyed.with_options(api_key=key).completions.create(model=MODEL, prompt="The quick", max_tokens=2)
+        for path in ("/v1/models", "/metrics"):
+            response = httpx.get(handle.url + path, timeout=DEADLINE_SECONDS)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(handle.url + "/health", timeout=DEADLINE_SECONDS).status_code == 200
+        assert httpx.get(handle.url + "/metrics", headers={"Authorization": "Bearer k-123"}).status_code == 200
+        assert handle.engine.stats()["blocks_in_use"] == 0
+    finally:
+        handle.stop()
+        hybridkv.unpatch(model)

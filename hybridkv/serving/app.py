@@ -4,10 +4,13 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`
 server-sent events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text). Every
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
 a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404.
+With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
+time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 """
 
 from __future__ import annotations
 
+import hmac
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,12 +27,24 @@ if TYPE_CHECKING:
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
-    down). `app.state.serving` is the `OpenAIServing` behind the routes."""
+    down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring."""
     serving = OpenAIServing(engine, model_name)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
     app.state.serving = serving
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                body = error_body(message, "invalid_request_error", code="invalid_api_key")
+                return JSONResponse(body, status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def refused(request: Request, error: APIError) -> JSONResponse:
