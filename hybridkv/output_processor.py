@@ -153,12 +153,16 @@ class OutputProcessor:
         deltas = []
         for sample in state.samples:
             completion = sample.completion
-            new_tokens = completion.token_ids[sample.num_streamed_tokens :]
+            start = sample.num_streamed_tokens
+            new_tokens = completion.token_ids[start:]
             sample.num_streamed_tokens = len(completion.token_ids)
             text = sample.detokenizer.stream_delta(completion.finished) if sample.detokenizer is not None else ""
             if new_tokens or text or completion.finished:
                 error = sample.request.error if completion.finished else None
-                deltas.append(StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error))
+                logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+                deltas.append(
+                    StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error, logprobs)
+                )
         return deltas
 
 

@@ -61,11 +61,12 @@ class RequestOutput:
 
 @dataclass
 class StreamDelta:
-    """What one sample produced since the last delta: new token ids and new text; the last delta has the
-    finish reason, and the error when the request failed."""
+    """What one sample produced since the last delta: new token ids (and their logprobs, when asked for) and new
+    text; the last delta has the finish reason, and the error when the request failed."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None

@@ -185,6 +185,39 @@ def test_n_samples_and_logprobs(client):
     assert response.usage.completion_tokens == 12
 
 
+def test_streamed_logprobs_are_the_non_streamed_ones_in_pieces(client):
+    """Completions (n=2, seeded) and chat: the chunks' logprobs, joined, equal the whole response's, text
+    offsets included; a token whose text is held back brings its logprobs with the chunk that shows it."""
+    settings = dict(model=MODEL, prompt="The quick", max_tokens=10, n=2, seed=3, temperature=1.0, logprobs=3)
+    whole = client.completions.create(**settings)
+    pieces: dict[int, dict[str, list]] = {}
+    for chunk in client.completions.create(**settings, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                joined = pieces.setdefault(choice.index, {"tokens": [], "token_logprobs": [], "top": [], "offsets": []})
+                joined["tokens"] += choice.logprobs.tokens
+                joined["token_logprobs"] += choice.logprobs.token_logprobs
+                joined["top"] += choice.logprobs.top_logprobs
+                joined["offsets"] += choice.logprobs.text_offset
+    for choice in whole.choices:
+        joined = pieces[choice.index]
+        assert joined["tokens"] == choice.logprobs.tokens and len(joined["tokens"]) == 10
+        assert joined["token_logprobs"] == choice.logprobs.token_logprobs
+        assert joined["top"] == choice.logprobs.top_logprobs
+        assert joined["offsets"] == choice.logprobs.text_offset
+
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    expected = client.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**chat, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in expected] and len(expected) == 10
+
+
 def test_32_concurrent_clients_all_get_the_offline_answer(server, client, offline):
     prompts = [f"The quick brown fox {i}" for i in range(32)]
     expected = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]

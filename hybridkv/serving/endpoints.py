@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.chat import chat_prompt
-from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
@@ -82,7 +83,7 @@ class OpenAIServing:
         handle, created = self._submit(prompt_ids, params, "cmpl"), now()
         header = {"id": handle.request_id, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
-            return self._events(handle, header, len(prompt_ids), params.n, body, _completion_choice)
+            return self._events(handle, header, len(prompt_ids), params.n, body, self._completion_choice)
         output = await self._wait(handle, request)
         choices = [
             {
@@ -111,7 +112,7 @@ class OpenAIServing:
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
-            return self._events(handle, header, len(prompt_ids), params.n, body, _chat_choice)
+            return self._events(handle, header, len(prompt_ids), params.n, body, self._chat_choice)
         output = await self._wait(handle, request)
         choices = [
             {
@@ -155,8 +156,6 @@ class OpenAIServing:
                 "shorten the prompt (or serve with a larger --max-model-len)",
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             )
-        if body.stream and logprobs is not None:
-            raise APIError(400, "logprobs are not streamed; ask without stream, or without logprobs", param="logprobs")
         try:
             return body.sampling_params(max_tokens, logprobs)
         except (ValueError, TypeError) as error:
@@ -200,13 +199,15 @@ class OpenAIServing:
         num_prompt_tokens: int,
         n: int,
         body: SamplingFields,
-        choice: Callable[[StreamDelta, bool], dict[str, Any]],
+        choice: Callable[[StreamDelta, bool, _Pending], dict[str, Any]],
     ) -> AsyncIterator[str]:
         """OpenAI's server-sent events for one request, ending with `data: [DONE]`. The chunk that
         finishes the last choice carries the usage; with stream_options.include_usage a last chunk
-        without choices carries it too, as OpenAI sends it. Closing or cancelling the stream (the
-        client went away) aborts the request."""
-        num_completion_tokens, num_finished, started = 0, 0, set()
+        without choices carries it too, as OpenAI sends it. A chunk's logprobs are those of the tokens
+        since the choice's last chunk (a token whose text is held back waits for the chunk that shows it).
+        Closing or cancelling the stream (the client went away) aborts the request."""
+        num_completion_tokens, num_finished = 0, 0
+        pending: dict[int, _Pending] = {}
         finished = False
         try:
             async for delta in handle.deltas():
@@ -215,11 +216,14 @@ class OpenAIServing:
                     break
                 num_completion_tokens += len(delta.token_ids)
                 num_finished += delta.finish_reason is not None
-                first = delta.index not in started
-                started.add(delta.index)
+                first = delta.index not in pending
+                held = pending.setdefault(delta.index, _Pending())
+                if delta.logprobs is not None:
+                    held.token_ids += delta.token_ids
+                    held.logprobs += delta.logprobs
                 if not (delta.text or delta.finish_reason or first):
                     continue
-                chunk = {**header, "choices": [choice(delta, first)]}
+                chunk = {**header, "choices": [choice(delta, first, held)]}
                 if num_finished == n:
                     chunk["usage"] = usage(num_prompt_tokens, num_completion_tokens)
                 yield _event(chunk)
@@ -231,14 +235,31 @@ class OpenAIServing:
             if not finished:
                 handle.abort()
 
+    def _completion_choice(self, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs, held.text_offset = self.token_text.completion_logprobs_of(
+                held.token_ids, held.logprobs, held.text_offset
+            )
+            held.token_ids, held.logprobs = [], []
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
-def _completion_choice(delta: StreamDelta, first: bool) -> dict[str, Any]:
-    return {"index": delta.index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+    def _chat_choice(self, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
+        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs = self.token_text.chat_logprobs_of(held.token_ids, held.logprobs)
+            held.token_ids, held.logprobs = [], []
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
-def _chat_choice(delta: StreamDelta, first: bool) -> dict[str, Any]:
-    message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
-    return {"index": delta.index, "delta": message, "logprobs": None, "finish_reason": delta.finish_reason}
+@dataclass(slots=True)
+class _Pending:
+    """A streamed choice's tokens and logprobs not yet sent, and where its next token's text starts."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text_offset: int = 0
 
 
 def _event(payload: dict[str, Any]) -> str:

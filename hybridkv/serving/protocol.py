@@ -157,28 +157,33 @@ class TokenText:
         """`/v1/completions`' logprobs: tokens, their logprobs, the top tokens' and text offsets."""
         if sample.logprobs is None:
             return None
-        tokens = [self(token_id) for token_id in sample.token_ids]
-        offsets, offset = [], 0
+        return self.completion_logprobs_of(sample.token_ids, sample.logprobs)[0]
+
+    def completion_logprobs_of(
+        self, token_ids: list[int], entries: list[TokenLogprobs], offset: int = 0
+    ) -> tuple[dict[str, Any], int]:
+        """Those of some tokens whose text starts at `offset` (a stream's next chunk), and the offset after them."""
+        tokens = [self(token_id) for token_id in token_ids]
+        offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {
+        body = {
             "tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in sample.logprobs],
-            "top_logprobs": [{self(top_id): lp for top_id, lp in entry.top} for entry in sample.logprobs],
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [{self(top_id): lp for top_id, lp in entry.top} for entry in entries],
             "text_offset": offsets,
         }
+        return body, offset
 
     def chat_logprobs(self, sample: CompletionOutput) -> dict[str, Any] | None:
         """`/v1/chat/completions`' logprobs: one entry per token with its top alternatives."""
         if sample.logprobs is None:
             return None
-        return {
-            "content": [
-                self._chat_entry(token_id, entry)
-                for token_id, entry in zip(sample.token_ids, sample.logprobs, strict=True)
-            ]
-        }
+        return self.chat_logprobs_of(sample.token_ids, sample.logprobs)
+
+    def chat_logprobs_of(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": [self._chat_entry(t, entry) for t, entry in zip(token_ids, entries, strict=True)]}
 
     def _chat_entry(self, token_id: int, entry: TokenLogprobs) -> dict[str, Any]:
         token = self(token_id)
