@@ -2,6 +2,7 @@
 client (and httpx where the exact bytes matter), against a tiny checkpoint whose tokenizer has a chat
 template; its answers are compared with the offline engine's for the same prompts and settings."""
 
+import functools
 import json
 import os
 import socket
@@ -216,6 +217,58 @@ def test_streamed_logprobs_are_the_non_streamed_ones_in_pieces(client):
         for entry in choice.logprobs.content
     ]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in expected] and len(expected) == 10
+
+
+def test_tokenize_and_detokenize_give_the_ids_the_server_runs(server, offline):
+    tokenizer = offline.tokenizer
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    body = post(server.url + "/tokenize", json={"model": MODEL, "prompt": "The quick brown fox"}).json()
+    expected = tokenizer("The quick brown fox", add_special_tokens=True)["input_ids"]
+    assert body == {"tokens": expected, "count": len(expected), "max_model_len": MAX_MODEL_LEN}
+    chat = post(server.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}).json()
+    rendered = render_chat(tokenizer, MESSAGES)
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    text = post(server.url + "/detokenize", json={"model": MODEL, "tokens": expected}).json()["prompt"]
+    assert text == tokenizer.decode(expected)
+    for path, payload, message in (
+        ("/tokenize", {"model": MODEL}, "send either a prompt or messages"),
+        ("/tokenize", {"model": MODEL, "prompt": "a", "messages": MESSAGES}, "send either a prompt or messages"),
+        ("/detokenize", {"model": MODEL, "tokens": [len(tokenizer)]}, "outside the vocabulary"),
+        ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "does not exist"),
+    ):
+        response = post(server.url + path, json=payload)
+        assert response.status_code in (400, 404) and message in response.json()["error"]["message"]
+
+
+def test_several_prompts_in_one_completion_and_echo(server, client, offline):
+    """A list of prompts (text or token ids) runs them concurrently: prompt i's samples are choices i x n ..,
+    streamed or not; echo puts the prompt before each choice's text; echo with logprobs is a 400."""
+    prompts = ["The quick", "Once upon a time", "A tiny model"]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in whole.choices] == [0, 1, 2] and [c.text for c in whole.choices] == expected
+    ids = [offline.tokenizer(p)["input_ids"] for p in prompts]
+    assert whole.usage.prompt_tokens == sum(map(len, ids))
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == expected
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(6)] == [text for text in expected for _ in range(2)]
+
+    echoed = client.completions.create(model=MODEL, prompt=prompts[:2], max_tokens=8, temperature=0, echo=True)
+    rendered = [offline.tokenizer.decode(i) for i in ids[:2]]
+    assert [c.text for c in echoed.choices] == [r + e for r, e in zip(rendered, expected, strict=False)]
+    chunks = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == rendered[0] + expected[0]
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(model=MODEL, prompt="The quick", max_tokens=2, echo=True, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="a prompt is empty"):
+        client.completions.create(model=MODEL, prompt=["The quick", ""], max_tokens=2)
+    assert wait_until_idle(server)["blocks_in_use"] == 0
 
 
 def test_32_concurrent_clients_all_get_the_offline_answer(server, client, offline):

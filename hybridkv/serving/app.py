@@ -1,7 +1,8 @@
 """`build_app`: the FastAPI app of an OpenAI-compatible server over an `AsyncLLMEngine`.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
-server-sent events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text). Every
+server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
+`GET /metrics` (Prometheus text). Every
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
 a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404.
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
@@ -19,7 +20,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from hybridkv.serving.endpoints import APIError, OpenAIServing
-from hybridkv.serving.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from hybridkv.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
 
 if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
@@ -85,6 +92,15 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return _respond(await serving.chat(body, request))
+
+    # Plain functions: a long prompt is tokenized in FastAPI's thread pool, never on the event loop.
+    @app.post("/tokenize")
+    def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(body)
 
     return app
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     SamplingFields,
+    TokenizeRequest,
     TokenText,
     error_body,
     now,
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
 
 # OpenAI's default max_tokens for /v1/completions; a chat's default is what fits in max_model_len.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_PROMPTS_PER_REQUEST = 256
 DISCONNECT_POLL_SECONDS = 0.5
 
 
@@ -75,26 +79,58 @@ class OpenAIServing:
         return {"object": "list", "data": [{**card, "max_model_len": self.max_model_len}]}
 
     async def completion(self, body: CompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
-        """`/v1/completions`: the response body, or the server-sent events of a stream."""
+        """`/v1/completions`: the response body, or the server-sent events of a stream. Several prompts run as
+        concurrent requests; prompt i's samples are choices i x n .. i x n + n - 1, as OpenAI numbers them."""
         self._check_model(body.model)
-        prompt_ids = self._completion_prompt_ids(body.prompt)
+        if body.echo and body.logprobs is not None:
+            message = "echo with logprobs needs the prompt tokens' logprobs, which are not computed; ask for one"
+            raise APIError(400, message, param="echo")
+        prompts = self._completion_prompts(body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = self._params(body, prompt_ids, max_tokens, body.logprobs)
-        handle, created = self._submit(prompt_ids, params, "cmpl"), now()
-        header = {"id": handle.request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        params = [self._params(body, prompt_ids, max_tokens, body.logprobs) for prompt_ids in prompts]
+        echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
+        handles = self._submit_all(prompts, params, "cmpl")
+        request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
+        header = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
+        n = params[0].n
         if body.stream:
-            return self._events(handle, header, len(prompt_ids), params.n, body, self._completion_choice)
-        output = await self._wait(handle, request)
+            num_prompt_tokens = sum(map(len, prompts))
+            choice = functools.partial(self._completion_choice, echoes=echoes, n=n)
+            return self._events(handles, header, num_prompt_tokens, n, body, choice)
+        try:
+            outputs = [await self._wait(handle, request) for handle in handles]
+        except BaseException:  # a failed or cancelled wait leaves none of them running
+            for handle in handles:
+                handle.abort()
+            raise
         choices = [
             {
-                "index": sample.index,
-                "text": sample.text,
+                "index": prompt_index * n + sample.index,
+                "text": echoes[prompt_index] + sample.text,
                 "logprobs": self.token_text.completion_logprobs(sample),
                 "finish_reason": sample.finish_reason,
             }
+            for prompt_index, output in enumerate(outputs)
             for sample in output.outputs
         ]
-        return {**header, "choices": choices, "usage": _output_usage(output)}
+        counts = [_output_usage(output) for output in outputs]
+        total = usage(sum(c["prompt_tokens"] for c in counts), sum(c["completion_tokens"] for c in counts))
+        return {**header, "choices": choices, "usage": total}
+
+    def _text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def _submit_all(self, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> list[RequestHandle]:
+        """Submit every prompt, or none: a refusal aborts those submitted before it."""
+        handles: list[RequestHandle] = []
+        try:
+            for prompt_ids, prompt_params in zip(prompts, params, strict=True):
+                handles.append(self._submit(prompt_ids, prompt_params, prefix))
+        except BaseException:
+            for handle in handles:
+                handle.abort()
+            raise
+        return handles
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
@@ -112,7 +148,7 @@ class OpenAIServing:
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
-            return self._events(handle, header, len(prompt_ids), params.n, body, self._chat_choice)
+            return self._events([handle], header, len(prompt_ids), params.n, body, self._chat_choice)
         output = await self._wait(handle, request)
         choices = [
             {
@@ -125,26 +161,59 @@ class OpenAIServing:
         ]
         return {**header, "choices": choices, "usage": _output_usage(output)}
 
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """`/tokenize`: the token ids the server would run for the prompt or the chat, and their count."""
+        self._check_model(body.model)
+        tokenizer = self._tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either a prompt or messages", param="prompt")
+        if body.messages is not None:
+            try:
+                _, tokens = chat_prompt(tokenizer, [message.as_dict() for message in body.messages])
+            except (ValueError, TypeError) as error:
+                raise APIError(400, str(error), param="messages") from error
+        else:
+            tokens = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """`/detokenize`: the text of token ids (ids outside the vocabulary are a 400)."""
+        self._check_model(body.model)
+        tokenizer = self._tokenizer()
+        vocab = len(tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer: it takes and gives token ids only", param="model")
+        return self.tokenizer
+
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
                 404, f"model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
             )
 
-    def _completion_prompt_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise APIError(
-                    400,
-                    f"got {len(prompt)} prompts; send one prompt per request (requests run concurrently)",
-                    param="prompt",
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return list(prompt)
+    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
+        """The token ids of each prompt the body holds (a text, token ids, or a list of either)."""
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "a prompt is empty; send at least one token or character", param="prompt")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(
+                400, f"{len(prompts)} prompts in one request; send at most {MAX_PROMPTS_PER_REQUEST}", param="prompt"
+            )
+        token_ids = []
+        for one in prompts:
+            if isinstance(one, str):
+                if self.tokenizer is None:
+                    raise APIError(400, "this server has no tokenizer: send the prompt as token ids", param="prompt")
+                one = self.tokenizer(one, add_special_tokens=True)["input_ids"]
+            token_ids.append(list(one))
+        return token_ids
 
     def _params(
         self, body: SamplingFields, prompt_ids: list[int], max_tokens: int, logprobs: int | None
@@ -194,37 +263,38 @@ class OpenAIServing:
 
     async def _events(
         self,
-        handle: RequestHandle,
+        handles: list[RequestHandle],
         header: dict[str, Any],
         num_prompt_tokens: int,
         n: int,
         body: SamplingFields,
-        choice: Callable[[StreamDelta, bool, _Pending], dict[str, Any]],
+        choice: Callable[[int, StreamDelta, bool, _Pending], dict[str, Any]],
     ) -> AsyncIterator[str]:
-        """OpenAI's server-sent events for one request, ending with `data: [DONE]`. The chunk that
-        finishes the last choice carries the usage; with stream_options.include_usage a last chunk
-        without choices carries it too, as OpenAI sends it. A chunk's logprobs are those of the tokens
-        since the choice's last chunk (a token whose text is held back waits for the chunk that shows it).
-        Closing or cancelling the stream (the client went away) aborts the request."""
+        """OpenAI's server-sent events for the requests of one body (one per prompt, their deltas as they come),
+        ending with `data: [DONE]`. The chunk that finishes the last choice carries the usage; with
+        stream_options.include_usage a last chunk without choices carries it too, as OpenAI sends it. A chunk's
+        logprobs are those of the tokens since the choice's last chunk (a token whose text is held back waits
+        for the chunk that shows it). Closing or cancelling the stream (the client went away) aborts them all."""
         num_completion_tokens, num_finished = 0, 0
-        pending: dict[int, _Pending] = {}
+        pending: dict[tuple[int, int], _Pending] = {}
         finished = False
+        deltas = _merged(handles)
         try:
-            async for delta in handle.deltas():
+            async for prompt_index, delta in deltas:
                 if delta.error is not None:
                     yield _event(error_body(delta.error, "server_error"))
                     break
                 num_completion_tokens += len(delta.token_ids)
                 num_finished += delta.finish_reason is not None
-                first = delta.index not in pending
-                held = pending.setdefault(delta.index, _Pending())
+                first = (prompt_index, delta.index) not in pending
+                held = pending.setdefault((prompt_index, delta.index), _Pending())
                 if delta.logprobs is not None:
                     held.token_ids += delta.token_ids
                     held.logprobs += delta.logprobs
                 if not (delta.text or delta.finish_reason or first):
                     continue
-                chunk = {**header, "choices": [choice(delta, first, held)]}
-                if num_finished == n:
+                chunk = {**header, "choices": [choice(prompt_index, delta, first, held)]}
+                if num_finished == n * len(handles):
                     chunk["usage"] = usage(num_prompt_tokens, num_completion_tokens)
                 yield _event(chunk)
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -232,25 +302,62 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
             finished = True
         finally:
+            await deltas.aclose()
             if not finished:
-                handle.abort()
+                for handle in handles:
+                    handle.abort()
 
-    def _completion_choice(self, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
+    def _completion_choice(
+        self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending, echoes: list[str], n: int
+    ) -> dict[str, Any]:
         logprobs = None
         if delta.logprobs is not None:
             logprobs, held.text_offset = self.token_text.completion_logprobs_of(
                 held.token_ids, held.logprobs, held.text_offset
             )
             held.token_ids, held.logprobs = [], []
-        return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        text = echoes[prompt_index] + delta.text if first else delta.text
+        index = prompt_index * n + delta.index
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
-    def _chat_choice(self, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
+    def _chat_choice(self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
         message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self.token_text.chat_logprobs_of(held.token_ids, held.logprobs)
             held.token_ids, held.logprobs = [], []
         return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(prompt index, delta) of every handle's deltas, as they come; closing it closes each handle's stream
+    (which aborts a request that has not finished)."""
+    if len(handles) == 1:
+        async for delta in handles[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, StreamDelta] | None] = asyncio.Queue()
+
+    async def feed(prompt_index: int, handle: RequestHandle) -> None:
+        try:
+            async for delta in handle.deltas():
+                await queue.put((prompt_index, delta))
+        finally:
+            await queue.put(None)
+
+    feeders = [asyncio.ensure_future(feed(i, handle)) for i, handle in enumerate(handles)]
+    try:
+        remaining = len(feeders)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for feeder in feeders:
+            feeder.cancel()
+        await asyncio.gather(*feeders, return_exceptions=True)
 
 
 @dataclass(slots=True)

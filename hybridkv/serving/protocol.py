@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -76,12 +76,13 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`: one prompt, text or token ids; `logprobs` is the top count (OpenAI's)."""
+    """`POST /v1/completions`: a prompt (text or token ids) or a list of them; `logprobs` is the top count and
+    `echo` puts the prompt before each choice's text (OpenAI's)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     best_of: int | None = None
-    echo: Literal[False] = False
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -122,6 +123,27 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's): a prompt's token ids as `/v1/completions` makes them (`add_special_tokens`,
+    default true), or a chat's as `/v1/chat/completions` renders it (`messages`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int]
 
 
 def request_id(prefix: str) -> str:
