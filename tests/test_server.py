@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -269,6 +270,28 @@ def test_several_prompts_in_one_completion_and_echo(server, client, offline):
     with pytest.raises(openai.BadRequestError, match="a prompt is empty"):
         client.completions.create(model=MODEL, prompt=["The quick", ""], max_tokens=2)
     assert wait_until_idle(server)["blocks_in_use"] == 0
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server, client, monkeypatch):
+    """While a long prompt is tokenized, /health answers: tokenizing runs in a worker thread, not on the loop."""
+    tokenizer = server.engine.llm.tokenizer
+    original, threads = type(tokenizer).__call__, []
+
+    def slow(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        time.sleep(1.0)  # a 50 MB prompt's tokenization, in time
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "__call__", slow)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.completions.create, model=MODEL, prompt="The quick", max_tokens=2)
+        while not threads:
+            time.sleep(0.01)
+        start = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=DEADLINE_SECONDS).status_code == 200
+        assert time.monotonic() - start < 0.5  # not behind the tokenization
+        assert pending.result(timeout=DEADLINE_SECONDS).choices[0].text is not None
+    assert threads and all(t.name != "hybridkv-server" for t in threads)  # not the event loop's thread
 
 
 def test_32_concurrent_clients_all_get_the_offline_answer(server, client, offline):

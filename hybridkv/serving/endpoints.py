@@ -85,7 +85,8 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             message = "echo with logprobs needs the prompt tokens' logprobs, which are not computed; ask for one"
             raise APIError(400, message, param="echo")
-        prompts = self._completion_prompts(body.prompt)
+        # Off the event loop: a long prompt's tokenization must not stall every other client (and /health).
+        prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = [self._params(body, prompt_ids, max_tokens, body.logprobs) for prompt_ids in prompts]
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
@@ -136,7 +137,8 @@ class OpenAIServing:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
         self._check_model(body.model)
         try:
-            _, prompt_ids = chat_prompt(self.tokenizer, [message.as_dict() for message in body.messages])
+            messages = [message.as_dict() for message in body.messages]
+            _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
