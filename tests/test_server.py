@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -402,28 +403,36 @@ def test_a_bad_request_does_not_disturb_a_running_stream(server, client, offline
 
 
 def test_health_and_metrics_answer(server, client):
+    """/metrics is Prometheus' text format, read back with prometheus_client's own parser: the engine's series
+    under hybridkv's names and vLLM's, with stats()' values, and the server's histograms."""
     client.completions.create(model=MODEL, prompt="The quick", max_tokens=4)
     wait_until_idle(server)
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     response = httpx.get(server.url + "/metrics")
-    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    lines = response.text.splitlines()
-    for line in (
-        "hybridkv_kv_blocks_in_use 0",
-        "hybridkv_num_requests_running 0",
-        "hybridkv_num_requests_waiting 0",
-        "hybridkv_num_requests_swapped 0",
-        'hybridkv_kv_blocks_in_use_per_group{group="0"} 0',
-        "# TYPE hybridkv_time_to_first_token_seconds histogram",
-        "# TYPE hybridkv_time_per_output_token_seconds histogram",
-        "# TYPE hybridkv_prefix_cache_hits_total counter",
-    ):
-        assert line in lines
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
     stats = server.engine.stats()
-    assert f"hybridkv_generation_tokens_total {stats['num_generated_tokens']}" in lines
-    assert f"hybridkv_prefix_cache_queries_total {stats['prefix_cache_queries']}" in lines
-    ttft_count = next(line for line in lines if line.startswith("hybridkv_time_to_first_token_seconds_count"))
-    assert int(ttft_count.split()[1]) >= 1
+    for names, value in (
+        (("hybridkv_kv_blocks_in_use",), 0),
+        (("hybridkv_num_requests_running", "vllm:num_requests_running"), 0),
+        (("hybridkv_num_requests_waiting", "vllm:num_requests_waiting"), 0),
+        (("hybridkv_num_requests_swapped", "vllm:num_requests_swapped"), 0),
+        (("vllm:kv_cache_usage_perc",), 0),
+        (("hybridkv_generation_tokens_total", "vllm:generation_tokens_total"), stats["num_generated_tokens"]),
+        (("hybridkv_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"), stats["prefix_cache_queries"]),
+        (("hybridkv_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"), stats["prefix_cache_hits"]),
+    ):
+        for name in names:
+            assert samples[(name, ())] == value, name
+    assert samples[("hybridkv_kv_blocks_in_use_per_group", (("group", "0"),))] == 0
+    for name in ("hybridkv_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"):
+        assert samples[(name, ())] >= 1
+    assert samples[("hybridkv_time_per_output_token_seconds_count", ())] >= 1
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] >= 1
 
 
 def test_importing_hybridkv_does_not_import_fastapi():

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from hybridkv.serving.endpoints import APIError, OpenAIServing
@@ -30,8 +31,6 @@ from hybridkv.serving.protocol import (
 
 if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
-
-PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
@@ -78,8 +77,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
     # A plain function: FastAPI runs it in its thread pool, so waiting for the engine's stats never
     # blocks the event loop.
     @app.get("/metrics")
-    def metrics() -> PlainTextResponse:
-        return PlainTextResponse(serving.metrics.exposition(engine.stats()), media_type=PROMETHEUS_CONTENT_TYPE)
+    def metrics() -> Response:
+        return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

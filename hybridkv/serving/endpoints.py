@@ -71,7 +71,7 @@ class OpenAIServing:
         self.tokenizer = engine.llm.tokenizer
         self.max_model_len = engine.llm.max_model_len
         self.token_text = TokenText(self.tokenizer)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(engine.stats)
         self._recorders: set[asyncio.Task[None]] = set()
 
     def models(self) -> dict[str, Any]:
