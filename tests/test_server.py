@@ -280,7 +280,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, client, monkeypat
 
     def slow(self, *args, **kwargs):
         threads.append(threading.current_thread())
-        time.sleep(1.0)  # a 50 MB prompt's tokenization, in time
+        time.sleep(2.0)  # a 50 MB prompt's tokenization, in time
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(type(tokenizer), "__call__", slow)
@@ -290,7 +290,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, client, monkeypat
             time.sleep(0.01)
         start = time.monotonic()
         assert httpx.get(server.url + "/health", timeout=DEADLINE_SECONDS).status_code == 200
-        assert time.monotonic() - start < 0.5  # not behind the tokenization
+        assert time.monotonic() - start < 1.0  # not behind the tokenization (2 s)
         assert pending.result(timeout=DEADLINE_SECONDS).choices[0].text is not None
     assert threads and all(t.name != "hybridkv-server" for t in threads)  # not the event loop's thread
 

@@ -22,6 +22,14 @@ from tiny_models import hf_greedy, prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
+def _noise(pool, slots, generator) -> None:
+    """Overwrite the slots' states in every layer of a state pool with large noise."""
+    for slot in slots:
+        for tensors in (*pool.conv.values(), *pool.recurrent.values()):
+            for tensor in tensors:
+                tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
+
+
 def _all_returned(llm) -> None:
     slots = llm.coordinator.state_slots
     assert not slots.held and slots.num_free == slots.num_slots - 1
@@ -101,12 +109,7 @@ def test_the_pool_carries_the_state_between_steps(name, patched):
     llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
     llm.step()  # the prompt: the slot now holds its state
     (slot,) = llm.coordinator.state_slots.held.values()
-    pool = llm.runner.state_pool
-    generator = torch.Generator().manual_seed(0)
-    for tensors in (*pool.conv.values(), *pool.recurrent.values()):
-        for tensor in tensors:
-            noise = torch.randn(tensor[slot].shape, generator=generator) * 10
-            tensor[slot] = noise.to(tensor.dtype)
+    _noise(llm.runner.state_pool, [slot], torch.Generator().manual_seed(0))
     tokens = []
     while llm.has_unfinished_requests():
         tokens = next((o.outputs[0].token_ids for o in llm.step() if o.finished), tokens)
@@ -152,13 +155,8 @@ def test_a_bf16_state_model_is_checked_on_an_fp32_copy_whose_states_are_fp32(nam
 
 
 def _fill_kept_checkpoints_with_noise(llm) -> None:
-    checkpoints = llm.coordinator.state_checkpoints
-    pool = llm.runner.state_pool
-    generator = torch.Generator().manual_seed(0)
-    for slot in checkpoints._kept.values():
-        for tensors in (*pool.conv.values(), *pool.recurrent.values()):
-            for tensor in tensors:
-                tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
+    slots = list(llm.coordinator.state_checkpoints._kept.values())
+    _noise(llm.runner.state_pool, slots, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name", sorted(STATE))
@@ -281,10 +279,7 @@ def test_a_swapped_state_is_the_one_that_comes_back(patched):
             request_id = request.group.request_id
             if request.num_computed_tokens > request.num_prompt_tokens and request_id not in noised:
                 noised.add(request_id)
-                slot = llm.scheduler.swap_states.held[request.request_id]
-                for tensors in (*cpu.conv.values(), *cpu.recurrent.values()):
-                    for tensor in tensors:
-                        tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
+                _noise(cpu, [llm.scheduler.swap_states.held[request.request_id]], generator)
     assert noised, "no decoding request was swapped: the pool is not tight enough for this test"
     changed = {
         request_id
