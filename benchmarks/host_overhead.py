@@ -7,7 +7,10 @@ cores, so compare two versions by running them back to back, alternated, several
 other version to a folder (`pip install --no-deps --target DIR <checkout>`) and run this script with
 `PYTHONPATH=DIR` (the model comes from `hybridkv.tiny`, present since the engine-step refactor).
 
-    python benchmarks/host_overhead.py [--threads 1] [--repeats 4]
+`--model qwen3_5` or `nemotron_h` runs benchmarks/state_layers.py's models with state layers instead (their
+state checkpoints' planning is host work too: compare with `--no-prefix-caching`).
+
+    python benchmarks/host_overhead.py [--threads 1] [--repeats 4] [--model hybrid] [--no-prefix-caching]
 """
 
 from __future__ import annotations
@@ -27,15 +30,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--model", default="hybrid", choices=["hybrid", "qwen3_5", "nemotron_h"])
+    parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = hybrid_model()
+    if args.model == "hybrid":
+        model = hybrid_model()
+    else:
+        from state_layers import MODELS
+
+        model = MODELS[args.model]()
     print(f"torch {torch.__version__}, {args.threads} threads; median of {args.repeats - 1} runs after a warm-up")
     for name in ("mixed", "shared"):
         prompts, max_new = workload(name)
         runs = []
         for _ in range(args.repeats):
-            llm = hybridkv.patch(model, max_model_len=8192)
+            llm = hybridkv.patch(model, max_model_len=8192, enable_prefix_caching=args.prefix_caching)
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
             stats = llm.stats()
             hybridkv.unpatch(model)
