@@ -12,7 +12,8 @@
 #
 # Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
 # Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
-# some of them, in the order given ("kernels graphs zoo attention throughput"), THROUGHPUT_ARGS for
+# some of them, in the order given ("kernels graphs zoo attention throughput", and "profile": where a decode
+# step's time goes, benchmarks/profile_gpu_step.py, PROFILE_ARGS), THROUGHPUT_ARGS for
 # throughput_gpu.py's, and KERNELS_SECONDS, GRAPHS_SECONDS, ... for a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
@@ -49,6 +50,7 @@ for part in $parts; do
     zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-60}" python3 benchmarks/attention_gpu.py ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-300}" python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
+    profile) run_part profile "${PROFILE_SECONDS:-120}" python3 benchmarks/profile_gpu_step.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown part $part" ;;
     esac
 done

@@ -1,0 +1,78 @@
+"""Where a decode step's time goes on the GPU: hybridkv's steps under `torch.profiler`, for the next GPU session.
+
+Issue 28 left the Gemma-3-1B shape at 0.83x a compiled static-cache `generate` with no profile of why. This
+runs `--running` requests of `--prompt-len` tokens to their decode phase on benchmarks/throughput_gpu.py's
+model (random bf16 weights), then profiles `--steps` engine steps and prints: each step's wall time and the
+GPU's busy time in it, the share of the step that is the forward call, the sampler and the rest, and the top
+kernels by GPU time. With `--tiny` it runs a tiny Gemma 3 on the CPU (what the CPU tests can check of it).
+
+    python benchmarks/profile_gpu_step.py [--model gemma3|llama] [--running 64] [--prompt-len 512] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma3", choices=["gemma3", "llama"])
+    parser.add_argument("--running", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true", help="a tiny Gemma 3 on the CPU")
+    args = parser.parse_args()
+    if args.tiny:
+        model, activities = tiny_model("gemma3"), [ProfilerActivity.CPU]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("profile_gpu_step.py needs a CUDA GPU (or --tiny, on the CPU)")
+        from throughput_gpu import MODELS
+
+        model, activities = MODELS[args.model](), [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    rng = random.Random(0)
+    vocab = model.config.get_text_config().vocab_size
+    prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.running)]
+    llm = hybridkv.patch(model, max_model_len=args.prompt_len + 4 * args.steps + 64, max_num_seqs=args.running)
+    params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    while llm.stats()["num_waiting"] or any(r.num_computed_tokens < r.num_prompt_tokens for r in llm.scheduler.running):
+        llm.step()  # every prompt computed: what follows are decode steps
+    for _ in range(3):
+        llm.step()  # warm: graphs replayed, kernels compiled
+    synchronize = torch.cuda.synchronize if not args.tiny else (lambda: None)
+    walls = []
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            synchronize()
+            start = time.perf_counter()
+            llm.step()
+            synchronize()
+            walls.append(time.perf_counter() - start)
+    stats = llm.stats()
+    wall_ms = sum(walls) / len(walls) * 1e3
+    print(f"{args.model}: {args.running} running, {args.prompt_len}-token prompts; graphs {stats['cuda_graphs']}")
+    if args.tiny:
+        print(f"step wall {wall_ms:.2f} ms (CPU)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    else:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
+        print(f"step wall {wall_ms:.2f} ms; GPU kernels {busy_ms:.2f} ms per step ({busy_ms / wall_ms:.0%} busy)")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
+    llm.abort_all()
+    hybridkv.unpatch(model)
+
+
+if __name__ == "__main__":
+    main()
