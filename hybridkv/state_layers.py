@@ -52,45 +52,54 @@ class StatePool:
                     torch.zeros((num_slots, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
                     for shape, dtype in parts
                 ]
-        self.nbytes = sum(
-            t.numel() * t.element_size() for ts in (*self.conv.values(), *self.recurrent.values()) for t in ts
-        )
+        self.nbytes = sum(t.numel() * t.element_size() for layer_idx in self.conv for t in self.tensors(layer_idx))
+
+    def tensors(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """One layer's state tensors, conv states then recurrent states."""
+        return (*self.conv[layer_idx], *self.recurrent[layer_idx])
 
     def copy_layer(self, layer_idx: int, source: int, destination: int) -> None:
         """Copy one layer's state from slot `source` to slot `destination` (a checkpoint, as the layer passes it)."""
-        for tensor in (*self.conv[layer_idx], *self.recurrent[layer_idx]):
+        for tensor in self.tensors(layer_idx):
             tensor[destination].copy_(tensor[source])
 
     def swap(self, cpu: StatePool | None, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy swapped requests' states: (slot, CPU slot) pairs out to `cpu` (a pool of the same layers on the CPU),
         then (CPU slot, slot) pairs back in."""
-        if not (swap_out or swap_in):
-            return
-        for layer_idx in self.conv:
-            for here, there in zip(
-                (*self.conv[layer_idx], *self.recurrent[layer_idx]),
-                (*cpu.conv[layer_idx], *cpu.recurrent[layer_idx]),
-                strict=True,
-            ):
-                for pairs, outbound in ((swap_out, True), (swap_in, False)):
-                    if not pairs:
-                        continue
-                    slots = torch.tensor([p[0] if outbound else p[1] for p in pairs], device=here.device)
-                    cpu_slots = torch.tensor([p[1] if outbound else p[0] for p in pairs])
+        for pairs, outbound in ((swap_out, True), (swap_in, False)):
+            if not pairs:
+                continue
+            firsts, seconds = [p[0] for p in pairs], [p[1] for p in pairs]
+            ours, theirs = (firsts, seconds) if outbound else (seconds, firsts)
+            cpu_slots = torch.tensor(theirs)
+            slots = _on_devices(ours)
+            for layer_idx in self.conv:
+                for here, there in zip(self.tensors(layer_idx), cpu.tensors(layer_idx), strict=True):
                     if outbound:
-                        there[cpu_slots] = here[slots].to("cpu")
+                        there[cpu_slots] = here[slots(here.device)].to("cpu")
                     else:
-                        here[slots] = there[cpu_slots].to(here.device)
+                        here[slots(here.device)] = there[cpu_slots].to(here.device)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy each (source, destination) slot's state, every layer (a fork: the child starts from its parent)."""
+        """Copy each (source, destination) slot's state, every layer (forks, restored checkpoints)."""
         if not pairs:
             return
-        for tensors in (*self.conv.values(), *self.recurrent.values()):
-            for tensor in tensors:
-                sources = torch.tensor([p[0] for p in pairs], device=tensor.device)
-                destinations = torch.tensor([p[1] for p in pairs], device=tensor.device)
-                tensor[destinations] = tensor[sources]
+        sources, destinations = _on_devices([p[0] for p in pairs]), _on_devices([p[1] for p in pairs])
+        for layer_idx in self.conv:
+            for tensor in self.tensors(layer_idx):
+                tensor[destinations(tensor.device)] = tensor[sources(tensor.device)]
+
+
+def _on_devices(slots: list[int]) -> Callable[[torch.device], torch.Tensor]:
+    """`slots` as an index tensor on a device, made once per device however many layers sit there."""
+    made: dict[torch.device, torch.Tensor] = {}
+
+    def on(device: torch.device) -> torch.Tensor:
+        if device not in made:
+            made[device] = torch.tensor(slots, device=device)
+        return made[device]
+
+    return on
 
 
 # The chunk of a Gated DeltaNet layer's chunked rule (transformers' fallback and flash-linear-attention's).

@@ -25,8 +25,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12)
 def _noise(pool, slots, generator) -> None:
     """Overwrite the slots' states in every layer of a state pool with large noise."""
     for slot in slots:
-        for tensors in (*pool.conv.values(), *pool.recurrent.values()):
-            for tensor in tensors:
+        for layer_idx in pool.conv:
+            for tensor in pool.tensors(layer_idx):
                 tensor[slot] = (torch.randn(tensor[slot].shape, generator=generator) * 10).to(tensor.dtype)
 
 
