@@ -314,10 +314,7 @@ class OpenAIServing:
     ) -> dict[str, Any]:
         logprobs = None
         if delta.logprobs is not None:
-            logprobs, held.text_offset = self.token_text.completion_logprobs_of(
-                held.token_ids, held.logprobs, held.text_offset
-            )
-            held.token_ids, held.logprobs = [], []
+            logprobs, held.text_offset = self.token_text.completion_logprobs_of(*held.take(), held.text_offset)
         text = echoes[prompt_index] + delta.text if first else delta.text
         index = prompt_index * n + delta.index
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
@@ -326,8 +323,7 @@ class OpenAIServing:
         message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
         logprobs = None
         if delta.logprobs is not None:
-            logprobs = self.token_text.chat_logprobs_of(held.token_ids, held.logprobs)
-            held.token_ids, held.logprobs = [], []
+            logprobs = self.token_text.chat_logprobs_of(*held.take())
         return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
@@ -369,6 +365,12 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text_offset: int = 0
+
+    def take(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """The tokens and logprobs not yet sent, now sent."""
+        taken = self.token_ids, self.logprobs
+        self.token_ids, self.logprobs = [], []
+        return taken
 
 
 def _event(payload: dict[str, Any]) -> str:
