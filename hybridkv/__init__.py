@@ -7,6 +7,7 @@ from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.sizing import min_num_blocks
+from hybridkv.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",
+    "StructuredOutputsParams",
     "is_patched",
     "min_num_blocks",
     "patch",

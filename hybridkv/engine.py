@@ -43,6 +43,7 @@ from hybridkv.state_layers import scan_chunk
 from hybridkv.stats import engine_stats
 from hybridkv.step_check import check_step_exactness
 from hybridkv.stopping import StopRules
+from hybridkv.structured_outputs import GrammarCompiler
 from hybridkv.threads import StepThreads
 
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
@@ -135,6 +136,7 @@ class LLMEngine(RunLoops):
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
+        self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
         self._unreported: list[RequestState] = []
@@ -183,6 +185,8 @@ class LLMEngine(RunLoops):
             return request_id, prompt_text, prompt_ids, params
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # checked now; kept for _enqueue
         vocab_size = self.inputs.vocab_size
         if params.logprobs is not None and params.logprobs > vocab_size:
             raise ValueError(
@@ -199,7 +203,10 @@ class LLMEngine(RunLoops):
             group = BeamSearch(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size).group
         else:
             group = SampleGroup.of(request_id, prompt_ids, params, block_size)
-        state = self.outputs.add(group, prompt_text)
+        grammar = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs)
+        state = self.outputs.add(group, prompt_text, grammar)
         if not self.scheduler.add_request(group.leader):
             self._unreported.append(state)
         return request_id
@@ -301,8 +308,8 @@ class LLMEngine(RunLoops):
             self._advance_beam_searches(sampling)
             sampled = [i for i, token in enumerate(tokens) if token is not None]
             sampling, tokens, logprobs = ([values[i] for i in sampled] for values in (sampling, tokens, logprobs))
-        for request, status in self.outputs.process(sampling, tokens, logprobs):
-            self.scheduler.finish(request, status)
+        for request, status, error in self.outputs.process(sampling, tokens, logprobs):
+            self.scheduler.finish(request, status, error)
         states = self.outputs.states
         for request in itertools.chain((s.request for s in plan.scheduled), plan.failed):
             request_id = request.group.request_id

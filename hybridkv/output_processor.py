@@ -20,6 +20,7 @@ from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, St
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampler import SamplingRow
 from hybridkv.stopping import StopRules
+from hybridkv.structured_outputs import CompiledGrammar
 
 
 @dataclass(slots=True)
@@ -52,9 +53,10 @@ class OutputProcessor:
         self.device = device
         self.states: dict[str, RequestState] = {}
 
-    def add(self, group: SampleGroup, prompt: str | None) -> RequestState:
-        """Records for a new request's samples (a seeded request's sample i draws from seed + i); a beam
-        search has none: its output lists its hypotheses once it has finished."""
+    def add(self, group: SampleGroup, prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
+        """Records for a new request's samples (a seeded request's sample i draws from seed + i; each
+        sample of a structured-outputs request gets its own matcher of `grammar`); a beam search has
+        none: its output lists its hypotheses once it has finished."""
         leader = group.leader
         params = leader.params
         prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
@@ -65,10 +67,11 @@ class OutputProcessor:
             if self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+            matcher = grammar.matcher() if grammar is not None else None
             samples.append(
                 SampleState(
                     request=request,
-                    sampling_row=SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens),
+                    sampling_row=SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher),
                     detokenizer=detokenizer,
                     completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
                 )
@@ -94,10 +97,10 @@ class OutputProcessor:
 
     def process(
         self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
-    ) -> list[tuple[Request, RequestStatus]]:
+    ) -> list[tuple[Request, RequestStatus, str | None]]:
         """Record each request's new token (already appended to the request) and its logprobs, extend its
-        text, and decide whether it stops. Returns the requests that stop, with their status: the caller
-        finishes them in the scheduler."""
+        text, advance its grammar, and decide whether it stops (a completed grammar stops it). Returns the
+        requests that stop, with their status and error: the caller finishes them in the scheduler."""
         now = time.monotonic()
         stopped = []
         states, check = self.states, self.stop_rules.check
@@ -113,8 +116,16 @@ class OutputProcessor:
             if state.output.metrics.first_token_time is None:
                 state.output.metrics.first_token_time = now
             status = check(request, token, sample.detokenizer)
+            error = None
+            matcher = sample.sampling_row.matcher
+            if matcher is not None:
+                error = matcher.accept(token)
+                if error is not None:
+                    status, error = RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"
+                elif status is None and matcher.is_complete:
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
-                stopped.append((request, status))
+                stopped.append((request, status, error))
         return stopped
 
     def output(self, state: RequestState) -> RequestOutput:

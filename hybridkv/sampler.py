@@ -1,11 +1,12 @@
 """The sampler: next tokens for a batch of logit rows, vectorised over the batch.
 
-Order of operations (vLLM's): penalties on the raw logits, then greedy rows take the argmax; other
-rows are divided by their temperature, filtered by top-k, top-p and min-p, and sampled. Sampling
-is an exponential race (argmax of probs / q with q ~ Exp(1)), equivalent to drawing from probs; a
-seeded row draws its q from its own generator, so its tokens do not depend on the rest of the batch.
-Logprobs are those of the model's raw distribution (log_softmax of the unmodified logits), given for
-rows that ask for them and for best_of samples (ranked by their sum).
+Order of operations (vLLM's): a structured-outputs row's grammar mask (disallowed tokens at -inf), then
+penalties, then greedy rows take the argmax; other rows are divided by their temperature, filtered by
+top-k, top-p and min-p, and sampled. Sampling is an exponential race (argmax of probs / q with q ~
+Exp(1)), equivalent to drawing from probs; a seeded row draws its q from its own generator, so its
+tokens do not depend on the rest of the batch. Logprobs are those of the model's raw distribution
+(log_softmax of the unmodified logits), given for rows that ask for them and for best_of samples (ranked
+by their sum).
 """
 
 from __future__ import annotations
@@ -18,23 +19,28 @@ import torch
 
 from hybridkv.outputs import TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.structured_outputs import GrammarMatcher, apply_bitmasks
 
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of logits to sample: its params, its own generator if seeded, and its tokens so far
-    (prompt then outputs; read only by the penalties, so nothing is copied per step otherwise)."""
+    """One row of logits to sample: its params, its own generator if seeded, its tokens so far
+    (prompt then outputs; read only by the penalties, so nothing is copied per step otherwise) and, for
+    structured outputs, its grammar matcher (which the output processor advances)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    # Greedy with nothing else to compute (no penalty, no logprob): the row is its argmax.
+    matcher: GrammarMatcher | None = None
+    # Greedy with nothing else to compute (no penalty, no logprob, no grammar): the row is its argmax.
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
-        self.plain_greedy = params.greedy and not params.has_penalties and not params.needs_logprob
+        self.plain_greedy = (
+            params.greedy and not params.has_penalties and not params.needs_logprob and self.matcher is None
+        )
 
     @property
     def output_token_ids(self) -> Sequence[int]:
@@ -46,6 +52,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
     if all(r.plain_greedy for r in rows):
         return greedy_tokens(logits).tolist(), [None] * len(rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.needs_logprob for r in rows) else None
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if constrained:
+        logits = apply_bitmasks(logits, constrained, [rows[i].matcher for i in constrained])
     logits = _apply_penalties(logits, rows)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]

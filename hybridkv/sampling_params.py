@@ -6,6 +6,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hybridkv.structured_outputs import StructuredOutputsParams
 from hybridkv.validation import check_bool, check_float, check_int, is_int
 
 # Temperatures below this are greedy, as vLLM's _SAMPLING_EPS: logits divided by a tinier one overflow
@@ -26,7 +27,9 @@ class SamplingParams:
     sample (forked, copy-on-write). best_of >= n samples best_of completions and returns the n with the
     highest cumulative logprob (vLLM's meaning; while the request runs, its output lists all best_of). A
     seed makes the request's samples reproducible whatever else runs in the same batch. logprobs=k returns the sampled
-    token's log-probability and the k most likely tokens' at every step.
+    token's log-probability and the k most likely tokens' at every step. structured_outputs constrains
+    every sample's text to a JSON schema, regex, choice list or grammar (hybridkv/structured_outputs.py);
+    a sample stops when its grammar is complete.
 
     Everything is checked here, not when the request runs: counts (n, max_tokens, min_tokens, top_k,
     logprobs, seed) must be ints (not bools), the rest finite numbers, stop a string or strings,
@@ -51,6 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -65,6 +69,13 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(
                 f"cache_salt must be a string or None, got {self.cache_salt!r} ({type(self.cache_salt).__name__})"
+            )
+        if isinstance(self.structured_outputs, dict):
+            set_field("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(
+                "structured_outputs must be a hybridkv.StructuredOutputsParams (or a dict of its fields), "
+                f"got {type(self.structured_outputs).__name__}"
             )
         if self.top_k == 0:
             set_field("top_k", -1)

@@ -5,17 +5,20 @@ template; its answers are compared with the offline engine's for the same prompt
 import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -505,3 +508,86 @@ def test_with_an_api_key_every_route_but_health_asks_for_it(checkpoint, offline)
     finally:
         handle.stop()
         hybridkv.unpatch(model)
+
+
+class Reply(BaseModel):
+    """What `chat.completions.parse` asks for (OpenAI's strict JSON schema made from it)."""
+
+    mood: Literal["happy", "sad", "calm"]
+    ok: bool
+    score: int = Field(ge=0, le=9)
+
+
+def test_parse_with_a_pydantic_model_returns_the_offline_engines_object(client, offline):
+    response = client.chat.completions.parse(
+        model=MODEL, messages=MESSAGES, response_format=Reply, max_tokens=64, temperature=0
+    )
+    message = response.choices[0].message
+    assert isinstance(message.parsed, Reply) and response.choices[0].finish_reason == "stop"
+    schema = openai.lib._pydantic.to_strict_json_schema(Reply)
+    prompt = render_chat(offline.tokenizer, MESSAGES)
+    prompt_ids = offline.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
+    assert message.content == offline.generate([prompt_ids], params, use_tqdm=False)[0].outputs[0].text
+    json_object = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0, response_format={"type": "json_object"}
+    ).choices[0]
+    if json_object.finish_reason == "stop":  # a random model may nest objects past max_tokens
+        assert isinstance(json.loads(json_object.message.content), dict)
+
+
+def test_regex_and_choice_constraints_hold_on_every_sample_of_n_4(client):
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    response = client.completions.create(
+        model=MODEL, prompt="The quick", n=4, max_tokens=32, temperature=1.0, seed=2,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )  # fmt: skip
+    assert len(response.choices) == 4 and all(re.fullmatch(regex, c.text) for c in response.choices)
+    choices = ["yes", "no", "maybe so"]
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=4, max_tokens=32, temperature=1.0, seed=2, stream=True,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )  # fmt: skip
+    texts = ["", "", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert all(text in choices for text in texts)
+
+
+def test_concurrent_constrained_and_free_requests_each_get_their_own_result(server, client, offline):
+    regex = r"[a-z]{4}-[0-9]{2}"
+    prompts = [f"The quick brown fox {i}" for i in range(12)]
+    structured = [{"regex": regex} if i % 2 else None for i in range(12)]
+    expected = [
+        offline.generate(p, SamplingParams(temperature=0, max_tokens=12, structured_outputs=s), use_tqdm=False)[0]
+        for p, s in zip(prompts, structured, strict=True)
+    ]
+
+    def ask(index):
+        extra = {"structured_outputs": structured[index]} if structured[index] else {}
+        response = client.completions.create(
+            model=MODEL, prompt=prompts[index], max_tokens=12, temperature=0, extra_body=extra
+        )
+        return response.choices[0].text
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        answers = list(pool.map(ask, range(12), timeout=120))
+    assert answers == [o.outputs[0].text for o in expected]
+    assert all(re.fullmatch(regex, a) for a in answers[1::2]) and not any(re.fullmatch(regex, a) for a in answers[::2])
+    wait_until_idle(server)
+
+
+def test_a_bad_constraint_is_a_400_and_nothing_is_queued(server, client):
+    cases = [
+        ({"structured_outputs": {"regex": "("}}, "regex cannot be used"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+        ({"structured_outputs": {"pattern": "a"}}, "unknown field"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs json_schema.schema"),
+    ]
+    steps = wait_until_idle(server)["num_steps"]
+    for extra, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
+    assert wait_until_idle(server)["num_steps"] == steps

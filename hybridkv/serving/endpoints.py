@@ -89,6 +89,7 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = [self._params(body, prompt_ids, max_tokens, body.logprobs) for prompt_ids in prompts]
+        await self._compile_grammar(params[0])
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
         handles = self._submit_all(prompts, params, "cmpl")
         request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
@@ -146,6 +147,7 @@ class OpenAIServing:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, prompt_ids, max_tokens, logprobs)
+        await self._compile_grammar(params)
         handle, created = self._submit(prompt_ids, params, "chatcmpl"), now()
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
@@ -231,6 +233,16 @@ class OpenAIServing:
             return body.sampling_params(max_tokens, logprobs)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param=_setting_named(str(error))) from error
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """A constrained request's grammar, compiled off the event loop (the first one also builds the grammar
+        library's view of the vocabulary: seconds); the submit that follows finds it cached."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.llm.grammars.compile, params.structured_outputs)
+        except (ValueError, TypeError, ImportError) as error:
+            raise APIError(400, str(error), param="response_format") from error
 
     def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestHandle:
         try:

@@ -2,25 +2,57 @@
 
 Only the fields hybridkv honours are accepted: an unknown field is a 400 naming it, so a typo never
 passes silently. Beyond OpenAI's fields a body may carry hybridkv's (vLLM's) extra sampling settings:
-top_k, min_p, min_tokens, ignore_eos, stop_token_ids, repetition_penalty, cache_salt.
+top_k, min_p, min_tokens, ignore_eos, stop_token_ids, repetition_penalty, cache_salt, and
+structured_outputs (vLLM's: one of json, regex, choice, grammar, json_object) beside OpenAI's response_format.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from dataclasses import fields
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hybridkv.outputs import CompletionOutput, TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.structured_outputs import StructuredOutputsParams
+
+STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
 class SamplingFields(BaseModel):
@@ -47,6 +79,23 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     repetition_penalty: float | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The body's constraint: OpenAI's `response_format` or vLLM's `structured_outputs` (not both)."""
+        from_format = self.response_format.structured_outputs() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise ValueError("send either response_format or structured_outputs, not both")
+        unknown = set(self.structured_outputs) - set(STRUCTURED_OUTPUTS_FIELDS)
+        if unknown:
+            raise ValueError(
+                f"structured_outputs has unknown field(s) {sorted(unknown)}; "
+                f"it takes one of {STRUCTURED_OUTPUTS_FIELDS}"
+            )
+        return StructuredOutputsParams(**self.structured_outputs)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The body's settings as `SamplingParams` (which checks them: its ValueError or TypeError is
@@ -69,7 +118,8 @@ class SamplingFields(BaseModel):
             "best_of",
         )
         settings = {name: getattr(self, name, None) for name in names if getattr(self, name, None) is not None}
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **settings)
+        structured = self.structured_outputs_params()
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, **settings)
         if self.stream and params.num_samples > params.n:
             raise ValueError(f"best_of={params.best_of} > n={params.n} cannot be streamed; set stream=false")
         return params
