@@ -18,6 +18,12 @@ ITL p50/p90/p99 in ms; then the ratios, hybridkv / transformers for throughput a
 for latencies (above 1x: hybridkv is better), and how many requests' greedy texts the two servers agree on.
 
 A server that does not start here is reported with its reason, and the other is reported alone.
+
+Structured outputs' cost: `--servers hybridkv,hybridkv-json` runs the same hybridkv server twice, the
+second time with every request constrained to a JSON schema (vLLM's `structured_outputs` extra body), and
+prints the constrained / free ratios of requests/s and tokens/s and the server's own mask time per
+constrained row and step (its /metrics). The schema asks for more records than max_tokens can hold, so
+both runs generate the same number of tokens.
 `transformers serve` (transformers 5.23) runs offline on a local folder given as its FORCE_MODEL
 argument; it needs fastapi and uvicorn (`pip install "transformers[serving]"`).
 
@@ -72,6 +78,20 @@ def transformers_command(model: Path, port: int, threads: int | None) -> list[st
 SERVERS: dict[str, Callable[[Path, int, int | None], list[str]]] = {
     "hybridkv": hybridkv_command,
     "transformers": transformers_command,
+    # The same hybridkv server, every request constrained to JSON_SCHEMA (structured outputs' cost).
+    "hybridkv-json": hybridkv_command,
+}
+# A list of short records, too many to close before max_tokens: constrained requests generate as many
+# tokens as free ones (a random model closed an open-ended list at once, "[]").
+JSON_SCHEMA = {
+    "type": "array",
+    "minItems": 40,
+    "items": {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    },
 }
 
 
@@ -80,7 +100,7 @@ class ServerFailed(RuntimeError):
 
 
 def save_checkpoint(folder: Path) -> None:
-    """The tiny hybrid model and a tokenizer whose every token is ASCII text (no special tokens)."""
+    """The tiny hybrid model and a tokenizer whose every token is ASCII text (its one special token: <eos>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.utils.logging import disable_progress_bar
@@ -88,8 +108,14 @@ def save_checkpoint(folder: Path) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(WORDS * 10, trainers.BpeTrainer(vocab_size=320, show_progress=False))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    # JSON's punctuation and digits in the alphabet: the hybridkv-json run's schema must be writable.
+    # An EOS token: structured outputs need one (a grammar that may end ends there).
+    alphabet = list('{}[]":,0123456789')
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, show_progress=False, initial_alphabet=alphabet, special_tokens=["<eos>"]
+    )
+    bpe.train_from_iterator(WORDS * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
     tokenizer.chat_template = CHAT_TEMPLATE
     model = tiny_model(
         "gemma3", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, head_dim=32, sliding_window=32,
@@ -188,10 +214,12 @@ def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> 
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient, base_url: str, model: str, prompt: str, max_tokens: int, structured: bool
 ) -> RequestTiming:
     """POST one streamed greedy completion; time its content chunks. Usage comes with the finishing chunk."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    if structured:
+        body["structured_outputs"] = {"json": JSON_SCHEMA}
     chunk_times: list[float] = []
     pieces: list[str] = []
     completion_tokens = 0
@@ -203,26 +231,30 @@ async def stream_completion(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line.removeprefix("data: "))
+            if "choices" not in chunk:
+                raise RuntimeError(f"{base_url}: {chunk}")
             text = "".join(choice.get("text") or "" for choice in chunk["choices"])
             if text:
                 chunk_times.append(time.perf_counter())
                 pieces.append(text)
             if chunk.get("usage"):
                 completion_tokens = chunk["usage"]["completion_tokens"]
-    if not chunk_times:
-        raise RuntimeError(f"{base_url}: a stream ended without content")
+    if not chunk_times:  # EOS first (the random model's greedy choice): its first token is the stream's end
+        chunk_times.append(time.perf_counter())
     gaps = [later - earlier for earlier, later in itertools.pairwise(chunk_times)]
     return RequestTiming(chunk_times[0] - start, gaps, completion_tokens, "".join(pieces))
 
 
-async def run_load(base_url: str, model: str, prompts: list[str], clients: int, max_tokens: int) -> LoadResult:
+async def run_load(
+    base_url: str, model: str, prompts: list[str], clients: int, max_tokens: int, structured: bool = False
+) -> LoadResult:
     """`clients` concurrent clients take the prompts in order until none is left; results keep prompt order."""
     timings: list[RequestTiming | None] = [None] * len(prompts)
     next_prompt = iter(range(len(prompts)))
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for index in next_prompt:
-            timings[index] = await stream_completion(client, base_url, model, prompts[index], max_tokens)
+            timings[index] = await stream_completion(client, base_url, model, prompts[index], max_tokens, structured)
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -245,16 +277,32 @@ def measure(
     try:
         with running(command, workdir / f"{name}.log", args.threads) as base_url:
             model = str(model_dir)
+            structured = name == "hybridkv-json"
             warmup = workload(0, 2)
-            asyncio.run(run_load(base_url, model, warmup, 1, args.max_tokens))
-            return {
-                clients: asyncio.run(
-                    run_load(base_url, model, workload(clients, max(args.requests, clients)), clients, args.max_tokens)
-                )
-                for clients in levels
-            }
+            asyncio.run(run_load(base_url, model, warmup, 1, args.max_tokens, structured))
+            results = {}
+            for clients in levels:
+                prompts = workload(clients, max(args.requests, clients))
+                results[clients] = asyncio.run(run_load(base_url, model, prompts, clients, args.max_tokens, structured))
+            if structured:
+                MASK_TIME[name] = mask_seconds_per_mask(base_url)
+            return results
     except ServerFailed as error:
         return f"{name} did not start here ({' '.join(command)}): {error}"
+
+
+MASK_TIME: dict[str, float] = {}
+
+
+def mask_seconds_per_mask(base_url: str) -> float:
+    """The server's own count of grammar masks and their seconds (its /metrics), warm-up included."""
+    values = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("hybridkv_structured_output_masks_total", "hybridkv_structured_output_mask_seconds_total"):
+            values[name] = float(value)
+    masks = values.get("hybridkv_structured_output_masks_total", 0.0)
+    return values.get("hybridkv_structured_output_mask_seconds_total", 0.0) / masks if masks else float("nan")
 
 
 def row(label: str, clients: int, result: LoadResult) -> str:
@@ -312,9 +360,19 @@ def main() -> None:
     for clients in levels:
         for name, by_clients in measured.items():
             print(row(name, clients, by_clients[clients]))
-        if len(measured) == 2:
+        if "hybridkv" in measured and "transformers" in measured:
             print(ratio_row(clients, measured["hybridkv"][clients], measured["transformers"][clients]))
-    if len(measured) == 2:
+        if "hybridkv" in measured and "hybridkv-json" in measured:
+            free, constrained = measured["hybridkv"][clients], measured["hybridkv-json"][clients]
+            tokens = [sum(r.completion_tokens for r in m.requests) / len(m.requests) for m in (free, constrained)]
+            print(
+                f"{'json / free':<13}{clients:>7}{'':>6}{constrained.requests_per_s / free.requests_per_s:>7.2f}x"
+                f"{constrained.tokens_per_s / free.tokens_per_s:>7.2f}x  tokens per request {tokens[0]:.1f} free, "
+                f"{tokens[1]:.1f} json"
+            )
+    for name, seconds in MASK_TIME.items():
+        print(f"{name}: {seconds * 1e6:.0f} us per grammar mask (one constrained row, one step; the server's /metrics)")
+    if "hybridkv" in measured and "transformers" in measured:
         print(
             "ratio: hybridkv / transformers for req/s and tok/s, transformers / hybridkv for latencies (above 1x:"
             " hybridkv better); same text = requests whose greedy completions are equal on both servers"

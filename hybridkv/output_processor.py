@@ -108,6 +108,11 @@ class OutputProcessor:
             state = states[request.group.request_id]
             sample = state.samples[request.sample_index]
             completion = sample.completion
+            matcher = sample.sampling_row.matcher
+            if matcher is not None and (error := matcher.accept(token)) is not None:
+                # A token its grammar refuses (a grammar the vocabulary cannot write): never part of the output.
+                stopped.append((request, RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"))
+                continue
             completion.token_ids.append(token)
             if token_logprobs is not None:
                 completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + token_logprobs.logprob
@@ -116,16 +121,10 @@ class OutputProcessor:
             if state.output.metrics.first_token_time is None:
                 state.output.metrics.first_token_time = now
             status = check(request, token, sample.detokenizer)
-            error = None
-            matcher = sample.sampling_row.matcher
-            if matcher is not None:
-                error = matcher.accept(token)
-                if error is not None:
-                    status, error = RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"
-                elif status is None and matcher.is_complete:
-                    status = RequestStatus.FINISHED_STOPPED
+            if status is None and matcher is not None and matcher.is_complete:
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
-                stopped.append((request, status, error))
+                stopped.append((request, status, None))
         return stopped
 
     def output(self, state: RequestState) -> RequestOutput:

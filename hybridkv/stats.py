@@ -52,6 +52,10 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "prefix_cache_hits": kv.prefix_cache_hits,
         "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
         "num_evictions": kv.num_evictions,
+        # Structured outputs: next-token grammar masks computed (a constrained row per step) and their
+        # seconds (the mask, its unpacking and the logits' masking; hybridkv/structured_outputs.py).
+        "structured_output_masks": engine.grammars.counters.num_masks,
+        "structured_output_mask_seconds": engine.grammars.counters.seconds,
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_swaps": engine.scheduler.num_swaps,
         "num_running": len(engine.scheduler.running),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -78,6 +79,15 @@ class StructuredOutputsParams:
         return "json_object", ""
 
 
+@dataclass
+class MaskCounters:
+    """Next-token masks computed (one per constrained row per step) and the seconds they took, the
+    unpacking and the logits' masking included: `stats()`' structured_output_* entries."""
+
+    num_masks: int = 0
+    seconds: float = 0.0
+
+
 class GrammarCompiler:
     """The engine's grammars: llguidance's tokenizer (built once, on first use: about a second) and the
     grammars requests asked for, checked and kept by their text (least recently used out). Safe to call
@@ -91,6 +101,7 @@ class GrammarCompiler:
         self._tokenizer: Any = None
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cache_size = cache_size
+        self.counters = MaskCounters()
 
     @property
     def tokenizer(self) -> Any:
@@ -107,9 +118,14 @@ class GrammarCompiler:
                     f"{type(self._hf_tokenizer).__name__} is not one: load it with "
                     "AutoTokenizer.from_pretrained(..., use_fast=True)"
                 )
-            eos = self.eos_token_ids or None
+            if not self.eos_token_ids:
+                raise ValueError(
+                    "structured outputs need an EOS token (a grammar that may end ends there), and neither the "
+                    "model's config nor the tokenizer names one: set tokenizer.eos_token (or "
+                    "model.generation_config.eos_token_id)"
+                )
             n_vocab = max(self.vocab_size, len(self._hf_tokenizer))
-            self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+            self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab, eos_token=self.eos_token_ids)
         return self._tokenizer
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -120,7 +136,7 @@ class GrammarCompiler:
             grammar = self._grammars.get(key)
             if grammar is not None:
                 self._grammars.move_to_end(key)
-                return CompiledGrammar(tokenizer, grammar)
+                return CompiledGrammar(tokenizer, grammar, self.counters)
         grammar = _grammar_text(params)
         error = _import_llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
@@ -129,38 +145,50 @@ class GrammarCompiler:
             self._grammars[key] = grammar
             if len(self._grammars) > self._cache_size:
                 self._grammars.popitem(last=False)
-        return CompiledGrammar(tokenizer, grammar)
+        return CompiledGrammar(tokenizer, grammar, self.counters)
 
 
 class CompiledGrammar:
     """A checked grammar: each sample of a request makes its own matcher from it."""
 
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
+    def __init__(self, tokenizer: Any, grammar: str, counters: MaskCounters) -> None:
         self.tokenizer = tokenizer
         self.grammar = grammar
+        self.counters = counters
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(_import_llguidance().LLMatcher(self.tokenizer, self.grammar, log_level=0))
+        matcher = _import_llguidance().LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        return GrammarMatcher(matcher, self.counters, self.tokenizer.vocab_size)
 
 
 class GrammarMatcher:
     """One sample's place in its grammar."""
 
-    __slots__ = ("_matcher",)
+    __slots__ = ("_matcher", "counters", "num_words")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, counters: MaskCounters, vocab_size: int) -> None:
         self._matcher = matcher
+        self.counters = counters
+        self.num_words = (vocab_size + 31) // 32  # of a bitmask row
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """The tokens allowed next, one bit each, into int32 row `row` of `bitmask` (on the CPU)."""
+        """The tokens allowed next, one bit each, into int32 row `row` of `bitmask` (on the CPU). A grammar
+        that cannot go on (a character no token can write, a parser limit) is a ValueError that says why:
+        its row fails alone (hybridkv/sampler.py's sample_each), it is never sampled unconstrained."""
         target = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        if self._matcher.is_error():
+            raise ValueError(f"structured outputs: the grammar cannot go on: {_first_line(self._matcher.get_error())}")
+        if not bool(target.any()):
+            raise ValueError(
+                "structured outputs: the grammar cannot go on: no token of the vocabulary writes what it needs next"
+            )
 
     def accept(self, token: int) -> str | None:
         """Advance by a sampled token; returns None, or why the token broke the grammar."""
         if self._matcher.consume_token(token):
             return None
-        return self._matcher.get_error() or f"token {token} is not allowed by the grammar"
+        return _first_line(self._matcher.get_error()) or f"token {token} is not allowed by the grammar"
 
     @property
     def is_complete(self) -> bool:
@@ -170,18 +198,29 @@ class GrammarMatcher:
 
 def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
     """`logits` with every token a row's matcher disallows at -inf (a copy when anything is masked)."""
+    start = time.perf_counter()
     vocab = logits.shape[-1]
-    bitmask = torch.empty(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    bitmask = torch.empty(len(rows), matchers[0].num_words, dtype=torch.int32)
     for index, matcher in enumerate(matchers):
         matcher.fill_bitmask(bitmask, index)
     # Unpacked where the logits are, a byte per token (bit i of the little-endian words is token i).
     packed = bitmask.to(logits.device, non_blocking=True).view(torch.uint8)
     bits = torch.arange(8, dtype=torch.uint8, device=logits.device)
     allowed = ((packed.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary: the rest is never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
     index = torch.tensor(list(rows), device=logits.device)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    counters = matchers[0].counters  # every matcher of an engine shares its compiler's counters
+    counters.num_masks += len(rows)
+    counters.seconds += time.perf_counter() - start
     return logits
+
+
+def _first_line(error: str) -> str:
+    """llguidance's errors carry the parser's state after their first line."""
+    return error.split("\n<state>", 1)[0].strip()
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:

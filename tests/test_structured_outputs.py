@@ -60,6 +60,10 @@ def test_json_schema_outputs_are_valid_objects_and_stop_when_complete(llm):
         assert completion.text.endswith("}") and len(completion.token_ids) < 96
     # Property order is the schema's.
     assert all(list(json.loads(text)) == list(SCHEMA["properties"]) for text in texts(outputs))
+    # One mask per constrained row and step, counted in stats().
+    stats = llm.stats()
+    assert stats["structured_output_masks"] == sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert stats["structured_output_mask_seconds"] > 0
 
 
 def test_unconstrained_tokens_break_the_schema_so_the_mask_is_what_makes_them_valid(llm):
@@ -158,3 +162,24 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm, model_and_to
     no_tokenizer = patched(model, max_model_len=256, block_size=8)
     with pytest.raises(ValueError, match="need a tokenizer"):
         no_tokenizer.add_request([1, 2, 3], constrained(regex=REGEX))
+
+
+def test_a_grammar_the_vocabulary_cannot_write_fails_its_request_alone(patched):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.BPE())  # letters and spaces only: no token writes "{"
+    words.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<eos>"])
+    words.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>")
+    llm = patched(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer=tokenizer, max_model_len=64, block_size=8)
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["the fox"], free, use_tqdm=False)[0].outputs[0].token_ids
+    bad, good = llm.generate(["the quick", "the fox"], [constrained(regex=r"\{[a-z]+\}"), free], use_tqdm=False)
+    # llguidance's mask let tokens through here; the refused token fails the request and is not in its output.
+    assert "structured outputs" in bad.error and bad.outputs[0].finish_reason == "error"
+    assert bad.outputs[0].token_ids == []
+    assert good.error is None and good.outputs[0].token_ids == alone
+    assert llm.stats()["blocks_in_use"] == 0

@@ -37,6 +37,10 @@ ENGINE_METRICS = (
      "Prompt tokens found in the cache."),
     ("hybridkv_num_preemptions", "vllm:num_preemptions", "counter", "num_preemptions", "Requests preempted."),
     ("hybridkv_generation_tokens", "vllm:generation_tokens", "counter", "num_generated_tokens", "Tokens generated."),
+    ("hybridkv_structured_output_masks", None, "counter", "structured_output_masks",
+     "Next-token grammar masks computed for structured outputs (one per constrained sample per step)."),
+    ("hybridkv_structured_output_mask_seconds", None, "counter", "structured_output_mask_seconds",
+     "Seconds spent computing and applying structured outputs' grammar masks."),
 )  # fmt: skip
 
 
