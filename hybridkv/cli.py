@@ -14,6 +14,7 @@ import torch
 import hybridkv
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
+from hybridkv.tool_calls import PARSER_NAMES as TOOL_CALL_PARSERS
 
 SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
 
@@ -198,7 +199,7 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
     try:
-        app = build_app(engine, name, args.api_key)
+        app = build_app(engine, name, args.api_key, args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
@@ -232,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         "--api-key",
         default=os.environ.get("HYBRIDKV_API_KEY") or None,
         help="every route but /health asks for 'Authorization: Bearer KEY' (default: $HYBRIDKV_API_KEY)",
+    )
+    srv.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="the model's tool-call format, parsed for tool_choice 'auto' (default: the one its chat template shows)",
     )
     add_patch_flags(srv)
     args = parser.parse_args(argv)

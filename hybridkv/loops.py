@@ -8,7 +8,7 @@ A mixin of `LLMEngine` (hybridkv/engine.py), built on its request and step metho
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams
 from hybridkv.chat import Messages, chat_prompt, conversations
@@ -47,10 +47,13 @@ class RunLoops:
         messages: Messages | list[Messages],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """`generate` for conversations (one, or a list of them): each is rendered with the tokenizer's chat
-        template (`add_generation_prompt=True`, vLLM's semantics); a tokenizer without one is a clear error."""
-        rendered = [chat_prompt(self.tokenizer, conversation) for conversation in conversations(messages)]
+        template (`add_generation_prompt=True`, vLLM's semantics; `tools`, OpenAI's function definitions, go
+        to the template: hybridkv.tool_calls parses the calls out of the text); a tokenizer without one is a
+        clear error."""
+        rendered = [chat_prompt(self.tokenizer, conversation, tools) for conversation in conversations(messages)]
         params = _params_for(params, len(rendered), "conversations")
         checked = []
         for (text, prompt_ids), p in zip(rendered, params, strict=True):

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -591,3 +592,127 @@ def test_a_bad_constraint_is_a_400_and_nothing_is_queued(server, client):
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=extra)
     assert wait_until_idle(server)["num_steps"] == steps
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for tool in tools %}{{ tool['function']['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}<eos>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["oslo", "lima"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(checkpoint):
+    """A server whose chat template renders tools and shows Hermes' <tool_call> format."""
+    model, llm = load(checkpoint)
+    llm.tokenizer.chat_template = TOOLS_TEMPLATE
+    handle = hybridkv.serve(llm, port=0, model_name=MODEL)
+    yield handle, openai.OpenAI(base_url=handle.url + "/v1", api_key="-", max_retries=0, timeout=DEADLINE_SECONDS)
+    handle.stop()
+    hybridkv.unpatch(model)
+
+
+def streamed_calls(chunks):
+    """The tool calls and the content of a streamed chat, assembled as OpenAI's clients do."""
+    calls, content, finish = {}, "", None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    return [calls[i] for i in sorted(calls)], content, finish
+
+
+def test_required_and_named_tool_choices_return_valid_calls_streamed_or_not(tool_server):
+    server, client = tool_server
+    schema = TOOLS[0]["function"]["parameters"]
+    for choice in ("required", WEATHER):
+        settings = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=96, temperature=0)
+        response = client.chat.completions.create(**settings)
+        (answer,) = response.choices
+        assert answer.finish_reason == "tool_calls" and answer.message.content is None
+        assert answer.message.tool_calls and all(c.id.startswith("call_") for c in answer.message.tool_calls)
+        for call in answer.message.tool_calls:
+            assert call.function.name in ("get_weather", "get_time")
+            if call.function.name == "get_weather":
+                jsonschema.validate(json.loads(call.function.arguments), schema)
+        if choice is WEATHER:
+            assert [c.function.name for c in answer.message.tool_calls] == ["get_weather"]
+        calls, content, finish = streamed_calls(client.chat.completions.create(**settings, stream=True))
+        expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in answer.message.tool_calls]
+        assert (calls, content, finish) == (expected, "", "tool_calls")
+    wait_until_idle(server)
+
+
+def test_auto_parses_the_templates_format_from_the_text(tool_server):
+    """tool_choice "auto" with Hermes' format (found in the template): the random model is held to a call in that
+    format by a regex, so the parser has something to find; the text before it stays content."""
+    _, client = tool_server
+    arguments = r'\{"city": "(oslo|lima)", "days": [1-7]\}'
+    call = r'Checking\.<tool_call>\{"name": "get_weather", "arguments": ' + arguments + r"\}</tool_call>"
+    settings = dict(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+        extra_body={"structured_outputs": {"regex": call}},
+    )  # fmt: skip
+    (answer,) = client.chat.completions.create(**settings).choices
+    assert (answer.message.content, answer.finish_reason) == ("Checking.", "tool_calls")
+    ((name, arguments),) = [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls]
+    assert name == "get_weather" and set(arguments) == {"city", "days"}
+    calls, content, finish = streamed_calls(client.chat.completions.create(**settings, stream=True))
+    assert (content, finish) == ("Checking.", "tool_calls")
+    assert calls == [{"name": name, "arguments": answer.message.tool_calls[0].function.arguments}]
+    # Without a call in the text, the answer is content; tool_choice "none" never parses.
+    (plain,) = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8).choices
+    assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
+    (none,) = client.chat.completions.create(**settings, tool_choice="none").choices
+    assert none.message.tool_calls is None and none.message.content.startswith("Checking.<tool_call>")
+
+
+def test_a_conversation_with_tool_results_renders_and_bad_tool_requests_are_400s(tool_server, server, client):
+    _, tool_client = tool_server
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    answer = tool_client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    cases = [
+        (tool_client, {"tools": TOOLS, "tool_choice": unknown}, "not in tools"),
+        (tool_client, {"tool_choice": "required"}, "needs tools"),
+        (tool_client, {"tools": [{"type": "function", "function": {}}]}, "needs a name"),
+        (tool_client, {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "drop"),
+        (client, {"tools": TOOLS}, "needs a parser"),  # the plain template shows no tool-call format
+        (client, {"tools": TOOLS, "tool_choice": "required"}, "does not read `tools`"),
+    ]
+    for which, extra, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            which.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **extra)

@@ -33,10 +33,14 @@ if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None
+) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
-    down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring."""
-    serving = OpenAIServing(engine, model_name)
+    down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring.
+    `tool_call_parser`: the format tool_choice "auto" parses (hybridkv/tool_calls.py; by default the one the
+    chat template shows)."""
+    serving = OpenAIServing(engine, model_name, tool_call_parser)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
     app.state.serving = serving
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hybridkv import tool_calls
 from hybridkv.chat import chat_prompt
 from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
@@ -32,6 +34,7 @@ from hybridkv.serving.protocol import (
     request_id,
     usage,
 )
+from hybridkv.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -65,12 +68,17 @@ def _code(status: int) -> str | None:
 class OpenAIServing:
     """The endpoints' logic over one engine and the one model name it answers to."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.llm.tokenizer
         self.max_model_len = engine.llm.max_model_len
         self.token_text = TokenText(self.tokenizer)
+        # The tool-call format of tool_choice "auto": named, or found in the chat template.
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_call_parser = tool_calls.check_parser(tool_call_parser) or tool_calls.parser_for_template(
+            template if isinstance(template, str) else None
+        )
         self.metrics = ServerMetrics(engine.stats)
         self._recorders: set[asyncio.Task[None]] = set()
 
@@ -137,9 +145,10 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
         self._check_model(body.model)
+        tools = self._tool_plan(body)
         try:
             messages = [message.as_dict() for message in body.messages]
-            _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages)
+            _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -147,23 +156,69 @@ class OpenAIServing:
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, prompt_ids, max_tokens, logprobs)
+        if tools.forced_schema is not None:
+            if params.structured_outputs is not None:
+                raise APIError(400, "a forced tool_choice constrains the output itself: drop response_format", "tools")
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
         handle, created = self._submit(prompt_ids, params, "chatcmpl"), now()
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
-            return self._events([handle], header, len(prompt_ids), params.n, body, self._chat_choice)
+            choice = functools.partial(self._chat_choice, tools=tools)
+            return self._events([handle], header, len(prompt_ids), params.n, body, choice)
         output = await self._wait(handle, request)
-        choices = [
-            {
-                "index": sample.index,
-                "message": {"role": "assistant", "content": sample.text},
-                "logprobs": self.token_text.chat_logprobs(sample),
-                "finish_reason": sample.finish_reason,
-            }
-            for sample in output.outputs
-        ]
+        choices = []
+        for sample in output.outputs:
+            content, calls = tools.split(sample.text, self._raw_text(sample.token_ids))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+            finish_reason = "tool_calls" if calls and sample.finish_reason == "stop" else sample.finish_reason
+            logprobs = self.token_text.chat_logprobs(sample)
+            choices.append(
+                {"index": sample.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            )
         return {**header, "choices": choices, "usage": _output_usage(output)}
+
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """What the body's tools and tool_choice ask of the output (400s for what cannot be done)."""
+        if not body.tools:
+            if body.tool_choice not in (None, "none"):
+                raise APIError(400, f"tool_choice {body.tool_choice!r} needs tools", param="tool_choice")
+            return ToolPlan()
+        try:
+            functions = tool_calls.check_tools(body.tools)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tools") from error
+        choice = "auto" if body.tool_choice is None else body.tool_choice
+        if choice == "none":
+            return ToolPlan()
+        if choice == "auto":
+            if self.tool_call_parser is None:
+                raise APIError(
+                    400,
+                    "tool_choice 'auto' needs a parser for this model's tool-call format, and none was found in its "
+                    f"chat template: serve with --tool-call-parser (one of {', '.join(tool_calls.PARSER_NAMES)}), "
+                    "or ask for tool_choice 'required' or a named function",
+                    param="tool_choice",
+                )
+            return ToolPlan(parser=self.tool_call_parser, single=body.parallel_tool_calls is False)
+        try:
+            schema, named = tool_calls.forced_schema(functions, choice)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tool_choice") from error
+        if named is None and body.parallel_tool_calls is False:
+            schema = {**schema, "maxItems": 1}
+        return ToolPlan(forced_schema=schema, named=named)
+
+    def _raw_text(self, token_ids: list[int]) -> str:
+        """Output text with special tokens kept (tool-call markers are special in some vocabularies), EOS cut."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        eos = self.tokenizer.eos_token
+        return text.removesuffix(eos) if eos else text
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """`/tokenize`: the token ids the server would run for the prompt or the chat, and their count."""
@@ -302,6 +357,7 @@ class OpenAIServing:
                 num_finished += delta.finish_reason is not None
                 first = (prompt_index, delta.index) not in pending
                 held = pending.setdefault((prompt_index, delta.index), _Pending())
+                held.all_token_ids += delta.token_ids
                 if delta.logprobs is not None:
                     held.token_ids += delta.token_ids
                     held.logprobs += delta.logprobs
@@ -331,12 +387,36 @@ class OpenAIServing:
         index = prompt_index * n + delta.index
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
-    def _chat_choice(self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending) -> dict[str, Any]:
-        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+    def _chat_choice(
+        self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending, tools: ToolPlan
+    ) -> dict[str, Any]:
+        """A chat chunk. With tools, text from where the calls start is held back; the calls come with the
+        finishing chunk, one entry each (OpenAI's delta shape, complete arguments), or the held text if they
+        did not parse."""
+        text, finish_reason, calls = delta.text, delta.finish_reason, []
+        if tools.parses:
+            held.text += delta.text
+            raw = self._raw_text(held.all_token_ids)
+            marker = tools.marker
+            if not held.in_calls and tools.calls_started(held.text, raw):
+                held.in_calls = True
+                held.content_end = held.text.find(marker) if marker and marker in held.text else held.num_sent
+            end = held.content_end if held.in_calls else len(held.text) - _marker_prefix(held.text, marker)
+            if finish_reason is not None:
+                _, calls = tools.split(held.text, raw)  # the content before the calls was streamed already
+                if not calls:  # not calls after all: all the held text is content
+                    end = len(held.text)
+                elif finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            text = held.text[held.num_sent : max(end, held.num_sent)]
+            held.num_sent += len(text)
+        message: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if calls:
+            message["tool_calls"] = [call.as_openai(index) for index, call in enumerate(calls)]
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self.token_text.chat_logprobs_of(*held.take())
-        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamDelta]]:
@@ -377,12 +457,66 @@ class _Pending:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text_offset: int = 0
+    # With tools: every token and the text so far, how much of it was sent, and whether calls have begun.
+    all_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_sent: int = 0
+    in_calls: bool = False
+    content_end: int = 0  # where the content ends once the calls have begun
 
     def take(self) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens and logprobs not yet sent, now sent."""
         taken = self.token_ids, self.logprobs
         self.token_ids, self.logprobs = [], []
         return taken
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat's tool calls: parsed from the text in `parser`'s format (tool_choice "auto"), or the whole output
+    held to `forced_schema` (tool_choice "required": a list of calls; a named function: its arguments)."""
+
+    parser: str | None = None
+    single: bool = False
+    forced_schema: dict[str, Any] | None = None
+    named: str | None = None
+
+    @property
+    def parses(self) -> bool:
+        return self.parser is not None or self.forced_schema is not None
+
+    @property
+    def marker(self) -> str:
+        return tool_calls.start_marker(self.parser) if self.parser is not None else ""
+
+    def calls_started(self, text: str, raw: str) -> bool:
+        if self.forced_schema is not None:
+            return True
+        marker = self.marker
+        if self.parser in ("llama3_json", "pythonic"):  # the whole answer is the calls
+            stripped = raw.strip().removeprefix("<|python_tag|>").lstrip()
+            return stripped.startswith(marker) or stripped.startswith("```tool_code")
+        return marker in raw
+
+    def split(self, text: str, raw: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """The content and the calls of a finished sample's text (`raw`: with special tokens)."""
+        if self.forced_schema is not None:
+            calls = tool_calls.forced_calls(text, self.named)
+            return (None, calls) if calls else (text, [])
+        if self.parser is None:
+            return text, []
+        content, calls = tool_calls.parse(self.parser, raw)
+        if not calls:
+            return text, []
+        return content, calls[:1] if self.single else calls
+
+
+def _marker_prefix(text: str, marker: str) -> int:
+    """How many of text's last characters could begin `marker` (held back until they cannot)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
 
 
 def _event(payload: dict[str, Any]) -> str:

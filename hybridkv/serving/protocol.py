@@ -8,6 +8,7 @@ structured_outputs (vLLM's: one of json, regex, choice, grammar, json_object) be
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import fields
@@ -159,20 +160,39 @@ class ChatMessage(BaseModel):
         return content
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as the chat template reads it; content parts are joined into one text."""
+        """The message as the chat template reads it; content parts are joined into one text, and an assistant's
+        tool calls carry their arguments as objects (OpenAI sends JSON text; templates read a mapping)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_with_argument_object(call) for call in calls]
         return message
 
 
+def _with_argument_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            raise ValueError(f"a tool call's arguments are not JSON: {function['arguments']!r}") from None
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
+
+
 class ChatCompletionRequest(SamplingFields):
-    """`POST /v1/chat/completions`: `logprobs` is a flag and `top_logprobs` the top count (OpenAI's)."""
+    """`POST /v1/chat/completions`: `logprobs` is a flag and `top_logprobs` the top count (OpenAI's); `tools` and
+    `tool_choice` ("none", "auto", "required" or {"type": "function", "function": {"name": ...}})."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -1,0 +1,87 @@
+"""Tool-call parsing (one parser per output format) and the schemas that force a call."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from hybridkv import tool_calls
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def calls(parser, text):
+    content, parsed = tool_calls.parse(parser, text)
+    return content, [(call.name, json.loads(call.arguments)) for call in parsed]
+
+
+def test_each_format_parses_its_calls_and_keeps_the_content_before_them():
+    hermes = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+    hermes += '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert calls("hermes", hermes) == ("Let me look.", [("get_weather", {"city": "Oslo"}), ("get_time", {})])
+    mistral = 'Sure[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lima"}}]'
+    assert calls("mistral", mistral) == ("Sure", [("get_weather", {"city": "Lima"})])
+    mistral_v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert calls("mistral", mistral_v11) == (None, [("get_weather", {"city": "Rome"}), ("get_time", {})])
+    llama = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pune"}}; {"name": "get_time", "parameters": {}}'
+    )
+    assert calls("llama3_json", llama) == (None, [("get_weather", {"city": "Pune"}), ("get_time", {})])
+    pythonic = '```tool_code\n[get_weather(city="Kyiv"), get_time()]\n```'
+    assert calls("pythonic", pythonic) == (None, [("get_weather", {"city": "Kyiv"}), ("get_time", {})])
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", "no call here"),
+        ("hermes", "<tool_call>{not json</tool_call>"),
+        ("mistral", "[TOOL_CALLS][{broken"),
+        ("llama3_json", "The answer is {42}"),
+        ("pythonic", "[1, 2, 3]"),
+        ("pythonic", "[get_weather('Oslo')]"),
+    ],
+)
+def test_text_that_is_not_calls_is_content(parser, text):
+    assert tool_calls.parse(parser, text) == (text, [])
+
+
+def test_the_parser_is_found_in_the_template_or_named():
+    assert tool_calls.parser_for_template("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert tool_calls.parser_for_template("[TOOL_CALLS] {{ x }}") == "mistral"
+    assert tool_calls.parser_for_template("{{ messages }}") is None
+    with pytest.raises(ValueError, match="is not one of"):
+        tool_calls.check_parser("json")
+
+
+def test_required_and_named_choices_force_valid_calls():
+    tools = tool_calls.check_tools([WEATHER, TIME])
+    schema, named = tool_calls.forced_schema(tools, "required")
+    assert named is None
+    output = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(output, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {}}], schema)  # city is required
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], schema)
+    parsed = tool_calls.forced_calls(json.dumps(output), None)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    schema, named = tool_calls.forced_schema(tools, {"type": "function", "function": {"name": "get_weather"}})
+    assert (named, schema) == ("get_weather", WEATHER["function"]["parameters"])
+    assert tool_calls.forced_calls('{"city": "Oslo"}', named)[0].arguments == '{"city": "Oslo"}'
+    assert tool_calls.forced_calls('{"city": "Os', named) == []  # cut short by max_tokens
+    with pytest.raises(ValueError, match="not in tools"):
+        tool_calls.forced_schema(tools, {"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(ValueError, match="a second function"):
+        tool_calls.check_tools([WEATHER, WEATHER])
+    with pytest.raises(ValueError, match="needs a name"):
+        tool_calls.check_tools([{"type": "function", "function": {}}])
