@@ -7,7 +7,9 @@ model writes back is parsed by one small parser per output format:
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` per call;
 - `llama3_json` (Llama 3.1-3.3): the whole answer one JSON object `{"name": ..., "parameters": {...}}` (or
   several separated by `;`), after an optional `<|python_tag|>`;
-- `pythonic` (Gemma 3's and Llama 4's examples): `[name(arg=value, ...), ...]`, in a ```tool_code block or not.
+- `pythonic` (Gemma 3's and Llama 4's examples): `[name(arg=value, ...), ...]`, in a ```tool_code block or not;
+- `harmony` (gpt-oss): messages to `functions.NAME` (`... to=functions.NAME ...<|message|>{...}<|call|>`), the
+  content being the `final` channel's text.
 
 The parser is named (`--tool-call-parser`) or found in the template (the first whose marker it holds).
 `tool_choice="required"` and a named function do not depend on the format: the output is constrained with
@@ -24,9 +26,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-PARSER_NAMES = ("hermes", "mistral", "llama3_json", "pythonic")
+PARSER_NAMES = ("hermes", "mistral", "llama3_json", "pythonic", "harmony")
 # How a template that writes or reads each format shows it (first match wins).
-_TEMPLATE_MARKERS = (("hermes", "<tool_call>"), ("mistral", "[TOOL_CALLS]"), ("llama3_json", "<|python_tag|>"))
+_TEMPLATE_MARKERS = (
+    ("hermes", "<tool_call>"),
+    ("mistral", "[TOOL_CALLS]"),
+    ("harmony", "<|channel|>"),
+    ("llama3_json", "<|python_tag|>"),
+)
+_HARMONY_CALL = re.compile(
+    r"to=functions\.([\w.\-]+)[^<]*(?:<\|channel\|>[^<]*)?(?:<\|constrain\|>[^<]*)?<\|message\|>(.*?)(?:<\|call\|>|$)",
+    re.S,
+)
+_HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
 
 
 @dataclass(frozen=True)
@@ -62,7 +74,8 @@ def check_parser(name: str | None) -> str | None:
 
 def start_marker(parser: str) -> str:
     """Text that starts the calls in `parser`'s format: a stream holds its text back from there."""
-    return {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{", "pythonic": "["}[parser]
+    markers = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "llama3_json": "{", "pythonic": "["}
+    return markers.get(parser, " to=functions.")
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -74,6 +87,9 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     if not calls:
         return text, []
+    if parser == "harmony":  # the content is the final channel's text, wherever it is
+        final = _HARMONY_FINAL.search(text)
+        return (final.group(1).strip() or None) if final else None, calls
     content = text[:start].strip()
     return content or None, calls
 
@@ -123,6 +139,11 @@ def _pythonic(text: str) -> tuple[list[ToolCall], int]:
     return calls, match.start()
 
 
+def _harmony(text: str) -> tuple[list[ToolCall], int]:
+    calls = [ToolCall(name, json.dumps(json.loads(body))) for name, body in _HARMONY_CALL.findall(text)]
+    return calls, 0
+
+
 def _call(item: Any) -> ToolCall:
     arguments = item.get("arguments", item.get("parameters", {}))
     if isinstance(arguments, str):
@@ -141,7 +162,13 @@ def _split_json_objects(text: str) -> list[str]:
     return pieces
 
 
-_PARSERS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3_json, "pythonic": _pythonic}
+_PARSERS = {
+    "hermes": _hermes,
+    "mistral": _mistral,
+    "llama3_json": _llama3_json,
+    "pythonic": _pythonic,
+    "harmony": _harmony,
+}
 
 
 # ---- tool_choice ---------------------------------------------------------------------------------------
