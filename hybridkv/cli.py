@@ -49,6 +49,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "compile": bool,
     "num_state_checkpoints": int,
     "state_checkpoint_interval": int,
+    "encoder_cache_bytes": int,
 }
 DEMO_PROMPTS = [
     "Once upon a time",

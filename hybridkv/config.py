@@ -37,6 +37,9 @@ class EngineConfig:
     tokens (default: the smallest multiple of every group's block size and of the state layers' scan chunk, so
     that a computation split there continues exactly): a prefix-cache hit restores the state at its end.
 
+    A model that takes images keeps up to `encoder_cache_bytes` of image embeddings by content hash, so that
+    an image seen again skips the vision tower (hybridkv/multimodal.py).
+
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
     rule. `from_kwargs` also names the closest settings to an unknown one.
@@ -60,6 +63,7 @@ class EngineConfig:
     compile: bool = False
     num_state_checkpoints: int | None = None
     state_checkpoint_interval: int | None = None
+    encoder_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -69,6 +73,7 @@ class EngineConfig:
             ("max_num_batched_tokens", 1, ""),
             ("long_prefill_token_threshold", 0, " (0 turns the cap off)"),
             ("swap_space", 0, " (bytes; 0 = no swap space)"),
+            ("encoder_cache_bytes", 0, " (bytes of image embeddings kept for reuse; 0 keeps none)"),
         )
         for name, minimum, rule in counts:
             set_field(name, check_int(name, getattr(self, name), minimum, rule))

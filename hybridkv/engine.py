@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,9 +31,10 @@ from hybridkv.graphs import captures_graphs, decode_buckets, graph_mode
 from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
 from hybridkv.loops import RunLoops
 from hybridkv.model_runner import ModelRunner, RunnerLimits
+from hybridkv.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.output_processor import OutputProcessor, RequestState
 from hybridkv.outputs import RequestOutput, TokenLogprobs
-from hybridkv.patches.probe import attention_installed
+from hybridkv.patches.probe import attention_installed, image_attention_layers
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampler import sample_each
 from hybridkv.sampling_params import SamplingParams
@@ -49,14 +50,27 @@ from hybridkv.threads import StepThreads
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
 
+class CheckedRequest(NamedTuple):
+    """A request as `_checked_request` passed it, what `_enqueue` takes."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    multimodal: MultiModalInputs | None = None
+
+
 class LLMEngine(RunLoops):
     """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`); `generate`,
     `chat` and `stream` come from `RunLoops` (hybridkv/loops.py)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None, processor: Any = None
+    ) -> None:
         config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
+        self.processor = processor
         self.config = config
         self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
         self.step_check = check_step_exactness(model, layout)
@@ -137,6 +151,7 @@ class LLMEngine(RunLoops):
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
+        self.images = self._image_encoder(model, processor, layout)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
         self._unreported: list[RequestState] = []
@@ -154,6 +169,30 @@ class LLMEngine(RunLoops):
         self.schedule_seconds = 0.0
         self.update_seconds = 0.0
 
+    def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
+        """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
+        image's tokens attend both ways is read from the model's own masks (patches/probe.py). A model that
+        cannot say, or whose images would need what hybridkv does not run with them (state layers,
+        chunked local attention, tensor parallelism), gets None: a prompt with images is then refused."""
+        encoder = ImageEncoder(model, processor, bidirectional=False, cache_bytes=self.config.encoder_cache_bytes)
+        if not encoder.serves_images:
+            return None
+        self._images_refused = None
+        if layout.states or self.tp is not None:
+            self._images_refused = "images are not served with state layers or tensor parallelism yet"
+            return None
+        try:
+            layers = image_attention_layers(model)
+        except ValueError as error:
+            self._images_refused = str(error)
+            return None
+        if layers and any(self.runner.layers[i].attention_chunk_size for i in layers if i in self.runner.layers):
+            self._images_refused = "images that attend both ways are not served with chunked local attention"
+            return None
+        self.runner.context.image_layers = layers
+        encoder.bidirectional = bool(layers)
+        return encoder
+
     # ---- requests -----------------------------------------------------------------------------
 
     @exclusive
@@ -166,9 +205,10 @@ class LLMEngine(RunLoops):
         return self._enqueue(*self._checked_request(prompt, params, request_id))
 
     def _checked_request(
-        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None, request_id: str | None
-    ) -> tuple[str, str | None, list[int], SamplingParams | BeamSearchParams]:
-        """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix."""
+        self, prompt: Prompt | dict[str, Any], params: SamplingParams | BeamSearchParams | None, request_id: str | None
+    ) -> CheckedRequest:
+        """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix.
+        A dict prompt with images has them through the vision tower here (hybridkv/multimodal.py)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(
@@ -180,9 +220,15 @@ class LLMEngine(RunLoops):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} {request_id!r}: pass str(...)")
         elif request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
-        prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        multimodal = None
+        if isinstance(prompt, dict):
+            prompt_text, prompt_ids, multimodal = self._multimodal_prompt(prompt)
+        else:
+            prompt_text, prompt_ids = self.inputs.tokenize(prompt)
+        if multimodal is not None and isinstance(params, BeamSearchParams):
+            raise ValueError("beam search does not take images yet; sample (SamplingParams) instead")
         if isinstance(params, BeamSearchParams):
-            return request_id, prompt_text, prompt_ids, params
+            return CheckedRequest(request_id, prompt_text, prompt_ids, params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
         if params.structured_outputs is not None:
@@ -193,16 +239,43 @@ class LLMEngine(RunLoops):
                 f"logprobs={params.logprobs} asks for more tokens than the vocabulary has ({vocab_size}); "
                 f"ask for at most {vocab_size}"
             )
-        return request_id, prompt_text, prompt_ids, params
+        return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal)
+
+    def _multimodal_prompt(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        if self.images is None:
+            if getattr(self, "_images_refused", None) and (prompt.get("multi_modal_data") or {}):
+                raise ValueError(f"this model's prompts cannot hold images here: {self._images_refused}")
+            encoder = ImageEncoder(self.model, self.processor, bidirectional=False)
+        else:
+            encoder = self.images
+        text, ids, multimodal = encoder.inputs(prompt, self.tokenizer)
+        placeholder = encoder.image_token_id if multimodal is not None else None
+        self.inputs.check(ids, allowed=placeholder)
+        if multimodal is not None and multimodal.bidirectional:
+            longest = max(end - start for start, end in multimodal.spans)
+            cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+            cap = min(cap, self.config.max_num_batched_tokens)
+            if longest > cap:
+                raise ValueError(
+                    f"an image of {longest} tokens attends both ways and must be computed in one prefill chunk, "
+                    f"but chunks hold at most {cap} tokens: raise max_num_batched_tokens (and "
+                    "long_prefill_token_threshold)"
+                )
+        return text, ids, multimodal
 
     def _enqueue(
-        self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams | BeamSearchParams
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        multimodal: MultiModalInputs | None = None,
     ) -> str:
         block_size = self.config.block_size if self.config.enable_prefix_caching else None
         if isinstance(params, BeamSearchParams):
             group = BeamSearch(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size).group
         else:
-            group = SampleGroup.of(request_id, prompt_ids, params, block_size)
+            group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal)
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-Prompt = str | Sequence[int] | torch.Tensor
+# Text, token ids, or a dict with images ({"prompt": ..., "multi_modal_data": {"image": ...}}).
+Prompt = str | Sequence[int] | torch.Tensor | dict
 
 
 def token_ids(prompt: Any) -> list[int]:
@@ -40,7 +41,7 @@ def token_ids(prompt: Any) -> list[int]:
 def prompt_list(prompts: Any) -> list[Any]:
     """generate()'s prompts as a list of single prompts: one string or token-id list, a list of them, or
     a [B, N] tensor or array (each row a prompt, taken whole: padding is not removed)."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):  # a dict: one prompt with images (hybridkv/multimodal.py)
         return [prompts]
     if hasattr(prompts, "tolist") and hasattr(prompts, "shape"):
         if len(prompts.shape) == 1:
@@ -78,19 +79,25 @@ class InputProcessor:
             text, ids = prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         else:
             text, ids = None, token_ids(prompt)
+        self.check(ids)
+        return text, ids
+
+    def check(self, ids: list[int], allowed: int | None = None) -> None:
+        """Token ids inside the vocabulary, and no media placeholder but `allowed` (the image placeholder of a
+        prompt whose images came with it), which may also sit past the vocabulary (Gemma 3's)."""
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
-        media = self.media_token_ids.keys() & set(ids)
+        media = self.media_token_ids.keys() & set(ids) - {allowed}
         if media:
             token = min(media)
             raise ValueError(
-                f"the prompt holds token {token}, the model's {self.media_token_ids[token]}; hybridkv serves "
-                "text prompts only (image, video and audio inputs are not supported yet): remove it"
+                f"the prompt holds token {token}, the model's {self.media_token_ids[token]}, with no image "
+                "given for it: pass the prompt as {'prompt': ..., 'multi_modal_data': {'image': ...}} (images "
+                "only; video and audio are not served), or remove it"
             )
-        return text, ids
+        bad = [t for t in ids if not 0 <= t < self.vocab_size and t != allowed]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

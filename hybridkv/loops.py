@@ -57,8 +57,7 @@ class RunLoops:
         params = _params_for(params, len(rendered), "conversations")
         checked = []
         for (text, prompt_ids), p in zip(rendered, params, strict=True):
-            request_id, _, prompt_ids, p = self._checked_request(prompt_ids, p, None)
-            checked.append((request_id, text, prompt_ids, p))
+            checked.append(self._checked_request(prompt_ids, p, None)._replace(prompt_text=text))
         return self._run_to_completion(checked, use_tqdm)
 
     @exclusive

@@ -21,9 +21,11 @@ from hybridkv.kernels import (
     kv_page_views,
     resolve_backend,
 )
+from hybridkv.kernels.metadata import KeyLimits
 from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kv_dtypes import LayerDtypes
 from hybridkv.kv_spec import StateSpec
+from hybridkv.multimodal import MultiModalInputs, image_embeddings_placed
 from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.patches.layer_kinds import text_config
@@ -306,6 +308,8 @@ class ModelRunner:
                     f"tokens, not {num_new}"
                 )
             request_ids.append(request.request_id)
+            if request.multimodal is not None and start < request.num_prompt_tokens:
+                _image_rows(inputs, request.multimodal, start, end, len(input_ids))
             if num_new == 1:
                 input_ids.append(request.token_ids[start])
             else:
@@ -342,7 +346,7 @@ class ModelRunner:
                 f"{self.limits.max_model_len})"
             )
         rows = np.fromiter(map(self.batch.rows.__getitem__, inputs.request_ids), dtype=np.int64, count=num_seqs)
-        bucket = self._bucket(num_seqs) if decode_only else None
+        bucket = self._bucket(num_seqs) if decode_only and not inputs.image_rows else None
         if bucket is not None and bucket > num_seqs:
             padding = bucket - num_seqs
             query_lens = self._ones[:bucket]
@@ -366,8 +370,15 @@ class ModelRunner:
             picked = self.buffers[self.input_device].pick(wanted)
             wanted = self._all_rows[:num_rows]
         self.buffers[self.input_device].fill_inputs(input_ids, positions, wanted)
+        key_limits = None
+        if inputs.key_limit_rows:  # image rows that see past themselves: their last visible positions
+            last = np.asarray(positions, dtype=np.int64).copy()
+            for row, extra in inputs.key_limit_rows:
+                last[row] += extra
+            last_positions = torch.from_numpy(last.astype(np.int32)).to(self.input_device)
+            key_limits = KeyLimits(inputs.key_limit_rows, last_positions)
         self.prepare_seconds += time.perf_counter() - start_time
-        return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket, state_plan)
+        return PreparedStep(inputs, metadata, num_rows, len(wanted), picked, bucket, state_plan, key_limits)
 
     def _state_plan(
         self, inputs: StepInputs, query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray
@@ -438,7 +449,9 @@ class ModelRunner:
         step = self.context
         step.metadata = prepared.metadata
         graph = None if self.graphs is None or prepared.bucket is None else self.graphs.get(prepared.bucket)
-        if graph is not None:
+        if inputs.image_rows:
+            logits = self._forward_with_images(prepared)
+        elif graph is not None:
             self.buffers[self.input_device].write_all_tiles(prepared.metadata[0].step)
             logits = graph.replay()
         else:
@@ -459,6 +472,26 @@ class ModelRunner:
             logits = logits.index_select(0, prepared.picked_rows)
         logits = logits.float()
         self.forward_seconds += time.perf_counter() - forward_time
+        return logits
+
+    def _forward_with_images(self, prepared: PreparedStep) -> torch.Tensor:
+        """A step that computes image placeholders: eager (never a graph or compiled code), their rows' input
+        embeddings replaced by the images' (hybridkv/multimodal.py), and image rows that attend both ways
+        seeing on to their image's end in the layers that let them."""
+        step, inputs = self.context, prepared.inputs
+        features = torch.stack(inputs.image_features).to(self.input_device)
+        buffers = self.buffers[self.input_device]
+        step.key_limits = prepared.key_limits
+        try:
+            with (
+                torch.inference_mode(),
+                running_step(step),
+                image_embeddings_placed(self.model, inputs.image_rows, features),
+            ):
+                logits = self._forward(*buffers.model_inputs(prepared.num_tokens, prepared.num_logits_rows))
+                step.store_deferred(list(step.deferred))
+        finally:
+            step.key_limits = None
         return logits
 
     def _forward(
@@ -509,6 +542,11 @@ class StepInputs:
     state_fork_copies: list[tuple[int, int]] = field(default_factory=list)
     state_swap_out: list[tuple[int, int]] = field(default_factory=list)
     state_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Image placeholders the step computes: their flattened rows and embeddings, and the rows of images that
+    # attend both ways with how many positions past their own each sees (hybridkv/multimodal.py).
+    image_rows: list[int] = field(default_factory=list)
+    image_features: list[torch.Tensor] = field(default_factory=list)
+    key_limit_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -524,3 +562,14 @@ class PreparedStep:
     picked_rows: torch.Tensor | None
     bucket: int | None = None
     state_plan: StatePlan | None = None
+    key_limits: KeyLimits | None = None
+
+
+def _image_rows(inputs: StepInputs, multimodal: MultiModalInputs, start: int, end: int, offset: int) -> None:
+    """A request's image placeholders in its positions [start, end), whose first row is `offset`."""
+    for position, features in multimodal.rows(start, end):
+        inputs.image_rows.append(offset + position - start)
+        inputs.image_features.append(features)
+    if multimodal.bidirectional:
+        for position, last in multimodal.limits(start, end):
+            inputs.key_limit_rows.append((offset + position - start, last - position))

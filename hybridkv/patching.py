@@ -15,8 +15,11 @@ from hybridkv.patches import attention
 _ENGINE_ATTR = "_hybridkv_engine"
 
 
-def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEngine:
+def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = None, **config: Any) -> LLMEngine:
     """Serve `model` through hybridkv: returns an engine bound to it.
+
+    `tokenizer` makes text prompts and outputs; `processor` (the model's `AutoProcessor`, which may also be
+    passed as `tokenizer`: its own tokenizer is then used) makes prompts with images (hybridkv/multimodal.py).
 
     The model stays an ordinary transformers model: called directly it behaves exactly as before.
     Patching an already patched model returns its engine when the settings are the same, and
@@ -24,9 +27,11 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEn
     refuses. Settings: see `EngineConfig`.
     """
     engine_config = EngineConfig.from_kwargs(**config)
+    if processor is None and getattr(tokenizer, "image_processor", None) is not None:
+        processor, tokenizer = tokenizer, tokenizer.tokenizer
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is not None:
-        if engine.config == engine_config and engine.tokenizer is tokenizer:
+        if engine.config == engine_config and engine.tokenizer is tokenizer and engine.processor is processor:
             return engine
         if engine.has_unfinished_requests():
             raise RuntimeError(
@@ -35,7 +40,7 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> LLMEn
                 "(engine.abort_all()) first"
             )
         unpatch(model)
-    engine = LLMEngine(model, tokenizer, engine_config)
+    engine = LLMEngine(model, tokenizer, engine_config, processor)
     attention.install(model)
     model.__dict__[_ENGINE_ATTR] = engine
     return engine

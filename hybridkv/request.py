@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hybridkv.hashing import hash_full_blocks, root_hash
 from hybridkv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hybridkv.multimodal import MultiModalInputs
 
 
 class KVRequest:
@@ -23,6 +27,7 @@ class KVRequest:
         "block_hashes",
         "block_size",
         "cache_salt",
+        "multimodal",
         "num_computed_tokens",
         "num_prompt_tokens",
         "request_id",
@@ -35,6 +40,7 @@ class KVRequest:
         prompt_token_ids: Sequence[int],
         block_size: int | None,
         cache_salt: str | None = None,
+        multimodal: MultiModalInputs | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -43,6 +49,7 @@ class KVRequest:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
+        self.multimodal = multimodal  # the prompt's images (hybridkv/multimodal.py), None for text
         self.block_size = block_size
         self._root_hash = root_hash(cache_salt)
         self.block_hashes: list[bytes] = []
@@ -71,7 +78,16 @@ class KVRequest:
         if len(self.token_ids) < (done + 1) * self.block_size:
             return
         parent = self.block_hashes[-1] if done else self._root_hash
-        self.block_hashes.extend(hash_full_blocks(self.token_ids, self.block_size, parent, done))
+        keys = self.multimodal.block_keys(self.block_size) if self.multimodal is not None else None
+        if not keys or done > max(keys):
+            self.block_hashes.extend(hash_full_blocks(self.token_ids, self.block_size, parent, done))
+            return
+        # A block where an image starts joins its content hash: the chain carries it to every later block.
+        size = self.block_size
+        for block in range(done, len(self.token_ids) // size):
+            tokens = self.token_ids[block * size : (block + 1) * size]
+            (parent,) = hash_full_blocks(tokens, size, parent, 0, keys.get(block, b""))
+            self.block_hashes.append(parent)
 
     def __repr__(self) -> str:
         return (
@@ -119,8 +135,9 @@ class Request(KVRequest):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         block_size: int | None,
+        multimodal: MultiModalInputs | None = None,
     ) -> None:
-        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt)
+        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal)
         self.params = params
         self.status = RequestStatus.WAITING
         self.error: str | None = None
@@ -164,10 +181,17 @@ class SampleGroup:
             member.sample_index = index
 
     @classmethod
-    def of(cls, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, block_size: int | None):
+    def of(
+        cls,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        block_size: int | None,
+        multimodal: MultiModalInputs | None = None,
+    ):
         """The params.best_of samples of a prompt, named `request_id#index`."""
         count = params.num_samples
-        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size) for i in range(count)]
+        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal) for i in range(count)]
         return cls(request_id, members)
 
     @property

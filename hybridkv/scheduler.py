@@ -222,8 +222,10 @@ class Scheduler:
             if budget <= 0:
                 break
             num_new = min(len(request.token_ids) - request.num_computed_tokens, cap, budget)
+            if request.multimodal is not None:
+                num_new = _fit(request, request.num_computed_tokens, num_new)
             if num_new == 0:
-                continue  # a beam waiting for the rest of its group's next-token scores
+                continue  # a beam waiting for the rest of its group's next-token scores, or an image for the budget
             while not allocate(request, num_new):
                 victim = self.running[-1]
                 if self._alone(victim, request):
@@ -254,8 +256,8 @@ class Scheduler:
             if needed > seats:
                 break
             hit = coordinator.find_longest_cache_hit(request)
-            num_new = min(request.num_tokens - hit.num_tokens, cap, budget)
-            if not coordinator.allocate_slots(request, num_new, hit):
+            num_new = _fit(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, cap, budget))
+            if num_new == 0 or not coordinator.allocate_slots(request, num_new, hit):
                 break
             seats -= needed
             seated[id(group)] = group
@@ -306,6 +308,7 @@ class Scheduler:
                 self.running.append(request)
             for request in members:
                 num_new = min(request.num_tokens - request.num_computed_tokens, cap, budget)
+                num_new = _fit(request, request.num_computed_tokens, num_new)
                 if num_new > 0 and self.coordinator.allocate_slots(request, num_new):
                     out.add(request, num_new)
                     budget -= num_new
@@ -440,3 +443,12 @@ class Scheduler:
         for follower in request.group.held_followers(request):
             follower.finish(status, error)
         request.finish(status, error)
+
+
+def _fit(request: Request, start: int, num_new: int) -> int:
+    """`num_new` tokens from `start`, cut so that a prefill chunk never splits an image whose tokens attend
+    both ways (hybridkv/multimodal.py): 0 when the chunk cannot reach the end of such an image this step."""
+    multimodal = request.multimodal
+    if multimodal is None or start >= request.num_prompt_tokens:
+        return num_new
+    return multimodal.fit(start, num_new)

@@ -56,6 +56,11 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # seconds (the mask, its unpacking and the logits' masking; hybridkv/structured_outputs.py).
         "structured_output_masks": engine.grammars.counters.num_masks,
         "structured_output_mask_seconds": engine.grammars.counters.seconds,
+        # Images (hybridkv/multimodal.py): through the vision tower, taken from the encoder cache instead, and
+        # the bytes of embeddings the cache keeps (at most encoder_cache_bytes).
+        "images_encoded": engine.images.num_encoded if engine.images is not None else 0,
+        "image_cache_hits": engine.images.num_cache_hits if engine.images is not None else 0,
+        "encoder_cache_bytes": engine.images.cached_bytes if engine.images is not None else 0,
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_swaps": engine.scheduler.num_swaps,
         "num_running": len(engine.scheduler.running),

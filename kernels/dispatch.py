@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .backend import Backend, resolve_backend
-from .metadata import PagedAttentionMetadata
+from .metadata import KeyLimits, PagedAttentionMetadata
 from .quant import CACHE_DTYPES, QUERY_DTYPES, check_fp8_device, check_scales
 from .torch_attention import torch_paged_attention, torch_write_kv
 
@@ -70,6 +70,7 @@ def paged_attention(
     value: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key_limits: KeyLimits | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's query rows over the paged cache, as transformers computes it.
 
@@ -88,6 +89,7 @@ def paged_attention(
     the cache: the step's blocks need not hold its rows (store them afterwards, or never). Without,
     every key is read from the cache, so the rows must be stored first. The cache may be of another
     dtype than the query (fp32/fp16/bf16, or fp8 read as stored value x ``k_scale`` / ``v_scale``).
+    ``key_limits`` lets listed rows see later keys of the step (an image's tokens attending both ways).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
@@ -121,7 +123,9 @@ def paged_attention(
     if sinks is not None and sinks.shape != (num_q_heads,):
         raise ValueError(f"sinks must be [num_q_heads={num_q_heads}], got {tuple(sinks.shape)}")
     backend = metadata.step.backend if backend is None else resolve_backend(backend, query.device)
-    options = _Options(scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale)
+    options = _Options(
+        scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale, key_limits
+    )
     out, _ = _attention(backend, query, key_cache, value_cache, metadata, options)
     return out
 
@@ -156,6 +160,7 @@ def attend(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     store: bool = False,
+    key_limits: KeyLimits | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` with the step's backend, for an engine's hot path: it checks only the query's
     dtype (autocast may change it from call to call). With ``store`` the step's ``key``/``value`` rows
@@ -168,7 +173,9 @@ def attend(
     and the window, chunk size, softcap, sinks and scales are valid.
     """
     _check_rows_dtype("query", query)
-    options = _Options(scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale)
+    options = _Options(
+        scale, sliding_window, softcap, sinks, attention_chunk_size, key, value, k_scale, v_scale, key_limits
+    )
     out, stored = _attention(metadata.step.backend, query, key_cache, value_cache, metadata, options, store)
     if store and not stored and key is not None and value is not None:
         store_kv(key, value, key_cache, value_cache, metadata, k_scale, v_scale)
@@ -207,6 +214,7 @@ class _Options(NamedTuple):
     value: torch.Tensor | None
     k_scale: float
     v_scale: float
+    key_limits: KeyLimits | None = None
 
 
 def _write(

@@ -46,6 +46,20 @@ class TritonQueryTiles:
         return self.seq_ids.numel()
 
 
+class KeyLimits:
+    """Query rows of a step that see keys past their own position: the tokens of an image whose tokens attend
+    both ways (Gemma 3's images), each seeing up to its image's last token. ``rows`` lists (row, how many
+    positions past its own it sees) for the torch path; ``last_positions`` (int32 ``[num_query_tokens]`` on
+    the step's device) holds every row's last visible key position (its own where not listed) for Triton.
+    Windows still apply from each row's own position; the keys it sees past itself are in the same step."""
+
+    __slots__ = ("last_positions", "rows")
+
+    def __init__(self, rows: list[tuple[int, int]], last_positions: torch.Tensor) -> None:
+        self.rows = rows
+        self.last_positions = last_positions
+
+
 @dataclass(slots=True, eq=False)
 class StepMetadata:
     """One step's sequences on one device, shared by every KV cache group and layer there.

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_decode
-from .metadata import PagedAttentionMetadata
+from .metadata import KeyLimits, PagedAttentionMetadata
 from .quant import as_cached, byte_view
-from .torch_plan import DecodeRows, TorchAttentionPlan, torch_plan
+from .torch_plan import DecodeRows, SequencePlan, TorchAttentionPlan, torch_plan
 
 # Bounds the fp32 score matrix of one chunk of query rows (64 MiB), so long prefills stay in memory.
 _SCORE_BUDGET_ELEMENTS = 1 << 24
@@ -106,6 +106,7 @@ def torch_paged_attention(
     value: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key_limits: KeyLimits | None = None,
     store: bool = False,
 ) -> tuple[torch.Tensor, bool]:
     """Paged attention of ``query`` rows over the cache (see ``hybridkv.kernels.paged_attention``), and
@@ -118,6 +119,8 @@ def torch_paged_attention(
         num_q_heads // key_cache.shape[2], head_dim, value_head_dim
     )
     plan = torch_plan(metadata, sliding_window, attention_chunk_size, batch_decodes)
+    if key_limits is not None and key_limits.rows:
+        plan = _with_key_limits(metadata, plan, key_limits, sliding_window, attention_chunk_size, batch_decodes)
     out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     if num_tokens > num_query_tokens:
         out[num_query_tokens:] = 0
@@ -176,6 +179,43 @@ def _decode_rows(
 
 def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _with_key_limits(
+    metadata: PagedAttentionMetadata,
+    plan: TorchAttentionPlan,
+    key_limits: KeyLimits,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    batch_decodes: bool,
+) -> TorchAttentionPlan:
+    """The plan with the masks of sequences holding rows that see later keys (``key_limits``); kept on the
+    metadata beside the plain plan. A sequence's rows are its last ``query_len`` positions and its gathered
+    keys end at its last position, so row i of q sits at key offset ``num_keys - q + i``."""
+    if attention_chunk_size is not None:
+        raise ValueError("keys past a query's position are not served with chunked local attention")
+    cache_key = ("key_limits", sliding_window, attention_chunk_size, batch_decodes)
+    limited = metadata.torch_plans.get(cache_key)
+    if limited is not None:
+        return limited
+    extra_by_row = dict(key_limits.rows)
+    sequences = []
+    for seq in plan.sequences:
+        extras = [extra_by_row.get(row, 0) for row in range(seq.query_start, seq.query_end)]
+        if not any(extras):
+            sequences.append(seq)
+            continue
+        num_queries, num_keys = seq.query_end - seq.query_start, seq.key_end - seq.key_start
+        own = torch.arange(num_keys - num_queries, num_keys)[:, None]
+        keys = torch.arange(num_keys)[None, :]
+        visible = keys <= own + torch.tensor(extras)[:, None]
+        if sliding_window is not None:
+            visible &= keys > own - sliding_window
+        hidden = visible.logical_not_().unsqueeze(1).to(metadata.block_table.device)
+        sequences.append(SequencePlan(seq.query_start, seq.query_end, seq.key_start, seq.key_end, hidden, False))
+    limited = TorchAttentionPlan(plan.gather_block_ids, sequences, plan.row_keys, plan.gathered_rows, plan.decode)
+    metadata.torch_plans[cache_key] = limited
+    return limited
 
 
 def _gathered_rows(

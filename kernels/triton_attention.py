@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .metadata import PagedAttentionMetadata
+from .metadata import KeyLimits, PagedAttentionMetadata
 from .quant import is_fp8, triton_format
 from .triton_common import as_cached, online_softmax_step, visible_keys
 
@@ -43,6 +43,7 @@ def paged_attention_kernel(
     tile_seq_ids_ptr,
     tile_starts_ptr,
     sinks_ptr,
+    key_limits_ptr,
     scale,
     softcap,
     k_scale,
@@ -77,6 +78,7 @@ def paged_attention_kernel(
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_LIMITS: tl.constexpr,
     IN_FLIGHT: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr,
@@ -98,6 +100,10 @@ def paged_attention_kernel(
     row_head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     row_valid = (rows // QUERIES_PER_KV < BLOCK_Q) & (row_token < query_len)
     row_position = context_len + row_token
+    row_last = row_position
+    if USE_LIMITS:  # rows of an image that attends both ways see on to its last token (in this step)
+        row_last = tl.load(key_limits_ptr + query_begin + row_token, mask=row_valid, other=0)
+        row_last = tl.maximum(row_last, row_position)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
     value_dims = tl.arange(0, HEAD_DIM_V_PADDED)
@@ -126,6 +132,8 @@ def paged_attention_kernel(
     scale = scale * k_scale
 
     key_end = tl.minimum(context_len + tile_start + BLOCK_Q, seq_len)
+    if USE_LIMITS:
+        key_end = tl.minimum(tl.maximum(key_end, tl.max(tl.where(row_valid, row_last, 0)) + 1), seq_len)
     key_start = 0
     if USE_WINDOW:
         key_start = tl.maximum(context_len + tile_start - sliding_window + 1, 0)
@@ -152,7 +160,7 @@ def paged_attention_kernel(
         )
         v = tl.load(value_head_base + value_offsets, mask=key_valid[:, None] & value_dim_valid[None, :], other=0.0)
         visible = visible_keys(
-            key_positions, key_valid, row_position, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
+            key_positions, key_valid, row_position, row_last, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
         )
         acc, running_max, running_sum = online_softmax_step(
             q, k.to(q.dtype), v.to(q.dtype), visible, acc, running_max, running_sum, scale, softcap, USE_SOFTCAP
@@ -180,7 +188,7 @@ def paged_attention_kernel(
             v = as_cached(v, v_scale, cache_type, FP8_MAX, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, ROUND_TO_BF16)
             k, v = k.to(q.dtype), v.to(q.dtype)
             visible = visible_keys(
-                key_positions, key_valid, row_position, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
+                key_positions, key_valid, row_position, row_last, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK
             )
             acc, running_max, running_sum = online_softmax_step(
                 q, k, v, visible, acc, running_max, running_sum, scale, softcap, USE_SOFTCAP
@@ -235,6 +243,7 @@ def triton_paged_attention(
     value: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    key_limits: KeyLimits | None = None,
 ) -> torch.Tensor:
     """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -257,6 +266,9 @@ def triton_paged_attention(
     out[metadata.num_query_tokens :] = 0
     if tiles.num_tiles == 0:
         return out
+    use_limits = key_limits is not None and bool(key_limits.rows)
+    if use_limits and attention_chunk_size is not None:
+        raise ValueError("keys past a query's position are not served with chunked local attention")
     paged_attention_kernel[(tiles.num_tiles, num_kv_heads)](
         out,
         query,
@@ -270,6 +282,7 @@ def triton_paged_attention(
         tiles.seq_ids,
         tiles.starts,
         sinks if sinks is not None else query,
+        key_limits.last_positions if use_limits else metadata.seq_lens,
         scale,
         softcap if softcap is not None else 1.0,
         k_scale,
@@ -304,6 +317,7 @@ def triton_paged_attention(
         USE_CHUNK=attention_chunk_size is not None,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
+        USE_LIMITS=use_limits,
         IN_FLIGHT=in_flight,
         **triton_format(key_cache.dtype, key.dtype),
         # fp32 math where the interpreter's bf16 dot is wrong, or where the query and a 16/32-bit cache

@@ -79,12 +79,15 @@ def visible_keys(
     key_positions,
     key_valid,
     row_position,
+    row_last,
     sliding_window,
     chunk_size,
     USE_WINDOW: tl.constexpr,
     USE_CHUNK: tl.constexpr,
 ):
-    visible = key_valid[None, :] & (key_positions[None, :] <= row_position[:, None])
+    # Keys up to the row's last visible position (its own, or past it within an image that attends both
+    # ways); a window counts back from the row's own position.
+    visible = key_valid[None, :] & (key_positions[None, :] <= row_last[:, None])
     if USE_WINDOW:
         visible = visible & (key_positions[None, :] > row_position[:, None] - sliding_window)
     if USE_CHUNK:

@@ -37,6 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
+from hybridkv.kernels.metadata import KeyLimits
 
 ATTN_IMPLEMENTATION = "hybridkv"
 STEP_KWARG = "hybridkv_step"
@@ -93,6 +94,10 @@ class StepContext:
     layers: dict[int, LayerKV]
     metadata: list[PagedAttentionMetadata] = field(default_factory=list)
     deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # A step with the tokens of images that attend both ways: the rows that see past themselves, and the
+    # layers that let them (hybridkv/multimodal.py); None in every other step.
+    key_limits: KeyLimits | None = None
+    image_layers: frozenset[int] = frozenset()
 
     def store(self, layer_idx: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
         """Store a layer's rows of this step into its pages (after its attention: see `hybridkv_attention`)."""
@@ -219,6 +224,7 @@ def paged_attention_op(
         k_scale=layer.k_scale,
         v_scale=layer.v_scale,
         store=layer.writes_kv and not layer.defers_store,
+        key_limits=step.key_limits if step.key_limits is not None and layer_idx in step.image_layers else None,
     )
     if layer.defers_store:
         # A copy: compiled code may reuse the inputs' memory once the op returns.

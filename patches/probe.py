@@ -254,3 +254,64 @@ def _leaving(recorder: Any):
 
 def _mask_horizon(config: Any) -> int:
     return min(max(getattr(config, "max_position_embeddings", 0) or 0, 1 << 16), MAX_MASK_HORIZON)
+
+
+IMAGE_PROBE_SPAN = (8, 12)  # the probe positions marked as one image's tokens
+
+
+class _ImageMaskProbe(Probe):
+    """The probe's recorder, keeping each attention call's mask as well."""
+
+    def __init__(self, horizon: int) -> None:
+        super().__init__(horizon=horizon)
+        self.layer_masks: list[tuple[int, torch.Tensor | None]] = []
+
+    def record(self, module, query, key, value, attention_mask, kwargs):
+        self.layer_masks.append((module.layer_idx, attention_mask))
+        return super().record(module, query, key, value, attention_mask, kwargs)
+
+
+def image_attention_layers(model: torch.nn.Module) -> frozenset[int]:
+    """The layers in which an image's tokens see the later tokens of the same image, as the model's own masks
+    say: one probe forward with positions 8..11 marked as one image (`token_type_ids` / `mm_token_type_ids`,
+    whichever the model's forward takes), then, per layer, whether query 8 sees key 11. Empty for a model
+    whose forward takes neither (its image tokens attend causally, as text)."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    names = [name for name in ("token_type_ids", "mm_token_type_ids") if name in parameters]
+    if not names:
+        return frozenset()
+    config = text_config(model.config)
+    probe = _ImageMaskProbe(horizon=_mask_horizon(config))
+    vocab_size = config.vocab_size
+    ids = (torch.arange(PROBE_TOKENS) + vocab_size // 2) % vocab_size
+    types = torch.zeros(PROBE_TOKENS, dtype=torch.long)
+    start, end = IMAGE_PROBE_SPAN
+    types[start:end] = 1
+    device = input_device(model)
+    with attention_installed(model), attention.probing(probe), torch.inference_mode():
+        try:
+            model(
+                input_ids=ids[None].to(device),
+                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
+                logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
+                use_cache=False,
+                **{name: types[None].to(device) for name in names},
+                **{attention.STEP_KWARG: probe},
+            )
+        except Exception as exc:
+            raise ValueError(
+                f"hybridkv could not tell how {type(model).__name__}'s image tokens attend (its forward with "
+                f"{names[0]} failed: {type(exc).__name__}: {exc}), so it serves it for text only"
+            ) from exc
+    layers = set()
+    for layer_idx, mask in probe.layer_masks:
+        if mask is None:
+            raise ValueError(
+                f"layer {layer_idx} of {type(model).__name__} built no mask: its image attention is unknown"
+            )
+        seen = mask[0, 0, start, end - 1]
+        if bool(seen if seen.dtype == torch.bool else seen == 0):
+            layers.add(layer_idx)
+    return frozenset(layers)

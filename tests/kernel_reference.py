@@ -139,14 +139,18 @@ def reference_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
+    key_limits=None,
 ) -> torch.Tensor:
-    """Dense masked softmax attention in fp64, per sequence, from the dense K/V (never the cache)."""
+    """Dense masked softmax attention in fp64, per sequence, from the dense K/V (never the cache); with
+    ``key_limits`` its listed rows see on to their last visible position (windows count from their own)."""
+    extra = dict(key_limits.rows) if key_limits is not None else {}
     metadata = batch.metadata
     num_q_heads = batch.query.shape[1]
     outputs = []
     query_start = 0
     for seq, (query_len, seq_len) in enumerate(zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)):
         query = batch.query[query_start : query_start + query_len].cpu().double().transpose(0, 1)
+        extras = torch.tensor([extra.get(row, 0) for row in range(query_start, query_start + query_len)])[:, None]
         query_start += query_len
         group = num_q_heads // batch.dense_keys[seq].shape[1]
         keys = batch.dense_keys[seq].double().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -156,7 +160,7 @@ def reference_attention(
             logits = softcap * torch.tanh(logits / softcap)
         query_positions = torch.arange(seq_len - query_len, seq_len)[:, None]
         key_positions = torch.arange(seq_len)[None, :]
-        visible = key_positions <= query_positions
+        visible = key_positions <= query_positions + extras
         if sliding_window is not None:
             visible &= key_positions > query_positions - sliding_window
         if attention_chunk_size is not None:

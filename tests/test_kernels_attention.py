@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.kernels import cpu_decode, paged_attention
+from hybridkv.kernels.metadata import KeyLimits
 
 from kernel_reference import make_paged_batch, max_abs_error, on_device, reference_attention
 
@@ -37,6 +38,35 @@ def attention_error(batch, backend, *, scale=0.125, **options) -> float:
     assert out.shape == (*batch.query.shape[:2], batch.value_cache.shape[-1])
     assert out.dtype == batch.query.dtype
     return max_abs_error(out, reference_attention(batch, scale=scale, **options))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window", [None, 8])
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_rows_that_see_later_keys_of_their_image_match_reference(backend, sliding_window, in_flight):
+    """An image's tokens attending both ways (Gemma 3): rows 3..9 of the first chunk see on to position 9 of
+    their sequence, rows of the second chunk (from position 20) on to position 30; a decode row beside them."""
+    batch = make_paged_batch([12, 1, 16], [12, 40, 36], sliding_window=sliding_window, in_flight=in_flight)
+    first_row_positions = [0, 39 - 12, 20 - 13]  # each row's position is its row index plus its sequence's shift
+    rows = [(row, 9 - row) for row in range(3, 9)] + [
+        (row, 30 - (row + first_row_positions[2])) for row in range(13, 23)
+    ]
+    positions = (
+        [row + first_row_positions[0] for row in range(12)]
+        + [39]
+        + [row + first_row_positions[2] for row in range(13, 29)]
+    )
+    last = torch.tensor(positions, dtype=torch.int32)
+    for row, extra in rows:
+        last[row] += extra
+    limits = KeyLimits(rows, last.to(batch.query.device))
+    options = dict(key=batch.step_keys, value=batch.step_values) if in_flight else {}
+    out = attention(backend, batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale=0.125,
+                    sliding_window=sliding_window, key_limits=limits, **options)  # fmt: skip
+    expected = reference_attention(batch, scale=0.125, sliding_window=sliding_window, key_limits=limits)
+    assert max_abs_error(out, expected) <= FP32_TOLERANCE
+    causal = reference_attention(batch, scale=0.125, sliding_window=sliding_window)
+    assert max_abs_error(causal, expected) > 1e-2  # the limits change the rows they list
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

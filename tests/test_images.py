@@ -1,0 +1,190 @@
+"""Images in prompts: the tokens of tiny random multimodal wrappers equal `model.generate(input_ids,
+pixel_values=...)`'s, with one and two images, an image first, chunked prefill, prefix-cache hits and
+preemption; the encoder cache skips the vision tower for an image seen again; bad inputs are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import models as hf
+
+import hybridkv
+from hybridkv import SamplingParams
+
+from model_zoo import ZOO, _tiny
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def gemma3():
+    """Gemma 3 with SigLIP: a 28-pixel image is 4 tokens, which attend to each other both ways."""
+    model = ZOO["gemma3"]()
+    # transformers starts the projector at zero (every image the same); random weights make images matter.
+    torch.manual_seed(1)
+    model.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0, 1.0)
+    return model, model.config.image_token_id, 4, {"token_type_ids"}
+
+
+def mistral3():
+    """Mistral 3 with Pixtral: a 56-pixel image is 2 x 2 tokens with a row break ([IMG_BREAK], here 250)
+    after each row; causal."""
+    text = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+        patch_size=14, head_dim=16,
+    )  # fmt: skip
+    config = hf.mistral3.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=255, spatial_merge_size=2, initializer_range=0.2
+    )
+    return _tiny(hf.mistral3.Mistral3ForConditionalGeneration, config), 255, 4, set()
+
+
+FAMILIES = {"gemma3": gemma3, "mistral3": mistral3}
+
+
+def image_tokens(family, placeholder, count):
+    if family == "mistral3":
+        return [placeholder, placeholder, 250, placeholder, placeholder, 251]
+    return [1] + [placeholder] * count + [2]
+
+
+def image_inputs(family, seed, num_images):
+    generator = torch.Generator().manual_seed(seed)
+    size = 56 if family == "mistral3" else 28
+    data = {"pixel_values": torch.randn(num_images, 3, size, size, generator=generator)}
+    if family == "mistral3":
+        data["image_sizes"] = torch.tensor([[size, size]] * num_images)
+    return data
+
+
+def prompt_ids(family, placeholder, count, layout, seed=3):
+    text = torch.randint(3, 200, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
+    image = image_tokens(family, placeholder, count)
+    if layout == "first":
+        return image + text[:20]
+    if layout == "two":
+        return text[:5] + image + text[5:25] + image + text[25:31]
+    return text[:9] + image + text[9:30]
+
+
+def reference(model, ids, data, type_fields, placeholder):
+    extra = {name: (torch.tensor([ids]) == placeholder).long() for name in type_fields}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), **data, **extra, max_new_tokens=10, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    model, placeholder, count, type_fields = FAMILIES[request.param]()
+    return request.param, model, placeholder, count, type_fields
+
+
+@pytest.mark.parametrize("layout", ["middle", "first", "two"])
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_tokens_equal_generate_with_images(family, layout, chunk, patched):
+    name, model, placeholder, count, type_fields = family
+    num_images = 2 if layout == "two" else 1
+    data = image_inputs(name, 7, num_images)
+    ids = prompt_ids(name, placeholder, count, layout)
+    expected = reference(model, ids, data, type_fields, placeholder)
+    settings = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = patched(model, max_model_len=128, block_size=4, **settings)
+    (output,) = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": data}], GREEDY, use_tqdm=False)
+    assert output.error is None and output.outputs[0].token_ids == expected
+    # Another image changes the answer (so the images are really used).
+    other = reference(model, ids, image_inputs(name, 8, num_images), type_fields, placeholder)
+    assert other != expected
+    assert llm.stats()["images_encoded"] == num_images
+
+
+def test_gemma3s_images_attend_both_ways_and_that_changes_the_tokens(patched):
+    model, placeholder, count, type_fields = gemma3()
+    data = image_inputs("gemma3", 7, 1)
+    ids = prompt_ids("gemma3", placeholder, count, "middle")
+    expected = reference(model, ids, data, type_fields, placeholder)
+    llm = patched(model, max_model_len=128, block_size=4, enable_prefix_caching=False)  # each run computes all
+    assert llm.runner.context.image_layers == frozenset(range(6))
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": data}
+    (both_ways,) = llm.generate([prompt], params, use_tqdm=False)
+    assert both_ways.outputs[0].token_ids == expected[:1]
+    llm.runner.context.image_layers = frozenset()  # as if causal: another distribution
+    (causal,) = llm.generate([prompt], params, use_tqdm=False)
+    difference = abs(both_ways.outputs[0].cumulative_logprob - causal.outputs[0].cumulative_logprob)
+    assert difference > 1e-3
+
+
+def test_prefix_cache_hits_the_same_image_only_and_the_encoder_cache_skips_the_tower(family, patched):
+    name, model, placeholder, count, type_fields = family
+    ids = prompt_ids(name, placeholder, count, "first")
+    data, other = image_inputs(name, 7, 1), image_inputs(name, 8, 1)
+    llm = patched(model, max_model_len=128, block_size=4)
+    run = lambda d: llm.generate([{"prompt_token_ids": ids, "multi_modal_data": d}], GREEDY, use_tqdm=False)[0]  # noqa: E731
+    first = run(data)
+    hits = llm.stats()["prefix_cache_hits"]
+    second = run({k: v.clone() for k, v in data.items()})  # equal content, another tensor
+    stats = llm.stats()
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert stats["prefix_cache_hits"] - hits >= len(ids) // 4 * 4 - 4 and second.metrics.num_cached_tokens > 0
+    assert (stats["images_encoded"], stats["image_cache_hits"]) == (1, 1)
+    third = run(other)  # another image: the prompt starts with it, so nothing is hit
+    assert third.metrics.num_cached_tokens == 0
+    assert third.outputs[0].token_ids == reference(model, ids, other, type_fields, placeholder)
+    assert llm.stats()["encoder_cache_bytes"] <= llm.config.encoder_cache_bytes
+
+
+def test_the_encoder_cache_keeps_within_its_bytes(patched):
+    model, placeholder, count, _ = gemma3()
+    ids = prompt_ids("gemma3", placeholder, count, "middle")
+    one_image = count * model.config.text_config.hidden_size * 4
+    llm = patched(model, max_model_len=128, block_size=4, encoder_cache_bytes=2 * one_image)
+    for seed in range(4):
+        llm.generate(
+            [{"prompt_token_ids": ids, "multi_modal_data": image_inputs("gemma3", seed, 1)}], GREEDY, use_tqdm=False
+        )
+        assert llm.stats()["encoder_cache_bytes"] <= 2 * one_image
+    assert llm.stats()["images_encoded"] == 4
+
+
+def test_preempted_requests_with_images_keep_their_tokens(family, patched):
+    name, model, placeholder, count, type_fields = family
+    prompts, expected = [], []
+    for seed in range(8):
+        ids = prompt_ids(name, placeholder, count, "middle", seed=seed)
+        data = image_inputs(name, seed, 1)
+        prompts.append({"prompt_token_ids": ids, "multi_modal_data": data})
+        expected.append(reference(model, ids, data, type_fields, placeholder))
+    # Room for the first chunks of two requests, not for both whole: they preempt each other.
+    num_blocks = hybridkv.min_num_blocks(model, block_size=4, max_model_len=48, max_num_batched_tokens=16) + 24
+    llm = patched(model, max_model_len=48, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_bad_image_inputs_are_refused_before_anything_runs(patched):
+    model, placeholder, count, _ = gemma3()
+    llm = patched(model, max_model_len=128, block_size=4)
+    ids = prompt_ids("gemma3", placeholder, count, "middle")
+    data = image_inputs("gemma3", 7, 1)
+    with pytest.raises(ValueError, match="with no image given for it"):
+        llm.add_request(ids)
+    with pytest.raises(ValueError, match="holds 4 image placeholder tokens"):
+        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": image_inputs("gemma3", 7, 2)})
+    with pytest.raises(ValueError, match="images need the model's processor"):
+        llm.add_request({"prompt": "a text", "multi_modal_data": {"image": torch.zeros(3, 28, 28)}})
+    with pytest.raises(ValueError, match="images only"):
+        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": {"audio": [0.0]}})
+    with pytest.raises(ValueError, match="beam search does not take images"):
+        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": data}, hybridkv.BeamSearchParams(beam_width=2))
+    assert not llm.has_unfinished_requests()
+    small = patched(ZOO["gemma3"](), max_model_len=128, block_size=4, max_num_batched_tokens=3)
+    with pytest.raises(ValueError, match="one prefill chunk"):
+        small.add_request({"prompt_token_ids": ids, "multi_modal_data": data})
+    text_only = patched(ZOO["llama"](), max_model_len=64, block_size=4)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.add_request({"prompt_token_ids": [1, 2, 3], "multi_modal_data": data})
