@@ -43,3 +43,42 @@ def conversations(messages_or_conversations: Messages | list[Messages]) -> list[
             return messages_or_conversations
         return [messages_or_conversations]
     raise TypeError("chat() takes a conversation (a non-empty list of message dicts) or a list of conversations")
+
+
+def chat_images(messages: Messages) -> list[Any]:
+    """The images of a conversation's content parts (HF's `{"type": "image", "image": ...}`), in order."""
+    images = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image":
+                    if "image" not in part:
+                        raise ValueError(
+                            'an image part needs its image: {"type": "image", "image": PIL image or array}'
+                        )
+                    images.append(part["image"])
+    return images
+
+
+def image_chat_prompt(
+    processor: Any, messages: Messages, images: list[Any], tools: list[dict[str, Any]] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """A conversation with images as the processor renders and processes it (its chat template places each
+    image's start token, the processor expands it): the text, and a dict prompt of its token ids and image
+    tensors (hybridkv/multimodal.py). The template holds the special tokens, so none are added."""
+    if processor is None or getattr(processor, "image_processor", None) is None:
+        raise ValueError(
+            "a chat with images needs the model's processor: hybridkv.patch(model, processor=AutoProcessor...)"
+        )
+    if not getattr(processor, "chat_template", None):
+        raise ValueError(
+            f"the processor ({type(processor).__name__}) has no chat template; set processor.chat_template"
+        )
+    text = processor.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    try:
+        out = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
+    except Exception as exc:
+        raise ValueError(f"the processor refused the conversation's images: {type(exc).__name__}: {exc}") from exc
+    data = {key: value for key, value in out.items() if key not in ("input_ids", "attention_mask")}
+    return text, {"prompt_token_ids": out["input_ids"][0].tolist(), "multi_modal_data": data}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridkv.chat import Messages, chat_prompt, conversations
+from hybridkv.chat import Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.exclusive import exclusive
 from hybridkv.inputs import Prompt, prompt_list
 from hybridkv.outputs import RequestOutput, StreamDelta
@@ -52,12 +52,19 @@ class RunLoops:
         """`generate` for conversations (one, or a list of them): each is rendered with the tokenizer's chat
         template (`add_generation_prompt=True`, vLLM's semantics; `tools`, OpenAI's function definitions, go
         to the template: hybridkv.tool_calls parses the calls out of the text); a tokenizer without one is a
-        clear error."""
-        rendered = [chat_prompt(self.tokenizer, conversation, tools) for conversation in conversations(messages)]
+        clear error. A message's content may be HF's parts, images among them (`{"type": "image", "image":
+        image}`): the processor given to patch renders and processes that conversation."""
+        rendered = []
+        for conversation in conversations(messages):
+            images = chat_images(conversation)
+            if images:  # content parts with images: the processor renders and processes them
+                rendered.append(image_chat_prompt(self.processor, conversation, images, tools))
+            else:
+                rendered.append(chat_prompt(self.tokenizer, conversation, tools))
         params = _params_for(params, len(rendered), "conversations")
         checked = []
-        for (text, prompt_ids), p in zip(rendered, params, strict=True):
-            checked.append(self._checked_request(prompt_ids, p, None)._replace(prompt_text=text))
+        for (text, prompt), p in zip(rendered, params, strict=True):
+            checked.append(self._checked_request(prompt, p, None)._replace(prompt_text=text))
         return self._run_to_completion(checked, use_tqdm)
 
     @exclusive

@@ -168,10 +168,7 @@ class ImageEncoder:
         return text, ids, self._images(ids, kwargs)
 
     def _processed(self, prompt: dict[str, Any], images: Any, tokenizer: Any) -> tuple[str, list[int], dict]:
-        if self.processor is None or (
-            not callable(getattr(self.processor, "image_processor", None) or None)
-            and (getattr(self.processor, "image_processor", None) is None)
-        ):
+        if self.processor is None or getattr(self.processor, "image_processor", None) is None:
             raise ValueError(
                 "images need the model's processor: hybridkv.patch(model, processor=AutoProcessor.from_pretrained"
                 "(...)), or give the processor's outputs as {'prompt_token_ids': ..., 'multi_modal_data': "

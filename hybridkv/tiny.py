@@ -177,3 +177,77 @@ def tiny_model(family: str = "gemma3", *, seed: int = 0, **overrides: Any) -> tr
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     return getattr(transformers, FAMILIES[family].model_class)(config).eval()
+
+
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<eos>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def tiny_vision_model(corpus: list[str] | None = None, *, seed: int = 0) -> tuple[transformers.PreTrainedModel, Any]:
+    """A random Gemma 3 with a SigLIP tower (a 28-pixel image is 4 tokens, which attend to each other both ways)
+    and its processor: the PIL image processor (no torchvision) and a byte-level BPE tokenizer trained here
+    with Gemma 3's image tokens and a chat template that reads image parts. No download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
+
+    special = ["<eos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus or ["a tiny random model looks at a tiny random picture. "] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<eos>",
+        extra_special_tokens={"boi_token": special[1], "eoi_token": special[2], "image_token": special[3]},
+    )
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        image_seq_length=4,
+        chat_template=VISION_CHAT_TEMPLATE,
+    )
+    ids = tokenizer.convert_tokens_to_ids(special)
+    text = dict(
+        COMMON,
+        vocab_size=len(tokenizer),
+        num_hidden_layers=6,
+        head_dim=16,
+        sliding_window=WINDOW,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=ids[1],
+        eoi_token_index=ids[2],
+        image_token_index=ids[3],
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+    )
+    for c in (config, config.text_config):
+        for field in ("pad_token_id", "bos_token_id"):
+            if getattr(c, field, None) is not None:
+                object.__setattr__(c, field, None)
+    object.__setattr__(config.text_config, "eos_token_id", ids[0])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    # transformers starts the projector at zero (every image alike); random weights make the image matter.
+    model.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0, 1.0)
+    model.generation_config.eos_token_id = ids[0]
+    return model, processor

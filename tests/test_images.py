@@ -42,7 +42,34 @@ def mistral3():
     return _tiny(hf.mistral3.Mistral3ForConditionalGeneration, config), 255, 4, set()
 
 
-FAMILIES = {"gemma3": gemma3, "mistral3": mistral3}
+def gemma4():
+    """Gemma 4 with its vision tower (patches given as rows: a 4 x 4-patch image is 4 tokens), and
+    `use_bidirectional_attention="vision"`: an image's tokens attend both ways on the sliding layers only."""
+    from model_zoo import GEMMA4_TEXT, VOCAB, F, S
+
+    text = dict(
+        GEMMA4_TEXT, num_hidden_layers=6, layer_types=[S, S, F, S, S, F], num_kv_shared_layers=2,
+        use_bidirectional_attention="vision", initializer_range=0.2,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, patch_size=4, pooling_kernel_size=2, position_embedding_size=64,
+    )  # fmt: skip
+    special = ("image_token_id", "video_token_id", "audio_token_id", "boi_token_id", "eoi_token_id", "boa_token_id")
+    config = hf.gemma4.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        tie_word_embeddings=False,
+        eoa_token_index=VOCAB + len(special),
+        **{field: VOCAB + i for i, field in enumerate(special)},
+    )
+    model = _tiny(hf.gemma4.Gemma4ForConditionalGeneration, config)
+    model.config.text_config.pad_token_id = 0  # its forward embeds the pad id where placeholders sit
+    return model, VOCAB, 4, {"mm_token_type_ids"}
+
+
+FAMILIES = {"gemma3": gemma3, "gemma4": gemma4, "mistral3": mistral3}
 
 
 def image_tokens(family, placeholder, count):
@@ -53,6 +80,12 @@ def image_tokens(family, placeholder, count):
 
 def image_inputs(family, seed, num_images):
     generator = torch.Generator().manual_seed(seed)
+    if family == "gemma4":  # 16 patches of 4 x 4 x 3 values, on a 4 x 4 grid
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1).reshape(1, 16, 2)
+        return {
+            "pixel_values": torch.randn(num_images, 16, 48, generator=generator),
+            "image_position_ids": grid.repeat(num_images, 1, 1),
+        }
     size = 56 if family == "mistral3" else 28
     data = {"pixel_values": torch.randn(num_images, 3, size, size, generator=generator)}
     if family == "mistral3":
@@ -188,3 +221,66 @@ def test_bad_image_inputs_are_refused_before_anything_runs(patched):
     text_only = patched(ZOO["llama"](), max_model_len=64, block_size=4)
     with pytest.raises(ValueError, match="takes no images"):
         text_only.add_request({"prompt_token_ids": [1, 2, 3], "multi_modal_data": data})
+
+
+@pytest.fixture(scope="module")
+def vision():
+    """A tiny Gemma 3 with its processor (PIL image processor, BPE tokenizer with Gemma 3's image tokens)."""
+    from hybridkv.tiny import tiny_vision_model
+
+    return tiny_vision_model()
+
+
+def picture(seed):
+    import numpy as np
+
+    return (np.random.default_rng(seed).random((40, 60, 3)) * 255).astype("uint8")
+
+
+def processed_reference(model, inputs, max_new_tokens=10):
+    with torch.no_grad():
+        out = model.generate(**{k: v for k, v in inputs.items() if k != "attention_mask"}, max_new_tokens=max_new_tokens,
+                             do_sample=False)  # fmt: skip
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_raw_images_through_the_processor_and_chat_parts_equal_generate(vision, patched):
+    model, processor = vision
+    text = "Look: <start_of_image> and <start_of_image> what?"
+    images = [picture(0), picture(1)]
+    expected = processed_reference(model, processor(text=text, images=images, return_tensors="pt"))
+    llm = patched(model, processor=processor, max_model_len=128, block_size=4)
+    (output,) = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected and output.prompt == text
+    conversation = [
+        {"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "text", "text": "Hi"}]}
+    ]
+    rendered = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=rendered, images=images[:1], add_special_tokens=False, return_tensors="pt")
+    (chat,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert chat.outputs[0].token_ids == processed_reference(model, inputs)
+    # stream and n > 1 take the same prompts
+    streamed = [t for delta in llm.stream({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
+                for t in delta.token_ids]  # fmt: skip
+    assert streamed == expected
+    both = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, SamplingParams(
+        n=2, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    assert [c.token_ids for c in both.outputs] == [expected, expected]
+    assert llm.stats()["images_encoded"] == 3 and llm.stats()["image_cache_hits"] >= 2
+
+
+def test_async_engine_takes_image_prompts(vision, patched):
+    import asyncio
+
+    from hybridkv.async_engine import AsyncLLMEngine
+
+    model, processor = vision
+    text = "Look: <start_of_image> what?"
+    expected = processed_reference(model, processor(text=text, images=[picture(2)], return_tensors="pt"))
+    llm = patched(model, processor=processor, max_model_len=128, block_size=4)
+    engine = AsyncLLMEngine(llm)
+    try:
+        output = asyncio.run(engine.generate({"prompt": text, "multi_modal_data": {"image": picture(2)}}, GREEDY))
+    finally:
+        engine.shutdown()
+    assert output.outputs[0].token_ids == expected

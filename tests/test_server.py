@@ -154,8 +154,9 @@ def test_a_chat_renders_the_template_and_streams_the_same_text(client, offline):
 
 
 def test_text_content_parts_are_the_text_and_any_other_part_is_a_400(server, client):
-    """A list of text parts is the text they join; an image (or any non-text part) would be dropped from the
-    prompt and answered as if it had not been sent, so it is refused, and nothing is queued."""
+    """A list of text parts is the text they join; an image sent to a model that takes none, or a part of a kind
+    no model here takes, would be dropped from the prompt and answered as if it had not been sent, so it is
+    refused, and nothing is queued."""
     before = wait_until_idle(server)["num_generated_tokens"]
     parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
     as_parts = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
@@ -163,7 +164,7 @@ def test_text_content_parts_are_the_text_and_any_other_part_is_a_400(server, cli
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     for content, reason in (
-        ([{"type": "text", "text": "What is in this picture?"}, image], "part 1 is of type 'image_url'"),
+        ([{"type": "text", "text": "What is in this picture?"}, image], "takes no images"),
         ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], "part 0 is of type 'input_audio'"),
         ([{"type": "text"}], "part 0 \\(type 'text'\\) needs a string 'text'"),
     ):

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridkv import tool_calls
-from hybridkv.chat import chat_prompt
+from hybridkv.chat import chat_prompt, image_chat_prompt
 from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.serving.images import decode_image
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
     ChatCompletionRequest,
@@ -146,9 +147,16 @@ class OpenAIServing:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
         self._check_model(body.model)
         tools = self._tool_plan(body)
+        image_urls = [url for message in body.messages for url in message.image_urls()]
+        prompt: list[int] | dict[str, Any]
         try:
             messages = [message.as_dict() for message in body.messages]
-            _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools)
+            if image_urls:
+                prompt = await asyncio.to_thread(self._image_prompt, messages, image_urls, body.tools)
+                prompt_ids = prompt["prompt_token_ids"]
+            else:
+                _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools)
+                prompt = prompt_ids
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -161,7 +169,11 @@ class OpenAIServing:
                 raise APIError(400, "a forced tool_choice constrains the output itself: drop response_format", "tools")
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
-        handle, created = self._submit(prompt_ids, params, "chatcmpl"), now()
+        if image_urls:  # the vision tower runs when the request is checked: off the event loop
+            handle = await self._submit_off_loop(prompt, params, "chatcmpl")
+        else:
+            handle = self._submit(prompt_ids, params, "chatcmpl")
+        created = now()
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
@@ -227,6 +239,10 @@ class OpenAIServing:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either a prompt or messages", param="prompt")
         if body.messages is not None:
+            if any(message.image_urls() for message in body.messages):
+                raise APIError(
+                    400, "/tokenize takes text messages only (images are expanded by the processor)", "messages"
+                )
             try:
                 _, tokens = chat_prompt(tokenizer, [message.as_dict() for message in body.messages])
             except (ValueError, TypeError) as error:
@@ -299,16 +315,41 @@ class OpenAIServing:
         except (ValueError, TypeError, ImportError) as error:
             raise APIError(400, str(error), param="response_format") from error
 
+    def _image_prompt(
+        self, messages: list[dict[str, Any]], urls: list[str], tools: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        """A chat with images as the model's processor renders and processes it (in a worker thread)."""
+        llm = self.engine.llm
+        if llm.images is None:
+            refused = getattr(llm, "_images_refused", None)
+            raise ValueError(
+                refused or f"this model ({type(llm.model).__name__}) takes no images: send text parts only"
+            )
+        images = [decode_image(url) for url in urls]
+        _, prompt = image_chat_prompt(llm.processor, messages, images, tools)
+        return prompt
+
+    async def _submit_off_loop(self, prompt: dict[str, Any], params: SamplingParams, prefix: str) -> RequestHandle:
+        try:
+            handle = await asyncio.to_thread(self.engine.submit, prompt, params, request_id(prefix))
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="messages") from error
+        self._track(handle)
+        return handle
+
     def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestHandle:
         try:
             handle = self.engine.submit(prompt_ids, params, request_id=request_id(prefix))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt") from error
-        # Every request is observed when it ends, however its handling ends (a stream closed early too).
+        self._track(handle)
+        return handle
+
+    def _track(self, handle: RequestHandle) -> None:
+        """Observe every request when it ends, however its handling ends (a stream closed early too)."""
         recorder = asyncio.ensure_future(self._record(handle))
         self._recorders.add(recorder)
         recorder.add_done_callback(self._recorders.discard)
-        return handle
 
     async def _record(self, handle: RequestHandle) -> None:
         with contextlib.suppress(Exception):

@@ -144,27 +144,45 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """Content parts must be text: an image (or audio, or any other part) dropped from the prompt would be
-        answered as if it had not been sent."""
+    def _text_and_image_parts_only(cls, content: Any) -> Any:
+        """Content parts must be text or images (`image_url`): a part of another kind (audio, a file) dropped
+        from the prompt would be answered as if it had not been sent."""
         if isinstance(content, list):
             for index, part in enumerate(content):
                 kind = part.get("type")
-                if kind != "text":
+                if kind == "text":
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"part {index} (type 'text') needs a string 'text'")
+                elif kind == "image_url":
+                    image_url = part.get("image_url")
+                    if not isinstance(image_url, dict) or not isinstance(image_url.get("url"), str):
+                        raise ValueError(f'part {index} (type \'image_url\') needs "image_url": {{"url": "data:..."}}')
+                else:
                     raise ValueError(
-                        f"part {index} is of type {kind!r}: this server serves text only (images and other "
-                        "inputs are not supported yet); send only parts of type 'text'"
+                        f"part {index} is of type {kind!r}: this server takes parts of type 'text' and 'image_url' "
+                        "(audio, video and files are not served)"
                     )
-                if not isinstance(part.get("text"), str):
-                    raise ValueError(f"part {index} (type 'text') needs a string 'text'")
         return content
 
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part["image_url"]["url"] for part in self.content if part.get("type") == "image_url"]
+
     def as_dict(self) -> dict[str, Any]:
-        """The message as the chat template reads it; content parts are joined into one text, and an assistant's
-        tool calls carry their arguments as objects (OpenAI sends JSON text; templates read a mapping)."""
+        """The message as the chat template reads it: text parts joined into one text (or, with images, HF's
+        parts: `{"type": "text", ...}` and `{"type": "image"}` in order), and an assistant's tool calls with
+        their arguments as objects (OpenAI sends JSON text; templates read a mapping)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            message["content"] = "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            if self.image_urls():
+                message["content"] = [
+                    {"type": "image"} if part.get("type") == "image_url" else {"type": "text", "text": part["text"]}
+                    for part in self.content
+                ]
+            else:
+                message["content"] = "".join(part.get("text", "") for part in self.content)
         calls = message.get("tool_calls")
         if isinstance(calls, list):
             message["tool_calls"] = [_with_argument_object(call) for call in calls]

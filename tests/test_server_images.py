@@ -1,0 +1,89 @@
+"""Images through the server: OpenAI's `image_url` parts (data URLs) in /v1/chat/completions, with the real
+`openai` client, give the offline engine's tokens for the same conversation; bad images are 400s and
+nothing runs."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_vision_model
+
+MODEL = "tiny-gemma3-vision"
+DEADLINE_SECONDS = 30
+
+
+def picture(seed: int) -> Image.Image:
+    return Image.fromarray((np.random.default_rng(seed).random((40, 60, 3)) * 255).astype(np.uint8))
+
+
+def data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, processor = tiny_vision_model()
+    offline_model, offline_processor = tiny_vision_model()
+    offline = hybridkv.patch(offline_model, processor=offline_processor, max_model_len=128, block_size=4)
+    llm = hybridkv.patch(model, processor=processor, max_model_len=128, block_size=4)
+    handle = hybridkv.serve(llm, port=0, model_name=MODEL)
+    client = openai.OpenAI(base_url=handle.url + "/v1", api_key="-", max_retries=0, timeout=DEADLINE_SECONDS)
+    yield handle, client, offline
+    handle.stop()
+    hybridkv.unpatch(model)
+    hybridkv.unpatch(offline_model)
+
+
+def ask(client, parts, **settings):
+    messages = [{"role": "user", "content": parts}]
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, **settings)
+
+
+def test_an_image_chat_gives_the_offline_engines_tokens(served):
+    _, client, offline = served
+    image = picture(0)
+    # What the server decodes: the PNG round trip is lossless for RGB.
+    conversation = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]}]
+    (expected,) = offline.chat(conversation, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "What?"}]
+    answer = ask(client, parts)
+    assert answer.choices[0].message.content == expected.outputs[0].text
+    assert answer.usage.prompt_tokens == len(expected.prompt_token_ids)
+    streamed = "".join(
+        chunk.choices[0].delta.content or "" for chunk in ask(client, parts, stream=True) if chunk.choices
+    )
+    assert streamed == expected.outputs[0].text
+    other = ask(client, [{"type": "image_url", "image_url": {"url": data_url(picture(1))}}, parts[1]])
+    assert other.choices[0].message.content != expected.outputs[0].text  # the image is really read
+    stats = offline.stats()
+    assert stats["images_encoded"] == 1
+
+
+def test_bad_images_are_400s_and_nothing_runs(served):
+    handle, client, _ = served
+    steps = handle.engine.stats()["num_steps"]
+    text = {"type": "text", "text": "What?"}
+    cases = [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "not fetched"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "does not decode"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"no").decode()}}, "could not be decoded"),
+        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio, video and files"),
+    ]  # fmt: skip
+    for part, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            ask(client, [part, text])
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while handle.engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert handle.engine.stats()["num_steps"] == steps
