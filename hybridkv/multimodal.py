@@ -270,10 +270,7 @@ def _split_per_image(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         kwargs = {**kwargs, "pixel_values": pixel_values}
     if pixel_values is None:
         raise ValueError("processed image inputs need 'pixel_values'")
-    if pixel_values.dim() == 3:  # one CHW image
-        kwargs = {**kwargs, "pixel_values": pixel_values[None]}
-        pixel_values = kwargs["pixel_values"]
-    count = pixel_values.shape[0]
+    count = pixel_values.shape[0]  # batched as the processor makes them: one entry per image
     per_image = []
     for index in range(count):
         one = {}

@@ -29,6 +29,8 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
     engine_config = EngineConfig.from_kwargs(**config)
     if processor is None and getattr(tokenizer, "image_processor", None) is not None:
         processor, tokenizer = tokenizer, tokenizer.tokenizer
+    elif tokenizer is None and processor is not None:
+        tokenizer = getattr(processor, "tokenizer", None)
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is not None:
         if engine.config == engine_config and engine.tokenizer is tokenizer and engine.processor is processor:
