@@ -37,6 +37,7 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.validation import check_bool, check_float, check_int
 
 if TYPE_CHECKING:
+    from hybridkv.multimodal import MultiModalInputs
     from hybridkv.scheduler import Scheduler
 
 EARLY_STOPPING = (True, False, "never")
@@ -132,8 +133,10 @@ class BeamSearch:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         block_size: int | None,
+        multimodal: MultiModalInputs | None = None,
     ) -> None:
         self.request_id = request_id
+        self.multimodal = multimodal  # the prompt's images: every beam carries them (a restart recomputes them)
         self.params = params
         self.width = params.beam_width
         self.prompt_token_ids = list(prompt_token_ids)
@@ -163,7 +166,9 @@ class BeamSearch:
     def _new_request(self, token_ids: Sequence[int], parent: Request | None = None) -> Request:
         """A beam's request (a fork of `parent` takes its tokens' block hashes instead of hashing again)."""
         block_size = self.block_size if parent is None else None
-        request = Request(f"{self.request_id}#beam{self._next_id}", token_ids, self.request_params, block_size)
+        request = Request(
+            f"{self.request_id}#beam{self._next_id}", token_ids, self.request_params, block_size, self.multimodal
+        )
         if parent is not None:
             request.block_size = parent.block_size
             request.block_hashes = list(parent.block_hashes)

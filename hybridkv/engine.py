@@ -225,10 +225,8 @@ class LLMEngine(RunLoops):
             prompt_text, prompt_ids, multimodal = self._multimodal_prompt(prompt)
         else:
             prompt_text, prompt_ids = self.inputs.tokenize(prompt)
-        if multimodal is not None and isinstance(params, BeamSearchParams):
-            raise ValueError("beam search does not take images yet; sample (SamplingParams) instead")
         if isinstance(params, BeamSearchParams):
-            return CheckedRequest(request_id, prompt_text, prompt_ids, params)
+            return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
         if params.structured_outputs is not None:
@@ -273,7 +271,10 @@ class LLMEngine(RunLoops):
     ) -> str:
         block_size = self.config.block_size if self.config.enable_prefix_caching else None
         if isinstance(params, BeamSearchParams):
-            group = BeamSearch(request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size).group
+            search = BeamSearch(
+                request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size, multimodal
+            )
+            group = search.group
         else:
             group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal)
         grammar = None

@@ -212,8 +212,6 @@ def test_bad_image_inputs_are_refused_before_anything_runs(patched):
         llm.add_request({"prompt": "a text", "multi_modal_data": {"image": torch.zeros(3, 28, 28)}})
     with pytest.raises(ValueError, match="images only"):
         llm.add_request({"prompt_token_ids": ids, "multi_modal_data": {"audio": [0.0]}})
-    with pytest.raises(ValueError, match="beam search does not take images"):
-        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": data}, hybridkv.BeamSearchParams(beam_width=2))
     assert not llm.has_unfinished_requests()
     small = patched(ZOO["gemma3"](), max_model_len=128, block_size=4, max_num_batched_tokens=3)
     with pytest.raises(ValueError, match="one prefill chunk"):
@@ -285,3 +283,17 @@ def test_async_engine_takes_image_prompts(vision, patched):
     finally:
         engine.shutdown()
     assert output.outputs[0].token_ids == expected
+
+
+def test_beam_search_takes_images_and_equals_transformers(patched):
+    from test_beam_search import K, assert_same_beams, hf_beam_search
+
+    model, placeholder, count, type_fields = gemma3()
+    data = image_inputs("gemma3", 7, 1)
+    ids = prompt_ids("gemma3", placeholder, count, "middle")
+    types = {name: (torch.tensor([ids]) == placeholder).long() for name in type_fields}
+    expected = hf_beam_search(model, ids, **data, **types)
+    llm = patched(model, max_model_len=128, block_size=4)
+    (output,) = llm.beam_search([{"prompt_token_ids": ids, "multi_modal_data": data}], hybridkv.BeamSearchParams(
+        beam_width=K, max_tokens=8, ignore_eos=True))  # fmt: skip
+    assert_same_beams(output, expected)
