@@ -825,7 +825,7 @@ LAYER_KINDS: dict[str, str] = {
     "cohere2": "3 sliding : 1 full",
     "phi3": "sliding on every layer",
     # other plain decoders
-    "gemma3": "5 sliding : 1 full (multimodal wrapper, text only)",
+    "gemma3": "5 sliding : 1 full (multimodal wrapper; images too: tests/test_images.py)",
     "gemma3n_text": "2 sliding : 1 full, twice; the last 3 layers reuse earlier K/V and hold no pages",
     "olmo2": "full",
     "olmo3": "3 sliding : 1 full",
@@ -862,7 +862,7 @@ LAYER_KINDS: dict[str, str] = {
     # KV_LAYOUTS
     "gemma4_text": "3 sliding (4 kv heads of 16) : 1 full (1 kv head of 32, V from the K projection)",
     "gemma4": "2 sliding (head dim 16) : 1 full (head dim 32), twice; the last 2 layers reuse earlier K/V "
-    "(multimodal wrapper, text only)",
+    "(multimodal wrapper; images too: tests/test_images.py)",
     "mimo_v2_flash": "3 sliding (twice the kv heads, attention sinks) : 1 full, K head dim 24 / V head dim 16",
     "llama4_text": "3 chunked local (chunks of 16) : 1 full (no RoPE)",
     # STATE
