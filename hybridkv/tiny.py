@@ -187,10 +187,20 @@ VISION_CHAT_TEMPLATE = (
 )
 
 
-def tiny_vision_model(corpus: list[str] | None = None, *, seed: int = 0) -> tuple[transformers.PreTrainedModel, Any]:
-    """A random Gemma 3 with a SigLIP tower (a 28-pixel image is 4 tokens, which attend to each other both ways)
-    and its processor: the PIL image processor (no torchvision) and a byte-level BPE tokenizer trained here
-    with Gemma 3's image tokens and a chat template that reads image parts. No download."""
+def tiny_vision_model(
+    corpus: list[str] | None = None,
+    *,
+    seed: int = 0,
+    text: dict[str, Any] | None = None,
+    vision: dict[str, Any] | None = None,
+    image_size: int = 28,
+    tokens_per_image: int = 4,
+) -> tuple[transformers.PreTrainedModel, Any]:
+    """A random Gemma 3 with a SigLIP tower (by default a 28-pixel image is 4 tokens, which attend to each other
+    both ways) and its processor: the PIL image processor (no torchvision) and a byte-level BPE tokenizer trained
+    here with Gemma 3's image tokens and a chat template that reads image parts. No download. `text` and
+    `vision` override config values; an image of `image_size` pixels (patches of 14) is pooled to
+    `tokens_per_image` tokens (a square number)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.gemma3 import Gemma3ImageProcessorPil, Gemma3Processor
@@ -212,13 +222,13 @@ def tiny_vision_model(corpus: list[str] | None = None, *, seed: int = 0) -> tupl
         extra_special_tokens={"boi_token": special[1], "eoi_token": special[2], "image_token": special[3]},
     )
     processor = Gemma3Processor(
-        image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}),
+        image_processor=Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size}),
         tokenizer=tokenizer,
-        image_seq_length=4,
+        image_seq_length=tokens_per_image,
         chat_template=VISION_CHAT_TEMPLATE,
     )
     ids = tokenizer.convert_tokens_to_ids(special)
-    text = dict(
+    text_values = dict(
         COMMON,
         vocab_size=len(tokenizer),
         num_hidden_layers=6,
@@ -227,13 +237,14 @@ def tiny_vision_model(corpus: list[str] | None = None, *, seed: int = 0) -> tupl
         initializer_range=0.3,
         tie_word_embeddings=False,
     )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
-    )
+    vision_values = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=image_size,
+        patch_size=14,
+    )  # fmt: skip
     config = transformers.Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=4,
+        text_config={**text_values, **(text or {})},
+        vision_config={**vision_values, **(vision or {})},
+        mm_tokens_per_image=tokens_per_image,
         boi_token_index=ids[1],
         eoi_token_index=ids[2],
         image_token_index=ids[3],
