@@ -200,7 +200,7 @@ def serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
     try:
-        app = build_app(engine, name, args.api_key, args.tool_call_parser)
+        app = build_app(engine, name, args.api_key, args.tool_call_parser, args.fetch_images)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         choices=list(TOOL_CALL_PARSERS),
         help="the model's tool-call format, parsed for tool_choice 'auto' (default: the one its chat template shows)",
+    )
+    srv.add_argument(
+        "--fetch-images",
+        action="store_true",
+        help="fetch http(s) image URLs in chat messages (default: only data URLs are taken; a remote URL is a 400)",
     )
     add_patch_flags(srv)
     args = parser.parse_args(argv)

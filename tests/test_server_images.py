@@ -90,3 +90,29 @@ def test_bad_images_are_400s_and_nothing_runs(served):
     while handle.engine.stats()["num_running"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert handle.engine.stats()["num_steps"] == steps
+
+
+def test_a_remote_image_is_fetched_only_when_the_server_allows_it(tmp_path):
+    """`--fetch-images` (`fetch_images=True`): an http URL is fetched, here from a loopback file server; a
+    missing file is a clear error; without the flag the URL is refused (the 400 above)."""
+    import functools
+    import http.server
+    import threading
+
+    from hybridkv.serving.images import decode_image
+
+    picture(0).save(tmp_path / "cat.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=files.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{files.server_address[1]}/cat.png"
+        assert np.array_equal(np.asarray(decode_image(url, fetch=True)), np.asarray(picture(0)))
+        with pytest.raises(ValueError, match="gave HTTP 404"):
+            decode_image(url.replace("cat", "dog"), fetch=True)
+        with pytest.raises(ValueError, match="--fetch-images"):
+            decode_image(url)
+    finally:
+        files.shutdown()
+        files.server_close()

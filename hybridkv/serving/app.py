@@ -34,13 +34,18 @@ if TYPE_CHECKING:
 
 
 def build_app(
-    engine: AsyncLLMEngine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None
+    engine: AsyncLLMEngine,
+    model_name: str,
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
+    fetch_images: bool = False,
 ) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
     down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring.
     `tool_call_parser`: the format tool_choice "auto" parses (hybridkv/tool_calls.py; by default the one the
-    chat template shows)."""
-    serving = OpenAIServing(engine, model_name, tool_call_parser)
+    chat template shows). `fetch_images`: image_url parts may name http(s) URLs, which the server fetches
+    (hybridkv/serving/images.py); off, only data URLs are taken."""
+    serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
     app.state.serving = serving
 

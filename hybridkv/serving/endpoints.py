@@ -69,8 +69,11 @@ def _code(status: int) -> str | None:
 class OpenAIServing:
     """The endpoints' logic over one engine and the one model name it answers to."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, tool_call_parser: str | None = None, fetch_images: bool = False
+    ) -> None:
         self.engine = engine
+        self.fetch_images = fetch_images
         self.model_name = model_name
         self.tokenizer = engine.llm.tokenizer
         self.max_model_len = engine.llm.max_model_len
@@ -325,7 +328,7 @@ class OpenAIServing:
             raise ValueError(
                 refused or f"this model ({type(llm.model).__name__}) takes no images: send text parts only"
             )
-        images = [decode_image(url) for url in urls]
+        images = [decode_image(url, self.fetch_images) for url in urls]
         _, prompt = image_chat_prompt(llm.processor, messages, images, tools)
         return prompt
 

@@ -50,6 +50,7 @@ def serve(
     log_level: str = "warning",
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    fetch_images: bool = False,
 ) -> ServerHandle:
     """Serve `llm` (an engine from `hybridkv.patch`, or an `AsyncLLMEngine`) with OpenAI's API from a
     background thread, and return once it accepts connections. `port=0` takes a free port (the handle's
@@ -57,11 +58,11 @@ def serve(
     `name_or_path`, else "hybridkv". An LLMEngine gets an AsyncLLMEngine that `stop()` shuts down. `api_key`:
     every route but `/health` then asks for `Authorization: Bearer <api_key>` (hybridkv/serving/app.py).
     `tool_call_parser`: the tool-call format of tool_choice "auto" (hybridkv/tool_calls.py's PARSER_NAMES; by
-    default the one the chat template shows)."""
+    default the one the chat template shows). `fetch_images`: fetch http(s) image URLs (off: data URLs only)."""
     owns_engine = isinstance(llm, LLMEngine)
     engine = AsyncLLMEngine(llm) if owns_engine else llm
     name = model_name or default_model_name(engine.llm)
-    app = build_app(engine, name, api_key, tool_call_parser)
+    app = build_app(engine, name, api_key, tool_call_parser, fetch_images)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     thread = threading.Thread(target=_run, args=(server,), name="hybridkv-server", daemon=True)
     thread.start()
