@@ -131,6 +131,8 @@ class ImageEncoder:
         self.num_encoded = 0
         self.num_cache_hits = 0
         self._lock = threading.Lock()
+        # The merge check's verdict (None: not run yet; "" passed; else why images are refused).
+        self.refusal: str | None = None
 
     @property
     def serves_images(self) -> bool:
@@ -165,7 +167,66 @@ class ImageEncoder:
             text, ids, kwargs = None, _token_list(ids), {k: v for k, v in data.items() if k not in _TEXT_KEYS}
         if not kwargs:
             return text, ids, None
-        return text, ids, self._images(ids, kwargs)
+        if self.refusal:  # an earlier check refused this model's images: no tower run for nothing
+            raise ValueError(self.refusal)
+        multimodal = self._images(ids, kwargs)
+        self._check_merge(ids, kwargs, multimodal)
+        return text, ids, multimodal
+
+    def _check_merge(self, ids: list[int], kwargs: dict[str, Any], multimodal: MultiModalInputs) -> None:
+        """The first prompt with images is checked once: the model's own forward with its image inputs must give
+        the logits of its forward with hybridkv's merge (the embeddings placed at the placeholders, positions
+        0..n-1, no pixel values), both with the model's own attention. A model that places images otherwise
+        (3-D positions for image tokens, as Qwen2-VL's M-RoPE; a merge that is more than the placement) is
+        refused for images from then on: its tokens would be silently wrong."""
+        with self._lock:
+            refusal = self.refusal
+        if refusal == "":
+            return
+        if refusal is None:
+            refusal = self._merge_differs(ids, kwargs, multimodal)
+            with self._lock:
+                self.refusal = refusal
+        if refusal:
+            raise ValueError(refusal)
+
+    def _merge_differs(self, ids: list[int], kwargs: dict[str, Any], multimodal: MultiModalInputs) -> str:
+        model = self.model
+        device = next(model.parameters()).device
+        dtype = model.get_input_embeddings().weight.dtype
+        input_ids = torch.tensor([ids], device=device)
+        parameters = inspect.signature(model.forward).parameters
+        types = {
+            name: (input_ids == self.image_token_id).long()
+            for name in ("token_type_ids", "mm_token_type_ids")
+            if name in parameters
+        }
+        moved = {
+            k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
+            for k, v in kwargs.items()
+        }
+        rows = [position for image in multimodal.images for position in image.positions]
+        features = torch.cat([image.features for image in multimodal.images])
+        try:
+            with torch.inference_mode():
+                own = model(input_ids=input_ids, **moved, **types, use_cache=False).logits[0].float()
+                with image_embeddings_placed(model, rows, features):
+                    positions = torch.arange(len(ids), device=device)[None]
+                    placed = model(input_ids=input_ids, position_ids=positions, **types, use_cache=False)
+                placed = placed.logits[0].float()
+        except Exception as exc:
+            return (
+                f"{type(model).__name__} failed hybridkv's check of its image merge ({type(exc).__name__}: {exc}): "
+                "it is served for text only"
+            )
+        difference = (own - placed).abs().max().item()
+        if not difference <= 1e-4 * max(1.0, own.abs().max().item()):
+            return (
+                f"{type(model).__name__} does not place images the way hybridkv does (its own forward with the "
+                f"images and hybridkv's placement of their embeddings differ by {difference:.3g} in the logits; "
+                "e.g. 3-D positions for image tokens): it is served for text only"
+            )
+        return ""
 
     def _processed(self, prompt: dict[str, Any], images: Any, tokenizer: Any) -> tuple[str, list[int], dict]:
         if self.processor is None or getattr(self.processor, "image_processor", None) is None:
@@ -240,8 +301,15 @@ class ImageEncoder:
         accepted = inspect.signature(self.model.get_image_features).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         moved = {k: v for k, v in moved.items() if takes_any or k in accepted}
-        with torch.inference_mode():
-            output = self.model.get_image_features(**moved)
+        try:
+            with torch.inference_mode():
+                output = self.model.get_image_features(**moved)
+        except Exception as exc:
+            shapes = {k: tuple(v.shape) for k, v in moved.items() if torch.is_tensor(v)}
+            raise ValueError(
+                f"the model's vision tower failed on an image given as {shapes} ({type(exc).__name__}: {exc}); "
+                "give the processor's outputs batched per image, as the processor makes them"
+            ) from exc
         features = getattr(output, "pooler_output", output)
         if isinstance(features, (list, tuple)):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])

@@ -297,3 +297,26 @@ def test_beam_search_takes_images_and_equals_transformers(patched):
     (output,) = llm.beam_search([{"prompt_token_ids": ids, "multi_modal_data": data}], hybridkv.BeamSearchParams(
         beam_width=K, max_tokens=8, ignore_eos=True))  # fmt: skip
     assert_same_beams(output, expected)
+
+
+def test_a_model_that_places_images_otherwise_is_refused_for_images(patched):
+    """Qwen2-VL gives image tokens 3-D positions (M-RoPE): hybridkv's placement at 1-D positions would give
+    other logits, so the first image prompt's check refuses images (text is still served)."""
+    text = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    )  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, mlp_ratio=2)  # fmt: skip
+    config = hf.qwen2_vl.Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=250, vision_start_token_id=251, vision_end_token_id=252
+    )
+    model = _tiny(hf.qwen2_vl.Qwen2VLForConditionalGeneration, config)
+    llm = patched(model, max_model_len=128, block_size=4)
+    data = {"pixel_values": torch.randn(1, 16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    ids = [5, 6, 7, 251] + [250] * 4 + [252, 8, 9, 10]
+    for _ in range(2):  # the verdict is kept
+        with pytest.raises(ValueError, match="does not place images the way hybridkv does"):
+            llm.add_request({"prompt_token_ids": ids, "multi_modal_data": data})
+    assert llm.images.num_encoded == 1 and not llm.has_unfinished_requests()  # refused at once the second time
+    assert llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].error is None
