@@ -73,24 +73,15 @@ def corpus(limit_bytes: int) -> list[str]:
 
 
 def bpe_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer of about vocab_size tokens, trained once and cached on disk."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE tokenizer of about vocab_size tokens (hybridkv.cli's trainer), trained once and cached."""
     from transformers import PreTrainedTokenizerFast
+
+    from hybridkv.cli import tiny_tokenizer
 
     path = CACHE / f"bpe-{vocab_size}.json"
     if not path.exists():
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=["<eos>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tokenizer.train_from_iterator(corpus(8 * vocab_size * 40), trainer)
         CACHE.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(str(path))
+        tiny_tokenizer(corpus(8 * vocab_size * 40), vocab_size=vocab_size).backend_tokenizer.save(str(path))
     return PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<eos>")
 
 

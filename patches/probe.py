@@ -176,7 +176,11 @@ class StateRecorder(PassThroughCache):
         return recurrent_states
 
 
-def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int, recorder: Any = None) -> None:
+def _probe_forward(
+    model: torch.nn.Module, probe: Probe, vocab_size: int, recorder: Any = None, inputs: dict[str, Any] | None = None
+) -> None:
+    """The probe forward: PROBE_TOKENS ordinary ids (and `inputs`, per-token tensors such as token type ids,
+    given for one sequence) through the model with hybridkv's functions recording."""
     # Ordinary tokens from the middle of the vocabulary: special and multimodal ids sit at its ends.
     ids = (torch.arange(PROBE_TOKENS) + vocab_size // 2) % vocab_size
     device = input_device(model)
@@ -196,6 +200,7 @@ def _probe_forward(model: torch.nn.Module, probe: Probe, vocab_size: int, record
                 logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
                 use_cache=False,
                 **cache,
+                **{name: value[None].to(device) for name, value in (inputs or {}).items()},
                 **{attention.STEP_KWARG: probe},
             )
         except Exception as exc:
@@ -284,27 +289,16 @@ def image_attention_layers(model: torch.nn.Module) -> frozenset[int]:
         return frozenset()
     config = text_config(model.config)
     probe = _ImageMaskProbe(horizon=_mask_horizon(config))
-    vocab_size = config.vocab_size
-    ids = (torch.arange(PROBE_TOKENS) + vocab_size // 2) % vocab_size
     types = torch.zeros(PROBE_TOKENS, dtype=torch.long)
     start, end = IMAGE_PROBE_SPAN
     types[start:end] = 1
-    device = input_device(model)
-    with attention_installed(model), attention.probing(probe), torch.inference_mode():
-        try:
-            model(
-                input_ids=ids[None].to(device),
-                position_ids=torch.arange(PROBE_TOKENS, device=device)[None],
-                logits_to_keep=torch.tensor([PROBE_TOKENS - 1], device=device),
-                use_cache=False,
-                **{name: types[None].to(device) for name in names},
-                **{attention.STEP_KWARG: probe},
-            )
-        except Exception as exc:
-            raise ValueError(
-                f"hybridkv could not tell how {type(model).__name__}'s image tokens attend (its forward with "
-                f"{names[0]} failed: {type(exc).__name__}: {exc}), so it serves it for text only"
-            ) from exc
+    try:
+        _probe_forward(model, probe, config.vocab_size, inputs=dict.fromkeys(names, types))
+    except ValueError as exc:
+        raise ValueError(
+            f"hybridkv could not tell how {type(model).__name__}'s image tokens attend (its forward with "
+            f"{names[0]} failed: {exc.__cause__!r}), so it serves it for text only"
+        ) from exc
     layers = set()
     for layer_idx, mask in probe.layer_masks:
         if mask is None:
