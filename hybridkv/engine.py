@@ -151,6 +151,7 @@ class LLMEngine(RunLoops):
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
+        self.images_refused: str | None = None  # why a model that takes images cannot get them here
         self.images = self._image_encoder(model, processor, layout)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
@@ -177,17 +178,16 @@ class LLMEngine(RunLoops):
         encoder = ImageEncoder(model, processor, bidirectional=False, cache_bytes=self.config.encoder_cache_bytes)
         if not encoder.serves_images:
             return None
-        self._images_refused = None
         if layout.states or self.tp is not None:
-            self._images_refused = "images are not served with state layers or tensor parallelism yet"
+            self.images_refused = "images are not served with state layers or tensor parallelism yet"
             return None
         try:
             layers = image_attention_layers(model)
         except ValueError as error:
-            self._images_refused = str(error)
+            self.images_refused = str(error)
             return None
         if layers and any(self.runner.layers[i].attention_chunk_size for i in layers if i in self.runner.layers):
-            self._images_refused = "images that attend both ways are not served with chunked local attention"
+            self.images_refused = "images that attend both ways are not served with chunked local attention"
             return None
         self.runner.context.image_layers = layers
         encoder.bidirectional = bool(layers)
@@ -241,8 +241,8 @@ class LLMEngine(RunLoops):
 
     def _multimodal_prompt(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], MultiModalInputs | None]:
         if self.images is None:
-            if getattr(self, "_images_refused", None) and (prompt.get("multi_modal_data") or {}):
-                raise ValueError(f"this model's prompts cannot hold images here: {self._images_refused}")
+            if self.images_refused and (prompt.get("multi_modal_data") or {}):
+                raise ValueError(f"this model's prompts cannot hold images here: {self.images_refused}")
             encoder = ImageEncoder(self.model, self.processor, bidirectional=False)
         else:
             encoder = self.images

@@ -183,7 +183,8 @@ def test_the_encoder_cache_keeps_within_its_bytes(patched):
     assert llm.stats()["images_encoded"] == 4
 
 
-def test_preempted_requests_with_images_keep_their_tokens(family, patched):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_with_images_keep_their_tokens(family, mode, patched):
     name, model, placeholder, count, type_fields = family
     prompts, expected = [], []
     for seed in range(8):
@@ -193,10 +194,12 @@ def test_preempted_requests_with_images_keep_their_tokens(family, patched):
         expected.append(reference(model, ids, data, type_fields, placeholder))
     # Room for the first chunks of two requests, not for both whole: they preempt each other.
     num_blocks = hybridkv.min_num_blocks(model, block_size=4, max_model_len=48, max_num_batched_tokens=16) + 24
-    llm = patched(model, max_model_len=48, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16)
+    swap = {"preemption_mode": "swap", "swap_space": 1 << 22} if mode == "swap" else {}
+    llm = patched(model, max_model_len=48, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16, **swap)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert llm.stats()["num_preemptions"] > 0
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and (stats["num_swaps"] > 0) == (mode == "swap")
 
 
 def test_bad_image_inputs_are_refused_before_anything_runs(patched):

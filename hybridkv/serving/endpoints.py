@@ -324,7 +324,7 @@ class OpenAIServing:
         """A chat with images as the model's processor renders and processes it (in a worker thread)."""
         llm = self.engine.llm
         if llm.images is None:
-            refused = getattr(llm, "_images_refused", None)
+            refused = llm.images_refused
             raise ValueError(
                 refused or f"this model ({type(llm.model).__name__}) takes no images: send text parts only"
             )
