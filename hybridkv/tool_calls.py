@@ -216,8 +216,8 @@ def forced_calls(text: str, named: str | None) -> list[ToolCall]:
         value = json.loads(text)
     except ValueError:
         return []
-    if named is not None:
-        return [ToolCall(named, json.dumps(value))]
+    if named is not None:  # the output is the arguments, as the model wrote them (what a stream sends)
+        return [ToolCall(named, text.strip())]
     return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in value]
 
 

@@ -434,9 +434,12 @@ class OpenAIServing:
     def _chat_choice(
         self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending, tools: ToolPlan
     ) -> dict[str, Any]:
-        """A chat chunk. With tools, text from where the calls start is held back; the calls come with the
-        finishing chunk, one entry each (OpenAI's delta shape, complete arguments), or the held text if they
-        did not parse."""
+        """A chat chunk. A named tool_choice streams its one call's arguments as they come, as OpenAI does (the
+        first chunk names the function). With other tools, text from where the calls start is held back; the
+        calls come with the finishing chunk, one entry each (complete arguments), or the held text if they did
+        not parse."""
+        if tools.named is not None:
+            return self._named_call_chunk(delta, first, held, tools.named)
         text, finish_reason, calls = delta.text, delta.finish_reason, []
         if tools.parses:
             held.text += delta.text
@@ -460,6 +463,19 @@ class OpenAIServing:
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self.token_text.chat_logprobs_of(*held.take())
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _named_call_chunk(self, delta: StreamDelta, first: bool, held: _Pending, name: str) -> dict[str, Any]:
+        """A chunk of a named tool_choice's stream: the whole output is the function's arguments (held to its
+        schema), so each delta's text is the next piece of them."""
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+        message: dict[str, Any] = {"tool_calls": [call]}
+        if first:
+            call.update(id=tool_calls.ToolCall(name, "").id, type="function")
+            call["function"]["name"] = name
+            message = {"role": "assistant", "content": None, **message}
+        finish_reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
+        logprobs = self.token_text.chat_logprobs_of(*held.take()) if delta.logprobs is not None else None
         return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
