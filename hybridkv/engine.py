@@ -246,7 +246,7 @@ class LLMEngine(RunLoops):
             encoder = ImageEncoder(self.model, self.processor, bidirectional=False)
         else:
             encoder = self.images
-        text, ids, multimodal = encoder.inputs(prompt, self.tokenizer)
+        text, ids, multimodal = encoder.inputs(prompt)
         placeholder = encoder.image_token_id if multimodal is not None else None
         self.inputs.check(ids, allowed=placeholder)
         if multimodal is not None and multimodal.bidirectional:

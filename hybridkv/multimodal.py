@@ -138,7 +138,7 @@ class ImageEncoder:
     def serves_images(self) -> bool:
         return self.image_token_id is not None and callable(getattr(self.model, "get_image_features", None))
 
-    def inputs(self, prompt: dict[str, Any], tokenizer: Any) -> tuple[str | None, list[int], MultiModalInputs | None]:
+    def inputs(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], MultiModalInputs | None]:
         """A dict prompt's text, its token ids (placeholders expanded) and its images' embeddings."""
         unknown = prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data"}
         if unknown:
@@ -159,7 +159,7 @@ class ImageEncoder:
                 "get_image_features): load the model's ...ForConditionalGeneration class"
             )
         if "image" in data:
-            text, ids, kwargs = self._processed(prompt, data["image"], tokenizer)
+            text, ids, kwargs = self._processed(prompt, data["image"])
         else:
             ids = prompt.get("prompt_token_ids", prompt.get("prompt"))
             if isinstance(ids, str):
@@ -193,7 +193,6 @@ class ImageEncoder:
     def _merge_differs(self, ids: list[int], kwargs: dict[str, Any], multimodal: MultiModalInputs) -> str:
         model = self.model
         device = next(model.parameters()).device
-        dtype = model.get_input_embeddings().weight.dtype
         input_ids = torch.tensor([ids], device=device)
         parameters = inspect.signature(model.forward).parameters
         types = {
@@ -201,10 +200,7 @@ class ImageEncoder:
             for name in ("token_type_ids", "mm_token_type_ids")
             if name in parameters
         }
-        moved = {
-            k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
-            for k, v in kwargs.items()
-        }
+        moved = self._on_model(kwargs)
         rows = [position for image in multimodal.images for position in image.positions]
         features = torch.cat([image.features for image in multimodal.images])
         try:
@@ -228,7 +224,7 @@ class ImageEncoder:
             )
         return ""
 
-    def _processed(self, prompt: dict[str, Any], images: Any, tokenizer: Any) -> tuple[str, list[int], dict]:
+    def _processed(self, prompt: dict[str, Any], images: Any) -> tuple[str, list[int], dict]:
         if self.processor is None or getattr(self.processor, "image_processor", None) is None:
             raise ValueError(
                 "images need the model's processor: hybridkv.patch(model, processor=AutoProcessor.from_pretrained"
@@ -290,14 +286,18 @@ class ImageEncoder:
                     self.cached_bytes -= dropped.numel() * dropped.element_size()
         return features
 
-    def _encode(self, image_kwargs: dict[str, Any]) -> torch.Tensor:
-        """The model's own vision tower and projector for one image: `[tokens, hidden]`."""
+    def _on_model(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Processor outputs on the model's device, floating tensors in its dtype."""
         device = next(self.model.parameters()).device
         dtype = self.model.get_input_embeddings().weight.dtype
-        moved = {
+        return {
             k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) if torch.is_tensor(v) else v
-            for k, v in image_kwargs.items()
+            for k, v in kwargs.items()
         }
+
+    def _encode(self, image_kwargs: dict[str, Any]) -> torch.Tensor:
+        """The model's own vision tower and projector for one image: `[tokens, hidden]`."""
+        moved = self._on_model(image_kwargs)
         accepted = inspect.signature(self.model.get_image_features).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
         moved = {k: v for k, v in moved.items() if takes_any or k in accepted}
@@ -313,7 +313,7 @@ class ImageEncoder:
         features = getattr(output, "pooler_output", output)
         if isinstance(features, (list, tuple)):
             features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
-        return features.reshape(-1, features.shape[-1]).to(dtype)
+        return features.reshape(-1, features.shape[-1]).to(self.model.get_input_embeddings().weight.dtype)
 
 
 def image_token_id(config: Any) -> int | None:
