@@ -251,8 +251,7 @@ class LLMEngine(RunLoops):
         self.inputs.check(ids, allowed=placeholder)
         if multimodal is not None and multimodal.bidirectional:
             longest = max(end - start for start, end in multimodal.spans)
-            cap = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
-            cap = min(cap, self.config.max_num_batched_tokens)
+            cap = self.scheduler.chunk_cap()
             if longest > cap:
                 raise ValueError(
                     f"an image of {longest} tokens attends both ways and must be computed in one prefill chunk, "

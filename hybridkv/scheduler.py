@@ -181,7 +181,9 @@ class Scheduler:
             )
         return None
 
-    def _chunk_cap(self) -> int:
+    def chunk_cap(self) -> int:
+        """The most tokens one request computes in a step: max_num_batched_tokens, or less with
+        long_prefill_token_threshold."""
         threshold = self.config.long_prefill_token_threshold
         budget = self.config.max_num_batched_tokens
         return min(threshold, budget) if threshold else budget
@@ -208,7 +210,7 @@ class Scheduler:
         return out
 
     def _schedule(self, out: SchedulerOutput) -> None:
-        cap = self._chunk_cap()
+        cap = self.chunk_cap()
         coordinator = self.coordinator
         allocate, running, max_tokens = (
             coordinator.allocate_slots,
