@@ -155,6 +155,13 @@ class KVCacheCoordinator:
         # pending steps (an update drops them).
         self._next_change: dict[str, int] = {}
         self._window_steps = [m.steps for m in self._windowed]
+        # What `_next_change_after` reads of each group: (block size, window, chunk size), once per distinct kind.
+        self._change_rules = list(
+            dict.fromkeys(
+                (m.block_size, getattr(m, "sliding_window", None), getattr(m, "attention_chunk_size", None))
+                for m in self.managers
+            )
+        )
 
     def find_longest_cache_hit(self, request: KVRequest) -> CacheHit:
         """The longest block-aligned prefix of the request's tokens cached in every group.
@@ -239,6 +246,16 @@ class KVCacheCoordinator:
         """
         request_id = request.request_id
         slots = self.state_slots
+        if hit is None and self._one_block_size and request_id not in self._may_share:
+            # Most decode steps need no block in any group (one block size: every list covers the same
+            # positions) and the request holds its state slot already: say so without counting.
+            held = self._first_lists.get(request_id)
+            if (
+                held is not None
+                and request.num_computed_tokens + num_new_tokens <= len(held) * self._first_size
+                and (slots is None or request_id in slots.held)
+            ):
+                return True
         if slots is not None and request_id not in slots.held:
             if not slots.num_free:
                 return False
@@ -254,12 +271,6 @@ class KVCacheCoordinator:
     def _allocate_blocks(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None) -> bool:
         """`allocate_slots` in every KV cache group (the state slot aside)."""
         request_id = request.request_id
-        if hit is None and self._one_block_size and request_id not in self._may_share:
-            # Most decode steps need no block in any group (one block size: every list covers the same
-            # positions): say so without counting.
-            held = self._first_lists.get(request_id)
-            if held is not None and request.num_computed_tokens + num_new_tokens <= len(held) * self._first_size:
-                return True
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         shared = self._shared_writes(request_id, num_computed) if request_id in self._may_share else []
@@ -443,13 +454,10 @@ class KVCacheCoordinator:
         """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group: a
         block fills, or a window's or chunk's first needed block moves on."""
         nearest = None
-        for manager in self.managers:
-            block_size = manager.block_size
+        for block_size, window, chunk in self._change_rules:
             change = (num_computed // block_size + 1) * block_size
-            window = getattr(manager, "sliding_window", None)
             if window is not None:
                 change = min(change, (max(0, num_computed - window + 1) // block_size + 1) * block_size + window - 1)
-            chunk = getattr(manager, "attention_chunk_size", None)
             if chunk is not None:
                 change = min(change, (num_computed // chunk + 1) * chunk)
             nearest = change if nearest is None else min(nearest, change)

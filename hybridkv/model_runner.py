@@ -302,7 +302,7 @@ class ModelRunner:
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            if num_new < 1 or end > request.num_tokens:
+            if num_new < 1 or end > len(request.token_ids):
                 raise ValueError(
                     f"request {request.request_id!r}: a step must compute 1 to {request.num_tokens - start} of its "
                     f"tokens, not {num_new}"
@@ -316,7 +316,9 @@ class ModelRunner:
                 input_ids.extend(request.token_ids[start:end])
             query_lens.append(num_new)
             seq_lens.append(end)
-            if samples:  # one row of logits per sample that draws from it (forks share their leader's)
+            if len(samples) == 1:
+                sample_rows.append(len(input_ids) - 1)
+            elif samples:  # one row of logits per sample that draws from it (forks share their leader's)
                 sample_rows.extend([len(input_ids) - 1] * len(samples))
         self.prepare_seconds += time.perf_counter() - start_time
         if self.verify_tables is not None:

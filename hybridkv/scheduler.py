@@ -69,6 +69,9 @@ class ScheduledRequest(NamedTuple):
     samples: tuple[Request, ...]
 
 
+_new_tuple = tuple.__new__
+
+
 @dataclass
 class SchedulerOutput:
     """One step's plan, everything the model runner needs: the requests to run (in batch order), their
@@ -113,9 +116,10 @@ class SchedulerOutput:
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples: tuple[Request, ...] = ()
         if request.num_computed_tokens + num_new_tokens == len(request.token_ids):
-            group = request.group
-            samples = (request,) if len(group.members) == 1 else (request, *group.held_followers(request))
-        self.scheduled.append(ScheduledRequest(request, num_new_tokens, samples))
+            members = request.group.members
+            samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
+        # tuple.__new__: a NamedTuple's own constructor is a Python function, and this runs per request and step.
+        self.scheduled.append(_new_tuple(ScheduledRequest, (request, num_new_tokens, samples)))
         self.num_tokens += num_new_tokens
 
     def drop(self, requests: list[Request]) -> None:

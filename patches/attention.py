@@ -123,16 +123,22 @@ def probing(probe: Any) -> Iterator[None]:
         _running.probe = previous
 
 
-@contextlib.contextmanager
-def running_step(step: StepContext) -> Iterator[None]:
+class running_step:  # a context manager, named as the function it was
     """Marks an engine forward in this thread: the mask function builds no mask, and each layer's op finds
-    its pages and metadata in `step`."""
-    previous = getattr(_running, "step", None)
-    _running.step = step
-    try:
-        yield
-    finally:
-        _running.step = previous
+    its pages and metadata in `step`. A class rather than a generator: it is entered once per step."""
+
+    __slots__ = ("previous", "step")
+
+    def __init__(self, step: StepContext) -> None:
+        self.step = step
+        self.previous: StepContext | None = None
+
+    def __enter__(self) -> None:
+        self.previous = getattr(_running, "step", None)
+        _running.step = self.step
+
+    def __exit__(self, *exc_info: object) -> None:
+        _running.step = self.previous
 
 
 def current_step() -> StepContext:
