@@ -5,20 +5,29 @@ greedy, repeated; prints the median per step of the host time (scheduling, input
 sampling, update) with its parts, the forward's time and the share, and the host time per decode step
 alone (a step whose every row is a sequence's one new token: the prefill chunks' steps, which allocate and
 hash whole prompts, are left out of that figure). Machine speed drifts on shared
-cores, so compare two versions by running them back to back, alternated, several times: install the
-other version to a folder (`pip install --no-deps --target DIR <checkout>`) and run this script with
-`PYTHONPATH=DIR` (the model comes from `hybridkv.tiny`, present since the engine-step refactor).
+cores, so compare two versions in one process: install the other version to a folder (`pip install --no-deps
+--target DIR <checkout>`) and pass `--against DIR`. Its package is copied with every `hybridkv` in it renamed
+(so its attention op and functions register apart from this one's), imported beside this checkout's, and the
+two run the same workload alternately, run by run; each pair's ratio is printed (the machine's drift over
+seconds cancels in a pair, where back-to-back processes saw 0.75-1.05 between two copies of one commit).
+Any version since the engine-step refactor runs (the model comes from `hybridkv.tiny`).
 
 `--model qwen3_5` or `nemotron_h` runs benchmarks/state_layers.py's models with state layers instead (their
 state checkpoints' planning is host work too: compare with `--no-prefix-caching`).
 
     python benchmarks/host_overhead.py [--threads 1] [--repeats 4] [--model hybrid] [--no-prefix-caching]
+    python benchmarks/host_overhead.py --against DIR [--pairs 6] [--workloads mixed,shared]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import shutil
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -34,6 +43,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--model", default="hybrid", choices=["hybrid", "qwen3_5", "nemotron_h"])
     parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--against", type=Path, help="a folder holding another version of hybridkv (pip --target)")
+    parser.add_argument("--pairs", type=int, default=6, help="with --against: alternated pairs of runs")
+    parser.add_argument("--workloads", default="mixed,shared")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "hybrid":
@@ -42,8 +54,11 @@ def main() -> None:
         from state_layers import MODELS
 
         model = MODELS[args.model]()
+    if args.against is not None:
+        compare(model, load_renamed(args.against), args.pairs, args.workloads.split(","), args.prefix_caching)
+        return
     print(f"torch {torch.__version__}, {args.threads} threads; median of {args.repeats - 1} runs after a warm-up")
-    for name in ("mixed", "shared"):
+    for name in args.workloads.split(","):
         prompts, max_new = workload(name)
         runs = []
         for _ in range(args.repeats):
@@ -74,6 +89,47 @@ def main() -> None:
             f"host / forward {host / forward:.1%}; {steps} steps; host per decode step {decode:.3f} ms "
             f"({decode_steps} decode steps)"
         )
+
+
+def load_renamed(folder: Path):
+    """The hybridkv installed in `folder`, copied to a scratch folder as `hybridkv_base` with every mention of its
+    name rewritten, and imported."""
+    scratch = Path(tempfile.mkdtemp(prefix="host_overhead_"))
+    shutil.copytree(folder / "hybridkv", scratch / "hybridkv_base", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in (scratch / "hybridkv_base").rglob("*"):
+        if path.suffix in (".py", ".c"):
+            path.write_text(path.read_text().replace("hybridkv", "hybridkv_base"))
+    sys.path.insert(0, str(scratch))
+    return importlib.import_module("hybridkv_base")
+
+
+def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool) -> None:
+    """Host work per step and per decode step of this checkout against `base`, alternated run by run in this
+    process (which goes first alternates too), after a warm-up run of each."""
+
+    def run(package, prompts, max_new) -> tuple[float, float]:
+        llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching)
+        decode_host, decode_steps = run_steps(llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new))
+        host = (llm.step_seconds - llm.runner.forward_seconds) / llm.num_steps
+        package.unpatch(model)
+        return host * 1e3, decode_host / decode_steps * 1e3
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; this checkout against {base.__file__}")
+    for name in workloads:
+        prompts, max_new = workload(name)
+        run(hybridkv, prompts, max_new), run(base, prompts, max_new)
+        results: dict[str, list[tuple[float, float]]] = {"base": [], "new": []}
+        for pair in range(pairs):
+            order = [("base", base), ("new", hybridkv)]
+            for label, package in order if pair % 2 == 0 else reversed(order):
+                results[label].append(run(package, prompts, max_new))
+        for index, what in enumerate(("host per step", "host per decode step")):
+            old, new = ([r[index] for r in results[label]] for label in ("base", "new"))
+            ratios = [b / a for a, b in zip(old, new, strict=True)]
+            print(
+                f"{name:<7} {what}: base {statistics.median(old):.3f} ms, this {statistics.median(new):.3f} ms; "
+                f"this / base per pair {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.3f}"
+            )
 
 
 def run_steps(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:

@@ -45,6 +45,7 @@ class InputBatch:
             block_size: np.zeros((count, max_rows + 1, cdiv(max_model_len, block_size)), dtype=np.int32)
             for block_size, count in counts.items()
         }
+        self._widths = {block_size: table.shape[2] for block_size, table in self.tables.items()}
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         # Each row's state slot (a model with state layers; the padding row's is the scratch slot, 0).
@@ -61,13 +62,22 @@ class InputBatch:
             row = self.rows.pop(request_id, None)
             if row is not None:
                 self._free_rows.append(row)
-        rows, tables, slots = self.rows, self.tables, self.group_slots
+        rows, slots = self.rows, self.group_slots
+        for _, request_id, _, _ in updates.entries:
+            if request_id not in rows:
+                rows[request_id] = self._take_row()  # may grow the tables: positions are counted after
+        # Every entry of a block size in one numpy write (flat positions and values gathered in Python): a step
+        # changes a few short runs, and each numpy call costs more than the Python that gathers them.
+        num_rows = self.max_rows + 1
+        positions: dict[int, list[int]] = {}
+        values: dict[int, list[int]] = {}
         for group_id, request_id, start, entries in updates.entries:
-            row = rows.get(request_id)
-            if row is None:
-                row = rows[request_id] = self._take_row()
             block_size, index = slots[group_id]
-            tables[block_size][index, row, start : start + len(entries)] = entries
+            first = (index * num_rows + rows[request_id]) * self._widths[block_size] + start
+            positions.setdefault(block_size, []).extend(range(first, first + len(entries)))
+            values.setdefault(block_size, []).extend(entries)
+        for block_size, flat in positions.items():
+            self.tables[block_size].reshape(-1)[flat] = values[block_size]
         for request_id, state_slot in updates.slots:
             row = rows.get(request_id)
             if row is None:

@@ -90,7 +90,7 @@ def _load() -> ctypes.CDLL | None:
                 _failure = "HYBRIDKV_CPU_KERNEL=0"
             else:
                 try:
-                    library = ctypes.CDLL(str(_build()))
+                    library = ctypes.CDLL(str(build_library(_SOURCE)))
                     library.hybridkv_paged_decode.argtypes = _ARGTYPES
                     library.hybridkv_paged_decode.restype = ctypes.c_int
                     _library = library
@@ -99,28 +99,30 @@ def _load() -> ctypes.CDLL | None:
     return _library
 
 
-def _build() -> Path:
+def build_library(source_path: Path, what: str = "the CPU decode kernel") -> Path:
+    """The shared library of a C source of this package (`what`, for errors), built (or found built) in the
+    cache directory for this source, compiler and CPU; RuntimeError where no flag set builds it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = _SOURCE.read_bytes()
+    source = source_path.read_bytes()
     cache_dir = Path(os.environ.get("HYBRIDKV_CACHE_DIR") or Path.home() / ".cache" / "hybridkv")
     errors = []
     for flags in _FLAG_SETS:
         digest = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
-        target = cache_dir / f"cpu_decode-{digest}.so"
+        target = cache_dir / f"{source_path.stem}-{digest}.so"
         if target.exists():
             return target
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags, "-fPIC", "-shared", str(_SOURCE), "-o", str(built), "-lm"]
+            command = [compiler, *flags, "-fPIC", "-shared", str(source_path), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: a process racing this one loads a whole file
                 return target
             errors.append(f"{' '.join(command)}: {result.stderr.strip()[-500:]}")
-    raise RuntimeError("could not build the CPU decode kernel: " + " | ".join(errors))
+    raise RuntimeError(f"could not build {what}: " + " | ".join(errors))
 
 
 def _cpu_signature() -> str:

@@ -24,13 +24,49 @@ model runner's persistent batch, hybridkv/input_batch.py); what they mean is met
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .backend import Backend
+from .cpu_decode import build_library
 from .metadata import PagedAttentionMetadata, StepMetadata, TritonQueryTiles
+
+_FILL_SOURCE = Path(__file__).with_name("step_fill.c")
+_fill_lock = threading.Lock()
+_fill_function: ctypes._CFuncPtr | bool | None = None  # False: no C compiler, or HYBRIDKV_CPU_KERNEL=0
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_FILL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
+
+
+def native_fill() -> ctypes._CFuncPtr | None:
+    """step_fill.c's `hybridkv_step_fill`, built on first use as cpu_decode.c is (None where it cannot be)."""
+    global _fill_function
+    if _fill_function is None:
+        with _fill_lock:
+            if _fill_function is None:
+                function: ctypes._CFuncPtr | bool = False
+                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") != "0":
+                    try:
+                        function = ctypes.CDLL(str(build_library(_FILL_SOURCE, "the step fill"))).hybridkv_step_fill
+                        function.argtypes = _FILL_ARGTYPES
+                        function.restype = None
+                    except (OSError, RuntimeError):
+                        function = False
+                _fill_function = function
+    return _fill_function or None
+
+
+def _int64(values: np.ndarray) -> np.ndarray:
+    """`values` as a contiguous int64 array (itself when it is one already, as the runner's are)."""
+    if values.dtype == np.int64 and values.flags.c_contiguous:
+        return values
+    return np.ascontiguousarray(values, dtype=np.int64)
 
 
 class _Buffer:
@@ -105,6 +141,9 @@ class StepBuffers:
         self._rows = np.arange(max(max_num_seqs, max_num_tokens) + 1, dtype=np.int64)
         self._cu_arange = 0  # cu_seqlens_q holds 0..n for every n up to this
         self._views: dict[tuple[object, int], object] = {}
+        # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
+        # compare it with the numpy path.
+        self.fill = native_fill()
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -163,12 +202,11 @@ class StepBuffers:
             self._cu_arange = 0
         self.seq_lens.host[:num_seqs] = seq_lens
         self.seq_lens.send(slice(0, num_seqs))
-        # The table row of each query row (a step of decode rows: row s is sequence s's).
-        token_rows = rows if decode_only else np.repeat(rows, query_lens)
-        longest = int(seq_lens.max())
+        seq_lens_list = seq_lens.tolist()
+        longest = max(seq_lens_list)
         step = StepMetadata(
-            query_lens_list=query_lens.tolist(),
-            seq_lens_list=seq_lens.tolist(),
+            query_lens_list=[1] * num_seqs if decode_only else query_lens.tolist(),
+            seq_lens_list=seq_lens_list,
             cu_seqlens_q=self._view("cu", num_seqs + 1),
             seq_lens=self._view("seq_lens", num_seqs),
             num_query_tokens=num_tokens,
@@ -176,17 +214,38 @@ class StepBuffers:
         )
         step.buffers = self
         metadata: dict[int, list[PagedAttentionMetadata]] = {}
+        fill = self.fill
+        if fill is not None:
+            rows, query_lens, positions = _int64(rows), _int64(query_lens), _int64(positions)
         for block_size, groups in tables.items():
             num_groups = groups.shape[0]
             block_width = -(-longest // block_size)
-            entries = groups[:, token_rows, positions // block_size]
             slots = self.slots[block_size]
-            written = slots.host[:num_groups, :num_tokens]
-            np.multiply(entries, block_size, out=written, dtype=np.int64)
-            written += positions % block_size
-            written[entries <= 0] = -1
             table = self.tables[block_size]
-            np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
+            slots_host, table_host = slots.host, table.host
+            # The C loop trusts its bounds: a step the buffers do not hold goes to numpy, which raises.
+            if (
+                fill is not None
+                and groups.dtype == np.int32
+                and groups.flags.c_contiguous
+                and block_width <= min(groups.shape[2], table_host.shape[2])
+                and num_tokens <= slots_host.shape[1]
+                and num_seqs <= table_host.shape[1]
+            ):
+                fill(
+                    groups.ctypes.data, num_groups, groups.shape[1] * groups.shape[2], groups.shape[2],
+                    rows.ctypes.data, query_lens.ctypes.data, num_seqs, positions.ctypes.data, block_size,
+                    block_width, slots_host.ctypes.data, slots_host.shape[1], table_host.ctypes.data,
+                    table_host.shape[1] * table_host.shape[2], table_host.shape[2],
+                )  # fmt: skip
+            else:
+                token_rows = rows if decode_only else np.repeat(rows, query_lens)
+                entries = groups[:, token_rows, positions // block_size]
+                written = slots.host[:num_groups, :num_tokens]
+                np.multiply(entries, block_size, out=written, dtype=np.int64)
+                written += positions % block_size
+                written[entries <= 0] = -1
+                np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
             table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, block_width))
             slots.send(slice(0, num_groups), slice(0, num_tokens))
             tables_by_group = self._view(("tables", block_size), num_seqs)

@@ -211,9 +211,11 @@ def test_graph_mode_forks_samples_and_searches_beams_like_eager_mode(name, patch
     assert runs[0] == runs[1]
 
 
-def test_buffer_metadata_equals_the_built_metadata():
+@pytest.mark.parametrize("native", [True, False], ids=["c-fill", "numpy-fill"])
+def test_buffer_metadata_equals_the_built_metadata(native):
     """StepBuffers (the engine's per-step metadata, written in place) against StepMetadata.build/for_groups
-    (fresh tensors, direct callers), on a mixed step with null and moved (-id) entries."""
+    (fresh tensors, direct callers), on a mixed step with null and moved (-id) entries; the slot mapping and
+    table rows written by step_fill.c and by numpy."""
     query_lens, seq_lens = [1, 5, 1, 3], [17, 12, 40, 3]
     block_size = 8
     tables = [
@@ -222,6 +224,9 @@ def test_buffer_metadata_equals_the_built_metadata():
     ]
     built = StepMetadata.build(query_lens, seq_lens).for_groups(tables, block_size)
     buffers = StepBuffers(torch.device("cpu"), "torch", 8, 32, {block_size: (2, 8)})
+    assert buffers.fill is not None, "step_fill.c did not build (a C compiler is on this machine)"
+    if not native:
+        buffers.fill = None
     width = max(len(row) for group in tables for row in group)
     dense = np.zeros((2, 4, width), dtype=np.int32)
     for g, group in enumerate(tables):
@@ -239,3 +244,38 @@ def test_buffer_metadata_equals_the_built_metadata():
         buffered = written[0].step.triton_tiles(block_q)
         fresh = StepMetadata.build(query_lens, seq_lens).triton_tiles(block_q)
         assert torch.equal(buffered.seq_ids, fresh.seq_ids) and torch.equal(buffered.starts, fresh.starts)
+
+
+def test_c_fill_writes_what_numpy_writes_on_random_steps():
+    """step_fill.c against the numpy path, byte for byte in the buffers they write, over random persistent tables
+    (null, real and moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes."""
+    rng = np.random.default_rng(0)
+    shapes = {8: (3, 40), 32: (1, 10)}
+    native = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
+    numpy_only = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
+    assert native.fill is not None
+    numpy_only.fill = None
+    tables = {
+        size: rng.integers(-50, 60, size=(groups, 21, width), dtype=np.int32)
+        for size, (groups, width) in shapes.items()
+    }
+    tables = {size: np.where(table < 0, table, np.maximum(table, 0)) for size, table in tables.items()}
+    for _ in range(40):
+        num_seqs = int(rng.integers(1, 17))
+        seq_lens = rng.integers(1, 321, size=num_seqs)
+        query_lens = np.ones(num_seqs, dtype=np.int64) if rng.random() < 0.5 else rng.integers(1, seq_lens + 1)
+        query_lens = np.minimum(query_lens, max(1, 256 // num_seqs))
+        positions = np.concatenate([np.arange(n - m, n) for m, n in zip(query_lens, seq_lens, strict=True)])
+        rows = rng.permutation(21)[:num_seqs].astype(np.int64)
+        for buffers in (native, numpy_only):
+            buffers.step(query_lens, seq_lens, positions, tables, rows)
+        for size, (groups, _) in shapes.items():
+            width = -(-int(seq_lens.max()) // size)
+            np.testing.assert_array_equal(
+                native.slots[size].host[:groups, : len(positions)],
+                numpy_only.slots[size].host[:groups, : len(positions)],
+            )
+            np.testing.assert_array_equal(
+                native.tables[size].host[:groups, :num_seqs, :width],
+                numpy_only.tables[size].host[:groups, :num_seqs, :width],
+            )
