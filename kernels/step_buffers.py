@@ -55,7 +55,7 @@ def native_fill() -> ctypes._CFuncPtr | None:
                     try:
                         function = ctypes.CDLL(str(build_library(_FILL_SOURCE, "the step fill"))).hybridkv_step_fill
                         function.argtypes = _FILL_ARGTYPES
-                        function.restype = None
+                        function.restype = ctypes.c_int
                     except (OSError, RuntimeError):
                         function = False
                 _fill_function = function
@@ -223,21 +223,24 @@ class StepBuffers:
             slots = self.slots[block_size]
             table = self.tables[block_size]
             slots_host, table_host = slots.host, table.host
-            # The C loop trusts its bounds: a step the buffers do not hold goes to numpy, which raises.
+            # The C loop checks the tables' rows and positions; a step larger than the buffers goes to numpy,
+            # which raises.
             if (
                 fill is not None
                 and groups.dtype == np.int32
                 and groups.flags.c_contiguous
                 and block_width <= min(groups.shape[2], table_host.shape[2])
+                and num_groups <= min(slots_host.shape[0], table_host.shape[0])
                 and num_tokens <= slots_host.shape[1]
                 and num_seqs <= table_host.shape[1]
             ):
-                fill(
-                    groups.ctypes.data, num_groups, groups.shape[1] * groups.shape[2], groups.shape[2],
-                    rows.ctypes.data, query_lens.ctypes.data, num_seqs, positions.ctypes.data, block_size,
-                    block_width, slots_host.ctypes.data, slots_host.shape[1], table_host.ctypes.data,
+                if fill(
+                    groups.ctypes.data, num_groups, groups.shape[1], groups.shape[2], rows.ctypes.data,
+                    query_lens.ctypes.data, num_seqs, positions.ctypes.data, block_size, block_width,
+                    slots_host.ctypes.data, slots_host.shape[1], table_host.ctypes.data,
                     table_host.shape[1] * table_host.shape[2], table_host.shape[2],
-                )  # fmt: skip
+                ):  # fmt: skip
+                    raise IndexError("a step's table row or position lies outside the persistent batch's tables")
             else:
                 token_rows = rows if decode_only else np.repeat(rows, query_lens)
                 entries = groups[:, token_rows, positions // block_size]

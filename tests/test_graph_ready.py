@@ -246,6 +246,19 @@ def test_buffer_metadata_equals_the_built_metadata(native):
         assert torch.equal(buffered.seq_ids, fresh.seq_ids) and torch.equal(buffered.starts, fresh.starts)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-fill", "numpy-fill"])
+def test_a_row_outside_the_tables_raises(native):
+    """A sequence whose table row lies outside the persistent batch's tables fails the step (IndexError) on both
+    paths, before anything runs: the C loop checks its rows rather than read past the tables."""
+    buffers = StepBuffers(torch.device("cpu"), "torch", 4, 16, {8: (2, 4)})
+    if not native:
+        buffers.fill = None
+    tables = {8: np.ones((2, 3, 4), dtype=np.int32)}
+    ones = np.ones(2, dtype=np.int64)
+    with pytest.raises(IndexError):
+        buffers.step(ones, np.array([5, 9]), np.array([4, 8]), tables, np.array([0, 3]))
+
+
 def test_c_fill_writes_what_numpy_writes_on_random_steps():
     """step_fill.c against the numpy path, byte for byte in the buffers they write, over random persistent tables
     (null, real and moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes."""
