@@ -31,9 +31,6 @@ _SOURCE = Path(__file__).with_name("cpu_decode.c")
 # Tried in order: a compiler without -march=native or without OpenMP (the kernel then runs on one
 # thread) still builds it.
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failure: str | None = None
 _disabled = 0
 _luts: dict[torch.dtype, torch.Tensor] = {}
 # cpu_decode.c's TILE, and its bound on the floats one work item keeps on its stack (it returns 1 past it).
@@ -55,7 +52,7 @@ _ARGTYPES = (
 
 def available() -> bool:
     """Whether the kernel is built and loaded (building it on the first call)."""
-    return _load() is not None
+    return _DECODE.get() is not None
 
 
 def accepts(group: int, head_dim: int, value_dim: int) -> bool:
@@ -77,26 +74,38 @@ def disabled() -> Iterator[None]:
 
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False (None while it is True or not yet asked)."""
-    return _failure
+    return _DECODE.failure
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _failure
-    if _library is not None or _failure is not None:
-        return _library
-    with _lock:
-        if _library is None and _failure is None:
-            if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
-                _failure = "HYBRIDKV_CPU_KERNEL=0"
-            else:
-                try:
-                    library = ctypes.CDLL(str(build_library(_SOURCE)))
-                    library.hybridkv_paged_decode.argtypes = _ARGTYPES
-                    library.hybridkv_paged_decode.restype = ctypes.c_int
-                    _library = library
-                except (OSError, RuntimeError) as error:
-                    _failure = str(error)
-    return _library
+class NativeFunction:
+    """One C function of this folder's sources, built (`build_library`) and loaded with ctypes on first use:
+    `get()` is the function, or None where no compiler builds it or ``HYBRIDKV_CPU_KERNEL=0`` is set
+    (`failure` then says why)."""
+
+    def __init__(self, source: Path, name: str, argtypes: list, restype: type, what: str) -> None:
+        self.source, self.name, self.argtypes, self.restype, self.what = source, name, argtypes, restype, what
+        self.failure: str | None = None
+        self._function: ctypes._CFuncPtr | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes._CFuncPtr | None:
+        if self._function is not None or self.failure is not None:
+            return self._function
+        with self._lock:
+            if self._function is None and self.failure is None:
+                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
+                    self.failure = "HYBRIDKV_CPU_KERNEL=0"
+                else:
+                    try:
+                        function = getattr(ctypes.CDLL(str(build_library(self.source, self.what))), self.name)
+                        function.argtypes, function.restype = self.argtypes, self.restype
+                        self._function = function
+                    except (OSError, RuntimeError) as error:
+                        self.failure = str(error)
+        return self._function
+
+
+_DECODE = NativeFunction(_SOURCE, "hybridkv_paged_decode", _ARGTYPES, ctypes.c_int, "the CPU decode kernel")
 
 
 def build_library(source_path: Path, what: str = "the CPU decode kernel") -> Path:
@@ -179,15 +188,15 @@ def paged_decode(
     (the last position of each row is read from them), or None when the rows are already stored.
     ``scale`` includes the K scale.
     """
-    library = _load()
-    assert library is not None, "call available() first"
+    kernel = _DECODE.get()
+    assert kernel is not None, "call available() first"
     seq_ids, rows, first_positions, seq_lens = decode.seq_ids, decode.rows, decode.first_positions, decode.seq_lens
     fmt, lut = element_format(key_cache.dtype)
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     _, block_size, num_kv_heads, value_dim = value_cache.shape
     in_flight = key_rows is not None and value_rows is not None
     threads = torch.get_num_threads()
-    status = library.hybridkv_paged_decode(
+    status = kernel(
         rows.numel(), seq_ids.data_ptr(), rows.data_ptr(), first_positions.data_ptr(), seq_lens.data_ptr(),
         query.data_ptr(), query.stride(0), query.stride(1),
         out.data_ptr(), out.stride(0), out.stride(1),

@@ -25,8 +25,6 @@ model runner's persistent batch, hybridkv/input_batch.py); what they mean is met
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -34,32 +32,17 @@ import numpy as np
 import torch
 
 from .backend import Backend
-from .cpu_decode import build_library
+from .cpu_decode import NativeFunction
 from .metadata import PagedAttentionMetadata, StepMetadata, TritonQueryTiles
 
-_FILL_SOURCE = Path(__file__).with_name("step_fill.c")
-_fill_lock = threading.Lock()
-_fill_function: ctypes._CFuncPtr | bool | None = None  # False: no C compiler, or HYBRIDKV_CPU_KERNEL=0
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_FILL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64]
-
-
-def native_fill() -> ctypes._CFuncPtr | None:
-    """step_fill.c's `hybridkv_step_fill`, built on first use as cpu_decode.c is (None where it cannot be)."""
-    global _fill_function
-    if _fill_function is None:
-        with _fill_lock:
-            if _fill_function is None:
-                function: ctypes._CFuncPtr | bool = False
-                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") != "0":
-                    try:
-                        function = ctypes.CDLL(str(build_library(_FILL_SOURCE, "the step fill"))).hybridkv_step_fill
-                        function.argtypes = _FILL_ARGTYPES
-                        function.restype = ctypes.c_int
-                    except (OSError, RuntimeError):
-                        function = False
-                _fill_function = function
-    return _fill_function or None
+_FILL = NativeFunction(
+    Path(__file__).with_name("step_fill.c"),
+    "hybridkv_step_fill",
+    [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64],
+    ctypes.c_int,
+    "the step fill",
+)
 
 
 def _int64(values: np.ndarray) -> np.ndarray:
@@ -143,7 +126,7 @@ class StepBuffers:
         self._views: dict[tuple[object, int], object] = {}
         # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
         # compare it with the numpy path.
-        self.fill = native_fill()
+        self.fill = _FILL.get()
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
