@@ -6,6 +6,7 @@ import random
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from hybridkv.coordinator import TableUpdates
 from hybridkv.input_batch import InputBatch
@@ -54,3 +55,13 @@ def test_updates_land_in_each_requests_row_across_block_sizes_frees_and_growth()
         batch.apply(updates)
         _check(batch, lists)
     assert batch.max_rows > 4  # the growth happened
+
+
+def test_an_update_past_a_rows_end_raises_and_writes_nothing():
+    """A run that would pass the end of its row (into the next request's) is refused before anything is written."""
+    batch = InputBatch(_config([16]), max_model_len=64, max_rows=2)
+    batch.apply(TableUpdates(entries=[(0, "a", 0, [1, 2]), (0, "b", 0, [3])]))
+    before = batch.tables[16].copy()
+    with pytest.raises(IndexError, match="past the 4 a row holds"):
+        batch.apply(TableUpdates(entries=[(0, "b", 1, [5]), (0, "a", 3, [7, 8])]))
+    np.testing.assert_array_equal(batch.tables[16], before)
