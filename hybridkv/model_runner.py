@@ -165,6 +165,9 @@ class ModelRunner:
                 module = named[spec.module_name]
                 module.forward = segmented_forward(module.forward, spec.layer_idx)
                 self._wrapped.append(module)
+        # A decode step's buffers are written from its lists (StepBuffers.decode_step) with one device, no decode
+        # buckets (graph mode pads the step) and no state layers (their plan reads numpy arrays).
+        self._plain_decode = len(self.devices) == 1 and not self.limits.decode_buckets and not self.states
         # Tests set it to the coordinator's `block_tables`: every step then checks the persistent rows.
         self.verify_tables = None
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
@@ -339,8 +342,6 @@ class ModelRunner:
         num_seqs = len(inputs.query_lens)
         input_ids: list[int] | np.ndarray = inputs.input_ids
         decode_only = len(input_ids) == num_seqs
-        seq_lens = np.array(inputs.seq_lens, dtype=np.int64)
-        query_lens = self._ones[:num_seqs] if decode_only else np.array(inputs.query_lens, dtype=np.int64)
         # Python's max of the list: a numpy call costs tens of microseconds after a forward has evicted its code.
         longest = max(inputs.seq_lens)
         if longest > self.limits.max_model_len or len(input_ids) > self.buffers_max_tokens:
@@ -349,6 +350,17 @@ class ModelRunner:
                 f"than the runner's buffers ({self.buffers_max_tokens} rows, max_model_len "
                 f"{self.limits.max_model_len})"
             )
+        if decode_only and self._plain_decode and not inputs.image_rows and inputs.requested_rows is None:
+            # Written from the lists without a numpy call (StepBuffers.decode_step), where the C fill is built.
+            rows_of = map(self.batch.rows.__getitem__, inputs.request_ids)
+            buffers = self.buffers[self.input_device]
+            by_size = buffers.decode_step(input_ids, inputs.seq_lens, rows_of, inputs.logits_rows, self.batch.tables)
+            if by_size is not None:
+                metadata = [by_size[block_size][index] for block_size, index in self._groups_in_order]
+                self.prepare_seconds += time.perf_counter() - start_time
+                return PreparedStep(inputs, metadata, num_seqs, len(inputs.logits_rows), None, None)
+        seq_lens = np.array(inputs.seq_lens, dtype=np.int64)
+        query_lens = self._ones[:num_seqs] if decode_only else np.array(inputs.query_lens, dtype=np.int64)
         rows = np.fromiter(map(self.batch.rows.__getitem__, inputs.request_ids), dtype=np.int64, count=num_seqs)
         bucket = self._bucket(num_seqs) if decode_only and not inputs.image_rows else None
         if bucket is not None and bucket > num_seqs:

@@ -25,7 +25,9 @@ model runner's persistent batch, hybridkv/input_batch.py); what they mean is met
 from __future__ import annotations
 
 import ctypes
+from array import array
 from collections.abc import Mapping
+from ctypes import memmove
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,7 @@ class _Buffer:
             self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu and torch.cuda.is_available())
             self.device = self.host_tensor if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
         self.host = self.host_tensor.numpy()
+        self.address = self.host.ctypes.data  # where the C fill and decode_step write it
         self.on_cpu = on_cpu
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -127,6 +130,10 @@ class StepBuffers:
         # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
         # compare it with the numpy path.
         self.fill = _FILL.get()
+        # A decode step's query lengths (decode_step), and per block size the persistent batch's table and its address.
+        self._ones = np.ones(max(max_num_seqs, max_num_tokens), dtype=np.int64)
+        self._ones_address = self._ones.ctypes.data
+        self._table_addresses: dict[int, tuple[np.ndarray, int]] = {}
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -173,11 +180,8 @@ class StepBuffers:
         num_seqs, num_tokens = len(seq_lens), len(positions)
         decode_only = num_tokens == num_seqs
         cu_seqlens = self.cu_seqlens_q
-        if decode_only:  # cu_seqlens is 0, 1, ..., num_seqs: written once for the largest step so far
-            if self._cu_arange < num_seqs:
-                cu_seqlens.host[: num_seqs + 1] = self._rows[: num_seqs + 1]
-                cu_seqlens.send(slice(0, num_seqs + 1))
-                self._cu_arange = num_seqs
+        if decode_only:
+            self._write_decode_cu_seqlens(num_seqs)
         else:
             cu_seqlens.host[0] = 0
             np.cumsum(query_lens, out=cu_seqlens.host[1 : num_seqs + 1])
@@ -185,21 +189,83 @@ class StepBuffers:
             self._cu_arange = 0
         self.seq_lens.host[:num_seqs] = seq_lens
         self.seq_lens.send(slice(0, num_seqs))
-        seq_lens_list = seq_lens.tolist()
-        longest = max(seq_lens_list)
+        step = self._step_metadata(
+            [1] * num_seqs if decode_only else query_lens.tolist(), seq_lens.tolist(), num_tokens
+        )
+        rows, query_lens, positions = _int64(rows), _int64(query_lens), _int64(positions)
+        addresses = (rows.ctypes.data, query_lens.ctypes.data, positions.ctypes.data) if self.fill is not None else None
+        return self._write_tables(step, tables, addresses, (rows, query_lens, positions))
+
+    def decode_step(
+        self,
+        input_ids: list[int],
+        seq_lens: list[int],
+        rows: list[int],
+        logits_rows: list[int],
+        tables: Mapping[int, np.ndarray],
+    ) -> dict[int, list[PagedAttentionMetadata]] | None:
+        """`fill_inputs` and `step` of a decode-only step (each sequence one new token, at position
+        `seq_lens[s] - 1`) from its Python lists, without a numpy call: each list goes into an `array` and is
+        copied to its buffer with one memmove, and the C fill writes the slots and tables. Every numpy call
+        costs tens of microseconds after a forward has evicted its code; this path makes none, but where
+        the C fill is not built, or the step is larger than the buffers (None: call `fill_inputs` and
+        `step`, which raise for a step too large)."""
+        num_seqs = len(seq_lens)
+        if self.fill is None or num_seqs > self.max_num_seqs or len(logits_rows) > self.max_num_seqs:
+            return None
+        longs = [array("q", values) for values in (input_ids, [n - 1 for n in seq_lens], logits_rows, rows)]
+        if len(longs[0]) != num_seqs or len(longs[3]) != num_seqs:
+            raise ValueError(f"a decode step of {num_seqs} sequences has one token id and one row for each")
+        ids, positions, wanted, rows_array = longs
+        lengths = array("i", seq_lens)
+        for buffer, values in (
+            (self.input_ids, ids), (self.positions, positions), (self.logits_rows, wanted), (self.seq_lens, lengths)
+        ):  # fmt: skip
+            memmove(buffer.address, values.buffer_info()[0], len(values) * values.itemsize)
+            buffer.send(slice(0, len(values)))
+        self._write_decode_cu_seqlens(num_seqs)
+        step = self._step_metadata([1] * num_seqs, list(seq_lens), num_seqs)
+        addresses = (rows_array.buffer_info()[0], self._ones_address, positions.buffer_info()[0])
+        numpy_inputs = (
+            np.frombuffer(rows_array, dtype=np.int64),
+            self._ones[:num_seqs],
+            np.frombuffer(positions, dtype=np.int64),
+        )
+        return self._write_tables(step, tables, addresses, numpy_inputs)
+
+    def _write_decode_cu_seqlens(self, num_seqs: int) -> None:
+        """A decode step's cu_seqlens, 0, 1, ..., num_seqs: written once for the largest step so far."""
+        if self._cu_arange < num_seqs:
+            self.cu_seqlens_q.host[: num_seqs + 1] = self._rows[: num_seqs + 1]
+            self.cu_seqlens_q.send(slice(0, num_seqs + 1))
+            self._cu_arange = num_seqs
+
+    def _step_metadata(self, query_lens: list[int], seq_lens: list[int], num_tokens: int) -> StepMetadata:
+        num_seqs = len(seq_lens)
         step = StepMetadata(
-            query_lens_list=[1] * num_seqs if decode_only else query_lens.tolist(),
-            seq_lens_list=seq_lens_list,
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
             cu_seqlens_q=self._view("cu", num_seqs + 1),
             seq_lens=self._view("seq_lens", num_seqs),
             num_query_tokens=num_tokens,
             backend=self.backend,
         )
         step.buffers = self
+        return step
+
+    def _write_tables(
+        self,
+        step: StepMetadata,
+        tables: Mapping[int, np.ndarray],
+        addresses: tuple[int, int, int] | None,
+        numpy_inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
+    ) -> dict[int, list[PagedAttentionMetadata]]:
+        """The step's slot mapping and table rows per block size: by the C fill from the `addresses` of its rows,
+        query lengths and positions (int64), or by numpy from the same `numpy_inputs` where it cannot."""
+        num_seqs, num_tokens = step.num_seqs, step.num_query_tokens
+        longest = max(step.seq_lens_list)
+        fill = self.fill if addresses is not None else None
         metadata: dict[int, list[PagedAttentionMetadata]] = {}
-        fill = self.fill
-        if fill is not None:
-            rows, query_lens, positions = _int64(rows), _int64(query_lens), _int64(positions)
         for block_size, groups in tables.items():
             num_groups = groups.shape[0]
             block_width = -(-longest // block_size)
@@ -217,15 +283,17 @@ class StepBuffers:
                 and num_tokens <= slots_host.shape[1]
                 and num_seqs <= table_host.shape[1]
             ):
+                rows_at, query_lens_at, positions_at = addresses
+                groups_at = self._address_of(block_size, groups)
                 if fill(
-                    groups.ctypes.data, num_groups, groups.shape[1], groups.shape[2], rows.ctypes.data,
-                    query_lens.ctypes.data, num_seqs, positions.ctypes.data, block_size, block_width,
-                    slots_host.ctypes.data, slots_host.shape[1], table_host.ctypes.data,
+                    groups_at, num_groups, groups.shape[1], groups.shape[2], rows_at, query_lens_at, num_seqs,
+                    positions_at, block_size, block_width, slots.address, slots_host.shape[1], table.address,
                     table_host.shape[1] * table_host.shape[2], table_host.shape[2],
                 ):  # fmt: skip
                     raise IndexError("a step's table row or position lies outside the persistent batch's tables")
             else:
-                token_rows = rows if decode_only else np.repeat(rows, query_lens)
+                rows, query_lens, positions = numpy_inputs
+                token_rows = rows if num_tokens == num_seqs else np.repeat(rows, query_lens)
                 entries = groups[:, token_rows, positions // block_size]
                 written = slots.host[:num_groups, :num_tokens]
                 np.multiply(entries, block_size, out=written, dtype=np.int64)
@@ -241,6 +309,14 @@ class StepBuffers:
                 for group_table, group_slots in zip(tables_by_group, slots_by_group, strict=True)
             ]
         return metadata
+
+    def _address_of(self, block_size: int, groups: np.ndarray) -> int:
+        """The address of the persistent batch's table of a block size (looked up again only when the batch has
+        replaced it with a larger one)."""
+        seen = self._table_addresses.get(block_size)
+        if seen is None or seen[0] is not groups:
+            seen = self._table_addresses[block_size] = (groups, groups.ctypes.data)
+        return seen[1]
 
     def _view(self, name: str | tuple[str, int], length: int):
         """The leading `length` of a buffer on the device (per group, for tables and slots), made once per length:

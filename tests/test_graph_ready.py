@@ -292,3 +292,59 @@ def test_c_fill_writes_what_numpy_writes_on_random_steps():
                 native.tables[size].host[:groups, :num_seqs, :width],
                 numpy_only.tables[size].host[:groups, :num_seqs, :width],
             )
+
+
+@pytest.mark.parametrize("table_dtype", [np.int32, np.int64], ids=["c-fill", "numpy-fill"])
+def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype):
+    """StepBuffers.decode_step (a decode step from its Python lists: arrays and memmove, then the C fill, or numpy
+    for tables the C loop does not take) against fill_inputs + step, byte for byte in every buffer a decode step
+    writes and in its metadata, over random decode steps with rows in any order and two block sizes."""
+    rng = np.random.default_rng(1)
+    shapes = {8: (3, 40), 32: (1, 10)}
+    lists, arrays = (StepBuffers(torch.device("cpu"), "torch", 16, 64, shapes) for _ in range(2))
+    assert lists.fill is not None
+    tables = {
+        size: rng.integers(-50, 60, size=(groups, 21, width)).astype(table_dtype)
+        for size, (groups, width) in shapes.items()
+    }
+    for _ in range(30):
+        num_seqs = int(rng.integers(1, 17))
+        seq_lens = rng.integers(1, 321, size=num_seqs)
+        rows = rng.permutation(21)[:num_seqs]
+        input_ids = rng.integers(0, 1000, size=num_seqs)
+        logits_rows = np.sort(rng.choice(num_seqs, size=int(rng.integers(1, num_seqs + 1)), replace=False))
+        by_lists = lists.decode_step(input_ids.tolist(), seq_lens.tolist(), rows.tolist(), logits_rows.tolist(), tables)
+        arrays.fill_inputs(input_ids, seq_lens - 1, logits_rows)
+        by_arrays = arrays.step(np.ones(num_seqs, dtype=np.int64), seq_lens, seq_lens - 1, tables, rows)
+        for name in ("input_ids", "positions", "seq_lens"):
+            np.testing.assert_array_equal(getattr(lists, name).host[:num_seqs], getattr(arrays, name).host[:num_seqs])
+        np.testing.assert_array_equal(lists.logits_rows.host[: len(logits_rows)], logits_rows)
+        np.testing.assert_array_equal(lists.cu_seqlens_q.host[: num_seqs + 1], np.arange(num_seqs + 1))
+        for size, (groups, _) in shapes.items():
+            width = -(-int(seq_lens.max()) // size)
+            np.testing.assert_array_equal(
+                lists.slots[size].host[:groups, :num_seqs], arrays.slots[size].host[:groups, :num_seqs]
+            )
+            np.testing.assert_array_equal(
+                lists.tables[size].host[:groups, :num_seqs, :width],
+                arrays.tables[size].host[:groups, :num_seqs, :width],
+            )
+            for got, expected in zip(by_lists[size], by_arrays[size], strict=True):
+                assert got.step.query_lens_list == expected.step.query_lens_list == [1] * num_seqs
+                assert got.step.seq_lens_list == expected.step.seq_lens_list == seq_lens.tolist()
+                assert got.step.num_query_tokens == num_seqs
+                assert got.block_table.shape == expected.block_table.shape
+                assert got.slot_mapping.shape == expected.slot_mapping.shape
+
+
+def test_decode_step_leaves_what_it_cannot_write_to_step():
+    """decode_step returns None, writing nothing, without the C fill or for a step larger than the buffers (the
+    runner then calls fill_inputs and step, which raise for a step too large); a row outside the tables raises."""
+    buffers = StepBuffers(torch.device("cpu"), "torch", 4, 16, {8: (2, 4)})
+    tables = {8: np.ones((2, 3, 4), dtype=np.int32)}
+    assert buffers.decode_step([1] * 5, [9] * 5, [0] * 5, [0], tables) is None  # 5 sequences, 4 rows of buffers
+    with pytest.raises(IndexError):
+        buffers.decode_step([1, 2], [5, 9], [0, 3], [0, 1], tables)
+    buffers.fill = None
+    assert buffers.decode_step([7], [5], [0], [0], tables) is None
+    assert buffers.input_ids.host[0] != 7
