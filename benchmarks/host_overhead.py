@@ -12,22 +12,32 @@ two run the same workload alternately, run by run; each pair's ratio is printed 
 seconds cancels in a pair, where back-to-back processes saw 0.75-1.05 between two copies of one commit).
 Any version since the engine-step refactor runs (the model comes from `hybridkv.tiny`).
 
+What the host work costs depends on what the forward leaves in the caches. `--ready-logits` replaces the model's
+forward by ready logits of the right shape (the same tensor for every step of a size: no KV is stored, tokens are
+not the model's), so host work runs with its code and data still in the caches: the difference to a real run is
+what a forward's eviction costs it. `--requests N` keeps the workload's first N requests (host work per request
+is the slope).
+
 `--model qwen3_5` or `nemotron_h` runs benchmarks/state_layers.py's models with state layers instead (their
 state checkpoints' planning is host work too: compare with `--no-prefix-caching`).
 
     python benchmarks/host_overhead.py [--threads 1] [--repeats 4] [--model hybrid] [--no-prefix-caching]
     python benchmarks/host_overhead.py --against DIR [--pairs 6] [--workloads mixed,shared]
+    python benchmarks/host_overhead.py --against DIR --workloads mixed [--ready-logits] [--requests 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -46,6 +56,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="a folder holding another version of hybridkv (pip --target)")
     parser.add_argument("--pairs", type=int, default=6, help="with --against: alternated pairs of runs")
     parser.add_argument("--workloads", default="mixed,shared")
+    parser.add_argument("--ready-logits", action="store_true", help="ready logits instead of the forward")
+    parser.add_argument("--requests", type=int, help="the workload's first N requests only")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "hybrid":
@@ -55,15 +67,17 @@ def main() -> None:
 
         model = MODELS[args.model]()
     if args.against is not None:
-        compare(model, load_renamed(args.against), args.pairs, args.workloads.split(","), args.prefix_caching)
+        compare(model, load_renamed(args.against), args.pairs, args.workloads.split(","), args.prefix_caching, args)
         return
     print(f"torch {torch.__version__}, {args.threads} threads; median of {args.repeats - 1} runs after a warm-up")
     for name in args.workloads.split(","):
         prompts, max_new = workload(name)
+        prompts = prompts[: args.requests]
         runs = []
         for _ in range(args.repeats):
             llm = hybridkv.patch(model, max_model_len=8192, enable_prefix_caching=args.prefix_caching)
-            decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
+            with ready_logits(model, args.ready_logits):
+                decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
             stats = llm.stats()
             hybridkv.unpatch(model)
             steps = stats["num_steps"]
@@ -103,13 +117,16 @@ def load_renamed(folder: Path):
     return importlib.import_module("hybridkv_base")
 
 
-def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool) -> None:
+def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool, args: argparse.Namespace) -> None:
     """Host work per step and per decode step of this checkout against `base`, alternated run by run in this
     process (which goes first alternates too), after a warm-up run of each."""
 
     def run(package, prompts, max_new) -> tuple[float, float]:
         llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching)
-        decode_host, decode_steps = run_steps(llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new))
+        with ready_logits(model, args.ready_logits):
+            decode_host, decode_steps = run_steps(
+                llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new)
+            )
         host = (llm.step_seconds - llm.runner.forward_seconds) / llm.num_steps
         package.unpatch(model)
         return host * 1e3, decode_host / decode_steps * 1e3
@@ -117,6 +134,7 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; this checkout against {base.__file__}")
     for name in workloads:
         prompts, max_new = workload(name)
+        prompts = prompts[: args.requests]
         run(hybridkv, prompts, max_new), run(base, prompts, max_new)
         results: dict[str, list[tuple[float, float]]] = {"base": [], "new": []}
         for pair in range(pairs):
@@ -130,6 +148,29 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool)
                 f"{name:<7} {what}: base {statistics.median(old):.3f} ms, this {statistics.median(new):.3f} ms; "
                 f"this / base per pair {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.3f}"
             )
+
+
+@contextlib.contextmanager
+def ready_logits(model: torch.nn.Module, ready: bool) -> Iterator[None]:
+    """With `ready`, the model's forward returns ready logits (one random tensor per number of rows kept) instead of
+    computing: the engine's host work runs with nothing between its steps (see the module docstring)."""
+    if not ready:
+        yield
+        return
+    vocab = model.config.get_text_config().vocab_size
+    tensors: dict[int, torch.Tensor] = {}
+
+    def forward(*args, logits_to_keep, **kwargs) -> SimpleNamespace:
+        rows = len(logits_to_keep)
+        if rows not in tensors:
+            tensors[rows] = torch.randn(1, rows, vocab, generator=torch.Generator().manual_seed(rows))
+        return SimpleNamespace(logits=tensors[rows])
+
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def run_steps(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
