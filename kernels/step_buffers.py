@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from ctypes import memmove
 from pathlib import Path
 
@@ -200,16 +200,16 @@ class StepBuffers:
         self,
         input_ids: list[int],
         seq_lens: list[int],
-        rows: list[int],
+        rows: Iterable[int],
         logits_rows: list[int],
         tables: Mapping[int, np.ndarray],
     ) -> dict[int, list[PagedAttentionMetadata]] | None:
         """`fill_inputs` and `step` of a decode-only step (each sequence one new token, at position
-        `seq_lens[s] - 1`) from its Python lists, without a numpy call: each list goes into an `array` and is
-        copied to its buffer with one memmove, and the C fill writes the slots and tables. Every numpy call
-        costs tens of microseconds after a forward has evicted its code; this path makes none, but where
-        the C fill is not built, or the step is larger than the buffers (None: call `fill_inputs` and
-        `step`, which raise for a step too large)."""
+        `seq_lens[s] - 1`) from its Python lists, without a numpy call (each costs tens of microseconds after a
+        forward has evicted its code): each list goes into an `array` copied to its buffer with one memmove,
+        and the C fill writes the slots and tables. None, writing nothing, where the C fill is not built or
+        the step is larger than the buffers: the caller then calls `fill_inputs` and `step` (which raise for
+        a step too large)."""
         num_seqs = len(seq_lens)
         if self.fill is None or num_seqs > self.max_num_seqs or len(logits_rows) > self.max_num_seqs:
             return None
@@ -241,6 +241,7 @@ class StepBuffers:
             self._cu_arange = num_seqs
 
     def _step_metadata(self, query_lens: list[int], seq_lens: list[int], num_tokens: int) -> StepMetadata:
+        """The step's lengths over views of the cu_seqlens and seq_lens buffers (written by the caller)."""
         num_seqs = len(seq_lens)
         step = StepMetadata(
             query_lens_list=query_lens,
