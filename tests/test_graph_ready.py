@@ -348,3 +348,31 @@ def test_decode_step_leaves_what_it_cannot_write_to_step():
     buffers.fill = None
     assert buffers.decode_step([7], [5], [0], [0], tables) is None
     assert buffers.input_ids.host[0] != 7
+
+
+def test_the_engine_writes_its_decode_steps_without_numpy_and_gets_the_same_tokens(patched, monkeypatch):
+    """An engine's decode steps go through StepBuffers.decode_step (the C fill built, one device, no graph buckets)
+    and give the tokens, and the model's own greedy tokens, that fill_inputs + step give."""
+    model = FAMILIES["gemma3_text"]()
+    batch = prompts((9, 30, 17, 4))
+    written = []
+    decode_step = StepBuffers.decode_step
+
+    def counted(self, *args):
+        by_size = decode_step(self, *args)
+        written.append(by_size is not None)
+        return by_size
+
+    monkeypatch.setattr(StepBuffers, "decode_step", counted)
+    runs = []
+    for plain in (True, False):
+        llm = patched(model, block_size=8, max_model_len=128)
+        assert llm.runner._plain_decode
+        llm.runner._plain_decode = plain
+        runs.append(tokens(llm.generate(batch, GREEDY, use_tqdm=False)))
+        hybridkv.unpatch(model)
+        if plain:
+            assert written and all(written)  # every decode step took the list path
+            written.clear()
+    assert not written  # and none with it switched off
+    assert runs[0] == runs[1] == [hf_greedy(model, p, GREEDY.max_tokens)[0] for p in batch]
