@@ -130,10 +130,9 @@ class StepBuffers:
         # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
         # compare it with the numpy path.
         self.fill = _FILL.get()
-        # A decode step's query lengths (decode_step), and per block size the persistent batch's table and its address.
+        # A decode step's query lengths (decode_step).
         self._ones = np.ones(max(max_num_seqs, max_num_tokens), dtype=np.int64)
         self._ones_address = self._ones.ctypes.data
-        self._table_addresses: dict[int, tuple[np.ndarray, int]] = {}
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -285,9 +284,8 @@ class StepBuffers:
                 and num_seqs <= table_host.shape[1]
             ):
                 rows_at, query_lens_at, positions_at = addresses
-                groups_at = self._address_of(block_size, groups)
                 if fill(
-                    groups_at, num_groups, groups.shape[1], groups.shape[2], rows_at, query_lens_at, num_seqs,
+                    groups.ctypes.data, num_groups, groups.shape[1], groups.shape[2], rows_at, query_lens_at, num_seqs,
                     positions_at, block_size, block_width, slots.address, slots_host.shape[1], table.address,
                     table_host.shape[1] * table_host.shape[2], table_host.shape[2],
                 ):  # fmt: skip
@@ -310,14 +308,6 @@ class StepBuffers:
                 for group_table, group_slots in zip(tables_by_group, slots_by_group, strict=True)
             ]
         return metadata
-
-    def _address_of(self, block_size: int, groups: np.ndarray) -> int:
-        """The address of the persistent batch's table of a block size (looked up again only when the batch has
-        replaced it with a larger one)."""
-        seen = self._table_addresses.get(block_size)
-        if seen is None or seen[0] is not groups:
-            seen = self._table_addresses[block_size] = (groups, groups.ctypes.data)
-        return seen[1]
 
     def _view(self, name: str | tuple[str, int], length: int):
         """The leading `length` of a buffer on the device (per group, for tables and slots), made once per length:
