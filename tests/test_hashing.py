@@ -42,6 +42,20 @@ def test_incremental_hashing_equals_hashing_at_once():
     assert first + rest == at_once
 
 
+@pytest.mark.parametrize("extra_keys", [b"", b"image-7"])
+def test_one_block_at_a_time_equals_many_blocks_and_sha256(extra_keys):
+    """A decode step hashes one block (CPython's SHA-256); a prompt hashes many (OpenSSL's): one chain."""
+    tokens = list(range(5_000, 5_040))
+    many = hash_full_blocks(tokens, 4, root_hash(), extra_keys=extra_keys)
+    parent, one_by_one = root_hash(), []
+    for block in range(10):
+        (parent,) = hash_full_blocks(tokens[: (block + 1) * 4], 4, parent, block, extra_keys)
+        one_by_one.append(parent)
+    assert one_by_one == many
+    suffix = b"\xff" + extra_keys if extra_keys else b""
+    assert many[1] == sha256(many[0] + token_bytes(tokens[4:8]) + suffix).digest()
+
+
 def test_cache_salt_changes_every_block_hash():
     tokens = list(range(8))
     plain = hash_full_blocks(tokens, 4, root_hash())
