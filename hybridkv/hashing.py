@@ -61,18 +61,15 @@ def hash_full_blocks(
         return []
     data = token_bytes(token_ids[start_block * block_size : num_full_blocks * block_size])
     step = block_size * 4
-    if len(data) == step:  # one block (a decode step's): the cheap call
-        return [
-            _one_block_sha256(parent_hash + data + (_EXTRA_KEYS_SEPARATOR + extra_keys if extra_keys else b"")).digest()
-        ]
+    digest = _one_block_sha256 if len(data) == step else sha256  # one block: a decode step's
     hashes = []
     if extra_keys:
         suffix = _EXTRA_KEYS_SEPARATOR + extra_keys
         for offset in range(0, len(data), step):
-            parent_hash = sha256(parent_hash + data[offset : offset + step] + suffix).digest()
+            parent_hash = digest(parent_hash + data[offset : offset + step] + suffix).digest()
             hashes.append(parent_hash)
     else:
         for offset in range(0, len(data), step):
-            parent_hash = sha256(parent_hash + data[offset : offset + step]).digest()
+            parent_hash = digest(parent_hash + data[offset : offset + step]).digest()
             hashes.append(parent_hash)
     return hashes
