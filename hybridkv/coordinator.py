@@ -140,6 +140,8 @@ class KVCacheCoordinator:
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
         self._first_lists, self._first_size = self.managers[0].req_to_blocks, self.managers[0].block_size
+        # ... and every group's block i named by the request's hash i (`update_computed`'s fast path).
+        self._one_hash_per_block = self._one_block_size and all(m.hash_stride == 1 for m in self.managers)
         # Requests that may share a block they write into (forks, and groups swapped back in together):
         # only they pay the copy-on-write check.
         self._may_share: set[str] = set()
@@ -277,6 +279,8 @@ class KVCacheCoordinator:
         # Most decode steps need no block in any group: say so without counting.
         if hit is None and not shared and self._covered(request_id, num_total):
             return True
+        if hit is None and not shared and self._one_block_size and self._append_one_block(request_id, num_total):
+            return True
         hits = hit.blocks if hit else [[] for _ in self.managers]
         most = [
             manager.most_blocks_needed(request_id, num_total, hit_blocks)
@@ -309,6 +313,31 @@ class KVCacheCoordinator:
                 manager.allocate_step(request_id, num_total, request.block_hashes, num_spare)
             else:
                 manager.allocate_new_blocks(request_id, num_computed, num_total)
+        return True
+
+    def _append_one_block(self, request_id: str, num_total: int) -> bool:
+        """Most steps that need blocks (a decode step's token starting a block): with one block size, the step ends
+        in the position just past the request's lists, and no windowed group holds a block that its window leaves
+        this step (nothing to move or keep). Then every group takes one fresh block, popped together, as
+        `allocate_step` and `allocate_new_blocks` would give them one by one. False, changing nothing, for any
+        other step, or when the pool lacks a block per group."""
+        blocks = self._first_lists.get(request_id)
+        size = self._first_size
+        if blocks is None:
+            return False
+        position = len(blocks)
+        managers = self.managers
+        # The step is [position * size, num_total): the whole of the new position, and only it.
+        if not position * size < num_total <= (position + 1) * size or len(managers) > self.pool.num_free_blocks:
+            return False
+        for manager in self._windowed:
+            start = manager.window_start.get(request_id)
+            if start is None or start < manager.first_needed_block(num_total):
+                return False
+        for manager, block in zip(managers, self.pool.get_new_blocks(len(managers)), strict=True):
+            manager.req_to_blocks[request_id].append(block)
+            manager.req_to_block_ids[request_id].append(block.block_id)
+            manager.mark_changed(request_id, position)
         return True
 
     def _fit(
@@ -434,9 +463,27 @@ class KVCacheCoordinator:
             else:  # no block filled, no window moved, no pending step: nothing to do (most decode steps)
                 return
         self._next_change[request_id] = self._next_change_after(num_computed)
+        block_hashes = request.block_hashes
+        if self._one_hash_per_block and not any(request_id in steps for steps in self._window_steps):
+            # One block size and no pending step (most updates): a group is called only where a block filled or
+            # its window left a block, and one filled block is cached without slicing.
+            num_full = min(num_computed // self._first_size, len(block_hashes))
+            for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
+                if self.enable_caching:
+                    num_cached = manager.num_cached_blocks
+                    start = num_cached.get(request_id, 0)
+                    if start + 1 == num_full:
+                        block = manager.req_to_blocks[request_id][start]
+                        self.pool.cache_blocks((block,), (block_hashes[start],), manager.group_id)
+                        num_cached[request_id] = num_full
+                    elif start < num_full:
+                        manager.cache_blocks(request_id, block_hashes, num_computed)
+                if windowed and manager.leaves_blocks(request_id, num_computed):
+                    manager.remove_skipped_blocks(request_id, num_computed)
+            return
         for manager in self.managers:
             if self.enable_caching:
-                manager.cache_blocks(request_id, request.block_hashes, num_computed)
+                manager.cache_blocks(request_id, block_hashes, num_computed)
             manager.remove_skipped_blocks(request_id, num_computed)
 
     def update_computed_many(self, requests: Sequence[KVRequest]) -> None:

@@ -1,0 +1,116 @@
+"""The coordinator's fast paths for one block size (`_append_one_block`, `update_computed`'s per-block path) change
+nothing but speed: two coordinators, one with them turned off, take the same random engine-like operations and
+must agree on every result, block table, free-queue order, cached hash and eviction count after each."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridkv.request import KVRequest
+
+from alloc_helpers import free_order, make_coordinator
+
+LAYOUTS = [
+    ([None, 8, 8], 2),
+    ([None, 6, 6, 6], 4),
+    (["c8", None, 12], 4),
+    ([5, 5], 2),
+    ([None, 3], 4),  # a window within a block: the step's own block may be the first it needs
+]
+
+
+def _without_fast_paths(coordinator) -> None:
+    coordinator._append_one_block = lambda request_id, num_total: False
+    coordinator._one_hash_per_block = False
+
+
+def _state(coordinator, request_ids) -> tuple:
+    pool = coordinator.pool
+    return (
+        {r: [list(row) for row in coordinator.block_ids(r)] for r in request_ids},
+        free_order(coordinator),
+        [sorted((h, b.block_id) for h, b in group.items()) for group in pool.cached],
+        pool.num_evictions,
+        [dict(m.num_cached_blocks) for m in coordinator.managers],
+    )
+
+
+def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
+    rng = random.Random(seed)
+    num_blocks = rng.randint(14, 40)
+    twins = [make_coordinator(windows, num_blocks, block_size, caching) for _ in range(2)]
+    _without_fast_paths(twins[1])
+    requests: list[dict[str, KVRequest]] = [{}, {}]
+    prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7]]
+    num_fast = num_ops = 0
+    original = type(twins[0])._append_one_block
+
+    def counted(self, request_id, num_total):
+        nonlocal num_fast
+        done = original(self, request_id, num_total)
+        num_fast += done
+        return done
+
+    twins[0]._append_one_block = counted.__get__(twins[0])
+    for index in range(220):
+        action = rng.random()
+        if action < 0.15 or not requests[0]:
+            prompt = rng.choice(prefixes)[: rng.randint(0, 9)] + [rng.randint(0, 6) for _ in range(rng.randint(1, 12))]
+            request_id = f"r{index}"
+            share = rng.random()
+            results = []
+            for coordinator, held in zip(twins, requests, strict=True):
+                request = KVRequest(request_id, list(prompt), block_size if caching else None)
+                hit = coordinator.find_longest_cache_hit(request)
+                chunk = max(1, round(share * (request.num_tokens - hit.num_tokens)))
+                ok = coordinator.allocate_slots(request, chunk, hit)
+                if ok:
+                    coordinator.use_slack_for_caching()
+                    request.num_computed_tokens = hit.num_tokens + chunk
+                    coordinator.update_computed(request)
+                    held[request_id] = request
+                results.append((ok, hit.num_tokens))
+            assert results[0] == results[1]
+        elif action < 0.25:
+            request_id = rng.choice(sorted(requests[0]))
+            for coordinator, held in zip(twins, requests, strict=True):
+                coordinator.free(request_id)
+                del held[request_id]
+        else:  # a step of a few running requests: prompt chunks or one decoded token each
+            chosen = rng.sample(sorted(requests[0]), min(len(requests[0]), rng.randint(1, 4)))
+            sizes = {r: rng.randint(1, 5) for r in chosen}
+            tokens = {r: rng.randint(0, 6) for r in chosen}
+            outcomes = []
+            for coordinator, held in zip(twins, requests, strict=True):
+                ran = []
+                for request_id in chosen:
+                    request = held[request_id]
+                    num_new = min(sizes[request_id], request.num_tokens - request.num_computed_tokens) or 1
+                    if request.num_computed_tokens == request.num_tokens:
+                        request.append_token(tokens[request_id])
+                    if coordinator.allocate_slots(request, num_new):
+                        ran.append((request, num_new))
+                coordinator.use_slack_for_caching()
+                for request, num_new in ran:
+                    request.num_computed_tokens += num_new
+                coordinator.update_computed_many([request for request, _ in ran])
+                coordinator.take_table_updates()
+                outcomes.append([(request.request_id, num_new) for request, num_new in ran])
+            assert outcomes[0] == outcomes[1]
+        num_ops += 1
+        for coordinator in twins:
+            coordinator.check_integrity()
+        assert _state(twins[0], sorted(requests[0])) == _state(twins[1], sorted(requests[1])), f"op {index}"
+    return num_fast, num_ops
+
+
+@pytest.mark.parametrize(("windows", "block_size"), LAYOUTS)
+@pytest.mark.parametrize("caching", [True, False])
+def test_fast_paths_give_the_general_paths_blocks(windows, block_size, caching):
+    num_fast = 0
+    for seed in range(6):
+        fast, _ = _run(seed, windows, block_size, caching)
+        num_fast += fast
+    assert num_fast > 20  # the fast path was taken, often
