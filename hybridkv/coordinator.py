@@ -464,7 +464,8 @@ class KVCacheCoordinator:
                 return
         self._next_change[request_id] = self._next_change_after(num_computed)
         block_hashes = request.block_hashes
-        if self._one_hash_per_block and not any(request_id in steps for steps in self._window_steps):
+        window_steps = self._window_steps
+        if self._one_hash_per_block and not (any(window_steps) and any(request_id in s for s in window_steps)):
             # One block size and no pending step (most updates): a group is called only where a block filled or
             # its window left a block, and one filled block is cached without slicing.
             num_full = min(num_computed // self._first_size, len(block_hashes))

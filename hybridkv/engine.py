@@ -361,12 +361,12 @@ class LLMEngine(RunLoops):
         plan = self.scheduler.schedule()
         self.schedule_seconds += time.perf_counter() - start
         try:
-            tokens, logprobs = self._execute(plan)
+            sampling, tokens, logprobs = self._execute(plan)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
             self._discard_checkpoints()
             self._fail(plan, self._touched_by(plan), f"the step failed: {type(exc).__name__}: {exc}")
-            tokens, logprobs = [], []
+            sampling, tokens, logprobs = [], [], []
         except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
             # so its requests fail, and so do those whose swap copies it made.
             self._discard_checkpoints()
@@ -375,7 +375,6 @@ class LLMEngine(RunLoops):
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
         update_start = time.perf_counter()
-        sampling = plan.sampling
         self.scheduler.update(plan, tokens)
         if None in tokens:  # beams: their search chooses their tokens, the output processor never sees them
             self._advance_beam_searches(sampling)
@@ -395,23 +394,23 @@ class LLMEngine(RunLoops):
         # A request reported finished already (e.g. aborted while waiting to be reported) is not reported again.
         return unclaimed + [self.outputs.output(state) for state in touched.values() if not state.output.finished]
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[list[int], Sequence[TokenLogprobs | None]]:
+    def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
         """Swap and copy-on-write copies, the forward (on every rank of a tensor-parallel model) and sampling:
-        the sampled tokens align with `plan.sampling` (a request whose sampling fails is failed and leaves
-        the plan)."""
+        the requests that sampled (`plan.sampling` after the step: a request whose sampling fails is failed and
+        leaves the plan), their tokens and logprobs."""
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
-            return [], []
+            return [], [], []
         logits = self.runner.execute(plan) if self.tp is None else self.tp.execute(self.runner, plan)
         if not plan.scheduled:
-            return [], []
+            return [], [], []
         self.num_steps += 1
         self.num_forward_tokens += plan.num_tokens
         sampling = plan.sampling
         if not sampling:
-            return [], []
-        tokens, logprobs = self._sample(logits, plan, sampling)
+            return [], [], []
+        sampling, tokens, logprobs = self._sample(logits, plan, sampling)
         self.num_generated_tokens += len(tokens)
-        return tokens, logprobs
+        return sampling, tokens, logprobs
 
     @staticmethod
     def _touched_by(plan: SchedulerOutput) -> list[Request]:
@@ -421,10 +420,10 @@ class LLMEngine(RunLoops):
 
     def _sample(
         self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[int | None], Sequence[TokenLogprobs | None]]:
-        """Tokens for the requests still in `sampling` afterwards (None for a beam: its row goes to its beam
-        search); one request's parameters never fail the others: a request whose row fails is failed with
-        its samples and leaves the plan, and so do the tokens its samples drew."""
+    ) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
+        """The requests still in `sampling` afterwards, with their tokens (None for a beam: its row goes to its
+        beam search) and logprobs; one request's parameters never fail the others: a request whose row fails is
+        failed with its samples and leaves the plan, and so do the tokens its samples drew."""
         rows = [i for i, request in enumerate(sampling) if request.group.beam is None]
         if len(rows) < len(sampling):
             tokens: list[int | None] = [None] * len(sampling)
@@ -440,12 +439,12 @@ class LLMEngine(RunLoops):
         else:
             tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
         if not any(errors):
-            return tokens, logprobs
+            return sampling, tokens, logprobs
         for request, error in zip(sampling, errors, strict=True):
             if error is not None and not request.status.is_finished:
                 self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
         kept = [i for i, request in enumerate(sampling) if not request.status.is_finished]
-        return [tokens[i] for i in kept], [logprobs[i] for i in kept]
+        return [sampling[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
 
     def _advance_beam_searches(self, sampling: list[Request]) -> None:
         """Take the step of each beam search whose every beam has deposited its row (hybridkv/beam_search.py)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from ctypes import memmove
 
 import numpy as np
 
@@ -48,7 +47,7 @@ class InputBatch:
             for block_size, count in counts.items()
         }
         self._widths = {block_size: table.shape[2] for block_size, table in self.tables.items()}
-        self._addresses = {block_size: table.ctypes.data for block_size, table in self.tables.items()}
+        self._flat = {block_size: _flat(table) for block_size, table in self.tables.items()}
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(max_rows - 1, -1, -1))
         # Each row's state slot (a model with state layers; the padding row's is the scratch slot, 0).
@@ -69,23 +68,26 @@ class InputBatch:
         for _, request_id, _, _ in updates.entries:
             if request_id not in rows:
                 rows[request_id] = self._take_row()  # may grow the tables: positions are counted after
-        # Each changed run is copied into its row with one memmove from an int32 array (a numpy write costs tens
-        # of microseconds after a forward has evicted its code, and a step changes a few short runs); every run
-        # is checked before any is written.
+        # Each changed run is written through a flat int32 memoryview of its table, one entry by item assignment
+        # and a run from an int32 array (a numpy write costs tens of microseconds after a forward has evicted its
+        # code, and a step changes a few short runs, most of one entry); every run is checked before any is written.
         num_rows = self.max_rows + 1
+        widths, flats = self._widths, self._flat
         writes = []
         for group_id, request_id, start, entries in updates.entries:
             block_size, index = slots[group_id]
-            width = self._widths[block_size]
+            width = widths[block_size]
             if not 0 <= start <= start + len(entries) <= width:
                 raise IndexError(
                     f"a table update of request {request_id!r} covers positions {start} to {start + len(entries)}, "
                     f"past the {width} a row holds"
                 )
-            offset = ((index * num_rows + rows[request_id]) * width + start) * 4
-            writes.append((self._addresses[block_size] + offset, array("i", entries)))
-        for address, values in writes:
-            memmove(address, values.buffer_info()[0], len(values) * 4)
+            writes.append((flats[block_size], (index * num_rows + rows[request_id]) * width + start, entries))
+        for flat, offset, entries in writes:
+            if len(entries) == 1:
+                flat[offset] = entries[0]
+            else:
+                flat[offset : offset + len(entries)] = array("i", entries)
         for request_id, state_slot in updates.slots:
             row = rows.get(request_id)
             if row is None:
@@ -105,7 +107,8 @@ class InputBatch:
             grown = np.zeros((table.shape[0], self.max_rows + 1, table.shape[2]), dtype=np.int32)
             grown[:, :old] = table[:, :old]
             self.tables[block_size] = grown
-            self._addresses[block_size] = grown.ctypes.data
+            self._flat[block_size].release()
+            self._flat[block_size] = _flat(grown)
         state_slots = np.zeros(self.max_rows + 1, dtype=np.int64)
         state_slots[:old] = self.state_slots[:old]
         self.state_slots = state_slots
@@ -125,3 +128,8 @@ class InputBatch:
                 assert got == list(expected), (
                     f"the persistent table of {request_id!r} in group {group_id} is {got}, its lists {list(expected)}"
                 )
+
+
+def _flat(table: np.ndarray) -> memoryview:
+    """The table's entries as one flat int32 memoryview (writes through it cost no numpy call)."""
+    return memoryview(table).cast("B").cast("i")

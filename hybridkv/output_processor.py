@@ -68,10 +68,11 @@ class OutputProcessor:
                 detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
+            request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
             samples.append(
                 SampleState(
                     request=request,
-                    sampling_row=SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher),
+                    sampling_row=request.sampling_row,
                     detokenizer=detokenizer,
                     completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
                 )
@@ -92,8 +93,8 @@ class OutputProcessor:
         return self.states[request.group.request_id]
 
     def sampling_rows(self, requests: Sequence[Request]) -> list[SamplingRow]:
-        states = self.states
-        return [states[r.group.request_id].samples[r.sample_index].sampling_row for r in requests]
+        """What the sampler reads for each request (`add` gave every sample its row)."""
+        return [r.sampling_row for r in requests]
 
     def process(
         self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]

@@ -12,6 +12,7 @@ from hybridkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridkv.multimodal import MultiModalInputs
+    from hybridkv.sampler import SamplingRow
 
 
 class KVRequest:
@@ -125,6 +126,7 @@ class Request(KVRequest):
         "num_preemptions",
         "params",
         "sample_index",
+        "sampling_row",
         "status",
         "stop_reason",
     )
@@ -146,6 +148,8 @@ class Request(KVRequest):
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
         self.group = SampleGroup(request_id, [self])
         self.sample_index = 0
+        # What the sampler reads for this sample (hybridkv/sampler.py); the output processor gives it.
+        self.sampling_row: SamplingRow | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

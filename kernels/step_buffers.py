@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from ctypes import memmove
 from pathlib import Path
 
@@ -152,11 +152,7 @@ class StepBuffers:
 
     def model_inputs(self, num_tokens: int, num_logits_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`input_ids` and `position_ids` (`[1, num_tokens]`) and `logits_to_keep` views for the forward."""
-        return (
-            self.input_ids.device[:num_tokens].view(1, num_tokens),
-            self.positions.device[:num_tokens].view(1, num_tokens),
-            self.logits_rows.device[:num_logits_rows],
-        )
+        return self._view("ids", num_tokens), self._view("positions", num_tokens), self._view("wanted", num_logits_rows)
 
     def step(
         self,
@@ -193,7 +189,7 @@ class StepBuffers:
         )
         rows, query_lens, positions = _int64(rows), _int64(query_lens), _int64(positions)
         addresses = (rows.ctypes.data, query_lens.ctypes.data, positions.ctypes.data) if self.fill is not None else None
-        return self._write_tables(step, tables, addresses, (rows, query_lens, positions))
+        return self._write_tables(step, tables, addresses, lambda: (rows, query_lens, positions))
 
     def decode_step(
         self,
@@ -225,11 +221,12 @@ class StepBuffers:
         self._write_decode_cu_seqlens(num_seqs)
         step = self._step_metadata([1] * num_seqs, list(seq_lens), num_seqs)
         addresses = (rows_array.buffer_info()[0], self._ones_address, positions.buffer_info()[0])
-        numpy_inputs = (
-            np.frombuffer(rows_array, dtype=np.int64),
-            self._ones[:num_seqs],
-            np.frombuffer(positions, dtype=np.int64),
-        )
+
+        # Made only where the C fill cannot write a block size's tables (numpy calls are what this path avoids).
+        def numpy_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            ones = self._ones[:num_seqs]
+            return np.frombuffer(rows_array, dtype=np.int64), ones, np.frombuffer(positions, dtype=np.int64)
+
         return self._write_tables(step, tables, addresses, numpy_inputs)
 
     def _write_decode_cu_seqlens(self, num_seqs: int) -> None:
@@ -258,10 +255,11 @@ class StepBuffers:
         step: StepMetadata,
         tables: Mapping[int, np.ndarray],
         addresses: tuple[int, int, int] | None,
-        numpy_inputs: tuple[np.ndarray, np.ndarray, np.ndarray],
+        numpy_inputs: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
     ) -> dict[int, list[PagedAttentionMetadata]]:
         """The step's slot mapping and table rows per block size: by the C fill from the `addresses` of its rows,
-        query lengths and positions (int64), or by numpy from the same `numpy_inputs` where it cannot."""
+        query lengths and positions (int64), or by numpy from the same, as arrays `numpy_inputs()` returns, where
+        it cannot."""
         num_seqs, num_tokens = step.num_seqs, step.num_query_tokens
         longest = max(step.seq_lens_list)
         fill = self.fill if addresses is not None else None
@@ -291,7 +289,7 @@ class StepBuffers:
                 ):  # fmt: skip
                     raise IndexError("a step's table row or position lies outside the persistent batch's tables")
             else:
-                rows, query_lens, positions = numpy_inputs
+                rows, query_lens, positions = numpy_inputs()
                 token_rows = rows if num_tokens == num_seqs else np.repeat(rows, query_lens)
                 entries = groups[:, token_rows, positions // block_size]
                 written = slots.host[:num_groups, :num_tokens]
@@ -310,21 +308,30 @@ class StepBuffers:
         return metadata
 
     def _view(self, name: str | tuple[str, int], length: int):
-        """The leading `length` of a buffer on the device (per group, for tables and slots), made once per length:
-        slicing a tensor costs microseconds, and the views of a length never change."""
+        """The leading `length` of a buffer on the device (per group, for tables and slots; `[1, length]` for the
+        input ids and positions), made once per length: slicing a tensor costs microseconds, and the views of a
+        length never change. Made outside inference mode, as their buffers were (the forward's are asked for in it)."""
         key = (name, length)
         view = self._views.get(key)
         if view is None:
-            if name == "cu":
-                view = self.cu_seqlens_q.device[:length]
-            elif name == "seq_lens":
-                view = self.seq_lens.device[:length]
-            else:
-                kind, block_size = name
-                buffer = (self.tables if kind == "tables" else self.slots)[block_size].device
-                view = [buffer[group, :length] for group in range(buffer.shape[0])]
-            self._views[key] = view
+            with torch.inference_mode(False):
+                view = self._views[key] = self._new_view(name, length)
         return view
+
+    def _new_view(self, name: str | tuple[str, int], length: int):
+        if name == "cu":
+            return self.cu_seqlens_q.device[:length]
+        if name == "seq_lens":
+            return self.seq_lens.device[:length]
+        if name == "ids":
+            return self.input_ids.device[:length].view(1, length)
+        if name == "positions":
+            return self.positions.device[:length].view(1, length)
+        if name == "wanted":
+            return self.logits_rows.device[:length]
+        kind, block_size = name
+        buffer = (self.tables if kind == "tables" else self.slots)[block_size].device
+        return [buffer[group, :length] for group in range(buffer.shape[0])]
 
     def triton_tiles(self, step: StepMetadata, block_q: int) -> TritonQueryTiles:
         """The step's Triton query tiles of `block_q` rows, written into this height's buffers."""
