@@ -16,13 +16,21 @@ The reference is vLLM 0.33's pure-Python allocator on this class of machine, as 
 (vLLM is not installable here): ~540 us per request full-only at 0% hits, ~2,200 us hybrid, plus
 ~3.5 us per block for hashing.
 
+Decode steps (`--decode`): what a decode step costs the coordinator, 32 requests of 300-331 prompt tokens
+decoding 800 tokens each, one token a step, in 1 full + 5 sliding groups (window 256, the benchmarks' hybrid
+model's layout): `allocate_slots` of every request, then the update (`update_computed_many`), microseconds per
+step, with the one-block-size fast paths (`_append_one_block`, the per-block update) and without them (the
+general paths they stand for), alternated in one process; the block tables must come out the same.
+
     python benchmarks/allocator.py [--requests 10000]
+    python benchmarks/allocator.py --decode [--pairs 6]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import time
 from collections import deque
 
@@ -104,10 +112,61 @@ def hashing_us_per_block(num_requests: int = 200) -> float:
     return (time.perf_counter() - start) / (num_requests * PROMPT_TOKENS // BLOCK_SIZE) * 1e6
 
 
+def decode_steps(fast_paths: bool, num_steps: int = 800) -> tuple[float, float, list]:
+    """Microseconds per decode step in allocation and in the update, and the block tables at the end."""
+    specs = [LayerSpec(i, w, num_kv_heads=8, head_dim=128, dtype_bytes=2) for i, w in enumerate([None] + [256] * 5)]
+    coordinator = KVCacheCoordinator(group_layers(specs, BLOCK_SIZE), 12_000)
+    if not fast_paths:
+        coordinator._append_one_block = lambda request_id, num_total: False
+        coordinator._one_hash_per_block = False
+    requests = [KVRequest(f"r{i}", [(i * 7919 + t) % 50_000 for t in range(300 + i)], BLOCK_SIZE) for i in range(32)]
+    for request in requests:
+        assert coordinator.allocate_slots(request, request.num_tokens)
+        request.num_computed_tokens = request.num_tokens
+        coordinator.update_computed(request)
+    gc.collect()
+    allocate = update = 0.0
+    for step in range(num_steps):
+        start = time.perf_counter()
+        for request in requests:
+            assert coordinator.allocate_slots(request, 1), "the benchmark pool must fit every request"
+        allocate += time.perf_counter() - start
+        for request in requests:
+            request.num_computed_tokens += 1
+            request.append_token((step * 31 + len(request.token_ids)) % 50_000)
+        start = time.perf_counter()
+        coordinator.update_computed_many(requests)
+        update += time.perf_counter() - start
+        coordinator.take_table_updates()
+    coordinator.check_integrity()
+    return allocate / num_steps * 1e6, update / num_steps * 1e6, [coordinator.block_ids(r.request_id) for r in requests]
+
+
+def decode_main(pairs: int) -> None:
+    results: dict[bool, list[tuple[float, float, list]]] = {True: [], False: []}
+    for pair in range(pairs):
+        for fast in (True, False) if pair % 2 else (False, True):
+            results[fast].append(decode_steps(fast))
+    assert all(r[2] == results[True][0][2] for runs in results.values() for r in runs), "the block tables differ"
+    for index, part in enumerate(("allocate", "update")):
+        general, fast = (statistics.median(r[index] for r in results[f]) for f in (False, True))
+        ratios = [f[index] / g[index] for f, g in zip(results[True], results[False], strict=True)]
+        print(
+            f"decode step, 32 requests, 6 groups, {part:<8}: general paths {general:6.1f} us, fast paths "
+            f"{fast:6.1f} us; fast / general per pair {' '.join(f'{r:.2f}' for r in ratios)}, "
+            f"median {statistics.median(ratios):.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--decode", action="store_true", help="decode steps, with and without the fast paths")
+    parser.add_argument("--pairs", type=int, default=6)
     args = parser.parse_args()
+    if args.decode:
+        decode_main(args.pairs)
+        return
     hash_us = hashing_us_per_block()
     print(f"hashing alone: {hash_us:.2f} us per block (vLLM reference {VLLM_HASH_US_PER_BLOCK} us)")
     header = (
