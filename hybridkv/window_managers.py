@@ -220,21 +220,28 @@ class WindowedManager(SingleTypeManager):
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """After a step: return the blocks no later query reads (the old window, the middle), deepest
         first, still hashed if they were; the moved blocks' old positions become null."""
+        released = self.take_skipped_blocks(request_id, num_computed_tokens)
+        if released:
+            self.pool.free_blocks(released)
+
+    def take_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[KVBlock]:
+        """`remove_skipped_blocks` but for the pool: the blocks it would free, in the order it would free them (the
+        caller frees them)."""
         blocks = self.req_to_blocks.get(request_id)
         self.steps.pop(request_id, None)
         if not blocks:
-            return
+            return []
         start = self._window_start(request_id)
         end = min(self.first_needed_block(num_computed_tokens), len(blocks))
         if end <= start:  # most steps: the window has not left a block behind
-            return
+            return []
         self.mark_changed(request_id, start)
         released = blocks[start:end]
         released.reverse()
         blocks[start:end] = [self.pool.null_block] * (end - start)
         self.req_to_block_ids[request_id][start:end] = [NULL_BLOCK_ID] * (end - start)
         self.window_start[request_id] = end
-        self.pool.free_blocks(released)
+        return released
 
     def restore(self, request_id: str, blocks: list[KVBlock]) -> None:
         super().restore(request_id, blocks)
