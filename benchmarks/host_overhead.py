@@ -9,7 +9,9 @@ cores, so compare two versions in one process: install the other version to a fo
 --target DIR <checkout>`) and pass `--against DIR`. Its package is copied with every `hybridkv` in it renamed
 (so its attention op and functions register apart from this one's), imported beside this checkout's, and the
 two run the same workload alternately, run by run; each pair's ratio is printed (the machine's drift over
-seconds cancels in a pair, where back-to-back processes saw 0.75-1.05 between two copies of one commit).
+seconds cancels in a pair, where back-to-back processes saw 0.75-1.05 between two copies of one commit). Single
+pairs still range over about ±20% on the 2-core machine, so a change of 5-10% needs `--pairs 30` (about 3 minutes
+a workload) before its median means anything.
 Any version since the engine-step refactor runs (the model comes from `hybridkv.tiny`).
 
 What the host work costs depends on what the forward leaves in the caches. `--ready-logits` replaces the model's
@@ -22,7 +24,7 @@ is the slope).
 state checkpoints' planning is host work too: compare with `--no-prefix-caching`).
 
     python benchmarks/host_overhead.py [--threads 1] [--repeats 4] [--model hybrid] [--no-prefix-caching]
-    python benchmarks/host_overhead.py --against DIR [--pairs 6] [--workloads mixed,shared]
+    python benchmarks/host_overhead.py --against DIR [--pairs 30] [--workloads mixed,shared]
     python benchmarks/host_overhead.py --against DIR --workloads mixed [--ready-logits] [--requests 1]
 """
 
