@@ -26,6 +26,10 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py [--threads 1] [--repeats 4] [--model hybrid] [--no-prefix-caching]
     python benchmarks/host_overhead.py --against DIR [--pairs 30] [--workloads mixed,shared]
     python benchmarks/host_overhead.py --against DIR --workloads mixed [--ready-logits] [--requests 1]
+    python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 30 --argmax-apart
+
+`--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
+prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,6 +65,9 @@ def main() -> None:
     parser.add_argument("--workloads", default="mixed,shared")
     parser.add_argument("--ready-logits", action="store_true", help="ready logits instead of the forward")
     parser.add_argument("--requests", type=int, help="the workload's first N requests only")
+    parser.add_argument(
+        "--argmax-apart", action="store_true", help="with --against: also host per decode step without the argmax"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.model == "hybrid":
@@ -123,27 +131,31 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
     """Host work per step and per decode step of this checkout against `base`, alternated run by run in this
     process (which goes first alternates too), after a warm-up run of each."""
 
-    def run(package, prompts, max_new) -> tuple[float, float]:
+    def run(package, prompts, max_new) -> tuple[float, ...]:
         llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching)
-        with ready_logits(model, args.ready_logits):
+        with ready_logits(model, args.ready_logits), argmax_timed(package, args.argmax_apart) as argmax:
             decode_host, decode_steps = run_steps(
-                llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new)
+                llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new), argmax
             )
         host = (llm.step_seconds - llm.runner.forward_seconds) / llm.num_steps
         package.unpatch(model)
-        return host * 1e3, decode_host / decode_steps * 1e3
+        figures = (host * 1e3, decode_host / decode_steps * 1e3)
+        if args.argmax_apart:
+            figures += ((decode_host - argmax.decode_seconds) / decode_steps * 1e3,)
+        return figures
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; this checkout against {base.__file__}")
     for name in workloads:
         prompts, max_new = workload(name)
         prompts = prompts[: args.requests]
         run(hybridkv, prompts, max_new), run(base, prompts, max_new)
-        results: dict[str, list[tuple[float, float]]] = {"base": [], "new": []}
+        results: dict[str, list[tuple[float, ...]]] = {"base": [], "new": []}
         for pair in range(pairs):
             order = [("base", base), ("new", hybridkv)]
             for label, package in order if pair % 2 == 0 else reversed(order):
                 results[label].append(run(package, prompts, max_new))
-        for index, what in enumerate(("host per step", "host per decode step")):
+        figures = ["host per step", "host per decode step"] + ["  without the argmax"] * args.argmax_apart
+        for index, what in enumerate(figures):
             old, new = ([r[index] for r in results[label]] for label in ("base", "new"))
             ratios = [b / a for a, b in zip(old, new, strict=True)]
             print(
@@ -175,15 +187,51 @@ def ready_logits(model: torch.nn.Module, ready: bool) -> Iterator[None]:
         del model.forward
 
 
-def run_steps(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+class ArgmaxTimer:
+    """The seconds a package's `greedy_tokens` (the greedy argmax) took, in all and in the decode steps."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.decode_seconds = 0.0
+
+
+@contextlib.contextmanager
+def argmax_timed(package, timed: bool) -> Iterator[ArgmaxTimer | None]:
+    """With `timed`, `package.sampler.greedy_tokens` adds its time to the yielded timer (the sampler looks it up
+    in its module at each call: every version since issue 16's numpy argmax does)."""
+    if not timed:
+        yield None
+        return
+    sampler, timer = package.sampler, ArgmaxTimer()
+    greedy_tokens = sampler.greedy_tokens
+
+    def timed_greedy_tokens(logits):
+        start = time.perf_counter()
+        try:
+            return greedy_tokens(logits)
+        finally:
+            timer.seconds += time.perf_counter() - start
+
+    sampler.greedy_tokens = timed_greedy_tokens
+    try:
+        yield timer
+    finally:
+        sampler.greedy_tokens = greedy_tokens
+
+
+def run_steps(
+    llm, prompts: list[list[int]], params: SamplingParams, argmax: ArgmaxTimer | None = None
+) -> tuple[float, int]:
     """Run the prompts to the end step by step (as `generate` does); returns the host seconds of the decode steps
-    (every row one new token) and their number, read from the engine's counters around each step."""
+    (every row one new token) and their number, read from the engine's counters around each step (and adds the
+    decode steps' argmax seconds to `argmax`, given)."""
     for prompt in prompts:
         llm.add_request(prompt, params)
     runner = llm.runner
     decode_host, decode_steps = 0.0, 0
     while llm.has_unfinished_requests():
         before = (llm.step_seconds, runner.forward_seconds, llm.num_forward_tokens, llm.num_generated_tokens)
+        argmax_before = argmax.seconds if argmax is not None else 0.0
         llm.step()
         step, forward, computed, sampled = (
             now - then
@@ -196,6 +244,8 @@ def run_steps(llm, prompts: list[list[int]], params: SamplingParams) -> tuple[fl
         if computed and computed == sampled:
             decode_host += step - forward
             decode_steps += 1
+            if argmax is not None:
+                argmax.decode_seconds += argmax.seconds - argmax_before
     return decode_host, decode_steps
 
 
