@@ -466,22 +466,14 @@ class KVCacheCoordinator:
         block_hashes = request.block_hashes
         window_steps = self._window_steps
         if self._one_hash_per_block and not (any(window_steps) and any(request_id in s for s in window_steps)):
-            # One block size and no pending step (most updates): a group is called only where a block filled or
-            # its window left a block, one filled block is cached without slicing, and the blocks the windows left
-            # go back to the pool together, in the order the groups would return them one by one.
+            # One block size and no pending step (most updates): a group caches only where a block filled, and the
+            # blocks the windows left go back to the pool together, in the order the groups would return them.
             num_full = min(num_computed // self._first_size, len(block_hashes))
             released: list[KVBlock] = []
             for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
-                if self.enable_caching:
-                    num_cached = manager.num_cached_blocks
-                    start = num_cached.get(request_id, 0)
-                    if start + 1 == num_full:
-                        block = manager.req_to_blocks[request_id][start]
-                        self.pool.cache_blocks((block,), (block_hashes[start],), manager.group_id)
-                        num_cached[request_id] = num_full
-                    elif start < num_full:
-                        manager.cache_blocks(request_id, block_hashes, num_computed)
-                if windowed and manager.leaves_blocks(request_id, num_computed):
+                if self.enable_caching and manager.num_cached_blocks.get(request_id, 0) < num_full:
+                    manager.cache_blocks(request_id, block_hashes, num_computed)
+                if windowed:
                     released += manager.take_skipped_blocks(request_id, num_computed)
             if released:
                 self.pool.free_blocks(released)

@@ -174,8 +174,11 @@ class SingleTypeManager(ABC):
         if num_full_blocks <= start:
             return
         blocks = self.req_to_blocks[request_id]
-        hashes = block_hashes[(start + 1) * stride - 1 : num_full_blocks * stride : stride]
-        self.pool.cache_blocks(blocks[start:num_full_blocks], hashes, self.group_id)
+        if num_full_blocks == start + 1:  # one block (a decode step's): no slices
+            self.pool.cache_blocks((blocks[start],), (block_hashes[num_full_blocks * stride - 1],), self.group_id)
+        else:
+            hashes = block_hashes[(start + 1) * stride - 1 : num_full_blocks * stride : stride]
+            self.pool.cache_blocks(blocks[start:num_full_blocks], hashes, self.group_id)
         self.num_cached_blocks[request_id] = num_full_blocks
 
     @abstractmethod

@@ -212,11 +212,6 @@ class WindowedManager(SingleTypeManager):
             self.steps[request_id].middle.extend(positions)
         return num_wanted
 
-    def leaves_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
-        """Whether the window has passed a position from which the request may hold a real block (else, with no
-        pending step, `remove_skipped_blocks` has nothing to do)."""
-        return self._window_start(request_id) < self.first_needed_block(num_computed_tokens)
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """After a step: return the blocks no later query reads (the old window, the middle), deepest
         first, still hashed if they were; the moved blocks' old positions become null."""
