@@ -140,8 +140,6 @@ class KVCacheCoordinator:
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
         self._first_lists, self._first_size = self.managers[0].req_to_blocks, self.managers[0].block_size
-        # ... and every group's block i named by the request's hash i (`update_computed`'s fast path).
-        self._one_hash_per_block = self._one_block_size and all(m.hash_stride == 1 for m in self.managers)
         # Requests that may share a block they write into (forks, and groups swapped back in together):
         # only they pay the copy-on-write check.
         self._may_share: set[str] = set()
@@ -463,25 +461,18 @@ class KVCacheCoordinator:
             else:  # no block filled, no window moved, no pending step: nothing to do (most decode steps)
                 return
         self._next_change[request_id] = self._next_change_after(num_computed)
-        block_hashes = request.block_hashes
-        window_steps = self._window_steps
-        if self._one_hash_per_block and not (any(window_steps) and any(request_id in s for s in window_steps)):
-            # One block size and no pending step (most updates): a group caches only where a block filled, and the
-            # blocks the windows left go back to the pool together, in the order the groups would return them.
-            num_full = min(num_computed // self._first_size, len(block_hashes))
-            released: list[KVBlock] = []
-            for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
-                if self.enable_caching and manager.num_cached_blocks.get(request_id, 0) < num_full:
-                    manager.cache_blocks(request_id, block_hashes, num_computed)
-                if windowed:
-                    released += manager.take_skipped_blocks(request_id, num_computed)
-            if released:
-                self.pool.free_blocks(released)
-            return
-        for manager in self.managers:
+        # The blocks every window left go back to the pool in one call, in the order the groups would return them
+        # one by one (no group's caching touches another group's blocks or the free queue).
+        released: list[KVBlock] = []
+        for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
             if self.enable_caching:
-                manager.cache_blocks(request_id, block_hashes, num_computed)
-            manager.remove_skipped_blocks(request_id, num_computed)
+                manager.cache_blocks(request_id, request.block_hashes, num_computed)
+            if windowed:
+                released += manager.take_skipped_blocks(request_id, num_computed)
+            else:
+                manager.remove_skipped_blocks(request_id, num_computed)
+        if released:
+            self.pool.free_blocks(released)
 
     def update_computed_many(self, requests: Sequence[KVRequest]) -> None:
         """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary

@@ -1,6 +1,7 @@
-"""The coordinator's fast paths for one block size (`_append_one_block`, `update_computed`'s per-block path) change
-nothing but speed: two coordinators, one with them turned off, take the same random engine-like operations and
-must agree on every result, block table, free-queue order, cached hash and eviction count after each."""
+"""The coordinator's fast path for one block size (`_append_one_block`: a step that needs one more block in every
+group) changes nothing but speed: two coordinators, one with it turned off, take the same random engine-like
+operations and must agree on every result, block table, free-queue order, cached hash and eviction count after
+each."""
 
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ LAYOUTS = [
 ]
 
 
-def _without_fast_paths(coordinator) -> None:
+def _without_fast_path(coordinator) -> None:
     coordinator._append_one_block = lambda request_id, num_total: False
-    coordinator._one_hash_per_block = False
 
 
 def _state(coordinator, request_ids) -> tuple:
@@ -41,7 +41,7 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
     rng = random.Random(seed)
     num_blocks = rng.randint(14, 40)
     twins = [make_coordinator(windows, num_blocks, block_size, caching) for _ in range(2)]
-    _without_fast_paths(twins[1])
+    _without_fast_path(twins[1])
     requests: list[dict[str, KVRequest]] = [{}, {}]
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7]]
     num_fast = num_ops = 0
@@ -108,7 +108,7 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("windows", "block_size"), LAYOUTS)
 @pytest.mark.parametrize("caching", [True, False])
-def test_fast_paths_give_the_general_paths_blocks(windows, block_size, caching):
+def test_fast_path_gives_the_general_paths_blocks(windows, block_size, caching):
     num_fast = 0
     for seed in range(6):
         fast, _ = _run(seed, windows, block_size, caching)
