@@ -25,11 +25,10 @@ from hybridkv.structured_outputs import CompiledGrammar
 
 @dataclass(slots=True)
 class SampleState:
-    """One sample: its scheduler request, what the sampler reads for it (params, generator, tokens so
-    far), its text, its output record and how much of it a stream has yielded."""
+    """One sample: its scheduler request (whose `sampling_row` is what the sampler reads for it: params,
+    generator, tokens so far), its text, its output record and how much of it a stream has yielded."""
 
     request: Request
-    sampling_row: SamplingRow
     detokenizer: IncrementalDetokenizer | None
     completion: CompletionOutput
     num_streamed_tokens: int = 0
@@ -72,7 +71,6 @@ class OutputProcessor:
             samples.append(
                 SampleState(
                     request=request,
-                    sampling_row=request.sampling_row,
                     detokenizer=detokenizer,
                     completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
                 )
@@ -109,7 +107,7 @@ class OutputProcessor:
             state = states[request.group.request_id]
             sample = state.samples[request.sample_index]
             completion = sample.completion
-            matcher = sample.sampling_row.matcher
+            matcher = request.sampling_row.matcher
             if matcher is not None and (error := matcher.accept(token)) is not None:
                 # A token its grammar refuses (a grammar the vocabulary cannot write): never part of the output.
                 stopped.append((request, RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"))
