@@ -424,20 +424,21 @@ class LLMEngine(RunLoops):
         """The requests still in `sampling` afterwards, with their tokens (None for a beam: its row goes to its
         beam search) and logprobs; one request's parameters never fail the others: a request whose row fails is
         failed with its samples and leaves the plan, and so do the tokens its samples drew."""
-        rows = [i for i, request in enumerate(sampling) if request.group.beam is None]
-        if len(rows) < len(sampling):
+        rows = [request.sampling_row for request in sampling]  # None for a beam (OutputProcessor.add)
+        if None in rows:
             tokens: list[int | None] = [None] * len(sampling)
             logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
             errors: list[Exception | None] = [None] * len(sampling)
             for i, request in enumerate(sampling):
                 if request.group.beam is not None:
                     request.group.beam.deposit(request, logits[i])
-            if rows:
-                drawn = sample_each(logits[rows], self.outputs.sampling_rows([sampling[i] for i in rows]))
-                for i, token, token_logprobs, error in zip(rows, *drawn, strict=True):
+            sampled = [i for i, request in enumerate(sampling) if request.group.beam is None]
+            if sampled:
+                drawn = sample_each(logits[sampled], [rows[i] for i in sampled])
+                for i, token, token_logprobs, error in zip(sampled, *drawn, strict=True):
                     tokens[i], logprobs[i], errors[i] = token, token_logprobs, error
         else:
-            tokens, logprobs, errors = sample_each(logits, self.outputs.sampling_rows(sampling))
+            tokens, logprobs, errors = sample_each(logits, rows)
         if not any(errors):
             return sampling, tokens, logprobs
         for request, error in zip(sampling, errors, strict=True):

@@ -90,10 +90,6 @@ class OutputProcessor:
     def state_of(self, request: Request) -> RequestState:
         return self.states[request.group.request_id]
 
-    def sampling_rows(self, requests: Sequence[Request]) -> list[SamplingRow]:
-        """What the sampler reads for each request (`add` gave every sample its row)."""
-        return [r.sampling_row for r in requests]
-
     def process(
         self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
     ) -> list[tuple[Request, RequestStatus, str | None]]:

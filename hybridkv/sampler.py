@@ -22,11 +22,12 @@ from hybridkv.sampling_params import SamplingParams
 from hybridkv.structured_outputs import GrammarMatcher, apply_bitmasks
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class SamplingRow:
     """One row of logits to sample: its params, its own generator if seeded, its tokens so far
     (prompt then outputs; read only by the penalties, so nothing is copied per step otherwise) and, for
-    structured outputs, its grammar matcher (which the output processor advances)."""
+    structured outputs, its grammar matcher (which the output processor advances). Rows compare by identity
+    (a batch's check for a missing row, `None in rows`, calls no Python)."""
 
     params: SamplingParams
     generator: torch.Generator | None
@@ -94,6 +95,8 @@ def sample_each(
     """`sample`, but a row that fails fails alone: its token is None and its error says why, and every
     other row gets the token `sample` would have given it (seeded generators are rewound before the
     rows are sampled one by one)."""
+    if all(row.plain_greedy for row in rows):  # each row's argmax, which no row fails alone
+        return greedy_tokens(logits).tolist(), [None] * len(rows), [None] * len(rows)
     seeded = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
     try:
         tokens, logprobs = sample(logits, rows)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Callable, Iterable, Mapping
-from ctypes import memmove
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,10 @@ _FILL = NativeFunction(
 )
 
 
+# The `array` type codes of the integer buffers' dtypes (`_Buffer.flat`).
+_ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
+
+
 def _int64(values: np.ndarray) -> np.ndarray:
     """`values` as a contiguous int64 array (itself when it is one already, as the runner's are)."""
     if values.dtype == np.int64 and values.flags.c_contiguous:
@@ -63,7 +66,10 @@ class _Buffer:
             self.host_tensor = torch.zeros(shape, dtype=dtype, pin_memory=not on_cpu and torch.cuda.is_available())
             self.device = self.host_tensor if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
         self.host = self.host_tensor.numpy()
-        self.address = self.host.ctypes.data  # where the C fill and decode_step write it
+        self.address = self.host.ctypes.data  # where the C fill writes it
+        # The host's values as one flat memoryview of `array` items, which decode_step assigns to (no call into
+        # numpy or ctypes: each costs microseconds after a forward has evicted its code).
+        self.flat = memoryview(self.host.reshape(-1)).cast("B").cast(_ARRAY_CODES.get(dtype, "B"))
         self.on_cpu = on_cpu
         self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -127,6 +133,8 @@ class StepBuffers:
         self._rows = np.arange(max(max_num_seqs, max_num_tokens) + 1, dtype=np.int64)
         self._cu_arange = 0  # cu_seqlens_q holds 0..n for every n up to this
         self._views: dict[tuple[object, int], object] = {}
+        # Per block size, what the C fill needs of the persistent batch's tables array (`_fill_table_facts`).
+        self._fill_tables: dict[int, tuple[np.ndarray, int, tuple[int, ...] | None]] = {}
         # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
         # compare it with the numpy path.
         self.fill = _FILL.get()
@@ -201,8 +209,8 @@ class StepBuffers:
     ) -> dict[int, list[PagedAttentionMetadata]] | None:
         """`fill_inputs` and `step` of a decode-only step (each sequence one new token, at position
         `seq_lens[s] - 1`) from its Python lists, without a numpy call (each costs tens of microseconds after a
-        forward has evicted its code): each list goes into an `array` copied to its buffer with one memmove,
-        and the C fill writes the slots and tables. None, writing nothing, where the C fill is not built or
+        forward has evicted its code): each list goes into an `array` assigned to its buffer's flat view, and
+        the C fill writes the slots and tables. None, writing nothing, where the C fill is not built or
         the step is larger than the buffers: the caller then calls `fill_inputs` and `step` (which raise for
         a step too large)."""
         num_seqs = len(seq_lens)
@@ -216,7 +224,7 @@ class StepBuffers:
         for buffer, values in (
             (self.input_ids, ids), (self.positions, positions), (self.logits_rows, wanted), (self.seq_lens, lengths)
         ):  # fmt: skip
-            memmove(buffer.address, values.buffer_info()[0], len(values) * values.itemsize)
+            buffer.flat[: len(values)] = values
             buffer.send(slice(0, len(values)))
         self._write_decode_cu_seqlens(num_seqs)
         step = self._step_metadata([1] * num_seqs, list(seq_lens), num_seqs)
@@ -269,23 +277,26 @@ class StepBuffers:
             block_width = -(-longest // block_size)
             slots = self.slots[block_size]
             table = self.tables[block_size]
-            slots_host, table_host = slots.host, table.host
+            known = self._fill_tables.get(block_size)
+            if known is None or known[0] is not groups:
+                known = self._fill_tables[block_size] = self._fill_table_facts(block_size, groups)
+            _, max_width, fill_arguments = known
             # The C loop checks the tables' rows and positions; a step larger than the buffers goes to numpy,
             # which raises.
             if (
                 fill is not None
-                and groups.dtype == np.int32
-                and groups.flags.c_contiguous
-                and block_width <= min(groups.shape[2], table_host.shape[2])
-                and num_groups <= min(slots_host.shape[0], table_host.shape[0])
-                and num_tokens <= slots_host.shape[1]
-                and num_seqs <= table_host.shape[1]
+                and fill_arguments is not None
+                and block_width <= max_width
+                and num_tokens <= self.max_num_tokens
+                and num_seqs <= self.max_num_seqs
             ):
+                address, num_rows, row_stride, slots_address, slots_stride, table_address, group_stride, width = (
+                    fill_arguments
+                )
                 rows_at, query_lens_at, positions_at = addresses
                 if fill(
-                    groups.ctypes.data, num_groups, groups.shape[1], groups.shape[2], rows_at, query_lens_at, num_seqs,
-                    positions_at, block_size, block_width, slots.address, slots_host.shape[1], table.address,
-                    table_host.shape[1] * table_host.shape[2], table_host.shape[2],
+                    address, num_groups, num_rows, row_stride, rows_at, query_lens_at, num_seqs, positions_at,
+                    block_size, block_width, slots_address, slots_stride, table_address, group_stride, width,
                 ):  # fmt: skip
                     raise IndexError("a step's table row or position lies outside the persistent batch's tables")
             else:
@@ -306,6 +317,21 @@ class StepBuffers:
                 for group_table, group_slots in zip(tables_by_group, slots_by_group, strict=True)
             ]
         return metadata
+
+    def _fill_table_facts(self, block_size: int, groups: np.ndarray) -> tuple[np.ndarray, int, tuple[int, ...] | None]:
+        """What `_write_tables` reads of a block size's persistent tables `groups` and its own buffers, worked out
+        once per tables array (an array's address, type and shape never change; each numpy attribute costs
+        microseconds after a forward has evicted numpy's code): `groups` itself (what the facts are of), the
+        widest table row both hold, and the C fill's fixed arguments (None where it cannot read `groups`)."""
+        slots_host, table_host = self.slots[block_size].host, self.tables[block_size].host
+        max_width = min(groups.shape[2], table_host.shape[2])
+        if groups.dtype != np.int32 or not groups.flags.c_contiguous or groups.shape[0] > table_host.shape[0]:
+            return groups, max_width, None
+        fill_arguments = (
+            groups.ctypes.data, groups.shape[1], groups.shape[2], self.slots[block_size].address, slots_host.shape[1],
+            self.tables[block_size].address, table_host.shape[1] * table_host.shape[2], table_host.shape[2],
+        )  # fmt: skip
+        return groups, max_width, fill_arguments
 
     def _view(self, name: str | tuple[str, int], length: int):
         """The leading `length` of a buffer on the device (per group, for tables and slots; `[1, length]` for the

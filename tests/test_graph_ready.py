@@ -261,25 +261,28 @@ def test_a_row_outside_the_tables_raises(native):
 
 def test_c_fill_writes_what_numpy_writes_on_random_steps():
     """step_fill.c against the numpy path, byte for byte in the buffers they write, over random persistent tables
-    (null, real and moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes."""
+    (null, real and moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes; the
+    tables are new arrays every ten steps, with more rows at times (the persistent batch grows), and the C fill
+    reads the new ones (it keeps each array's address and shape)."""
     rng = np.random.default_rng(0)
     shapes = {8: (3, 40), 32: (1, 10)}
     native = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
     numpy_only = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
     assert native.fill is not None
     numpy_only.fill = None
-    tables = {
-        size: rng.integers(-50, 60, size=(groups, 21, width), dtype=np.int32)
-        for size, (groups, width) in shapes.items()
-    }
-    tables = {size: np.where(table < 0, table, np.maximum(table, 0)) for size, table in tables.items()}
-    for _ in range(40):
+    for step in range(40):
+        if step % 10 == 0:
+            num_rows = int(rng.choice([21, 42]))
+            tables = {
+                size: rng.integers(-50, 60, size=(groups, num_rows, width), dtype=np.int32)
+                for size, (groups, width) in shapes.items()
+            }
         num_seqs = int(rng.integers(1, 17))
         seq_lens = rng.integers(1, 321, size=num_seqs)
         query_lens = np.ones(num_seqs, dtype=np.int64) if rng.random() < 0.5 else rng.integers(1, seq_lens + 1)
         query_lens = np.minimum(query_lens, max(1, 256 // num_seqs))
         positions = np.concatenate([np.arange(n - m, n) for m, n in zip(query_lens, seq_lens, strict=True)])
-        rows = rng.permutation(21)[:num_seqs].astype(np.int64)
+        rows = rng.permutation(num_rows)[:num_seqs].astype(np.int64)
         for buffers in (native, numpy_only):
             buffers.step(query_lens, seq_lens, positions, tables, rows)
         for size, (groups, _) in shapes.items():
@@ -296,9 +299,10 @@ def test_c_fill_writes_what_numpy_writes_on_random_steps():
 
 @pytest.mark.parametrize("table_dtype", [np.int32, np.int64], ids=["c-fill", "numpy-fill"])
 def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype):
-    """StepBuffers.decode_step (a decode step from its Python lists: arrays and memmove, then the C fill, or numpy
-    for tables the C loop does not take) against fill_inputs + step, byte for byte in every buffer a decode step
-    writes and in its metadata, over random decode steps with rows in any order and two block sizes."""
+    """StepBuffers.decode_step (a decode step from its Python lists: arrays assigned to the buffers' flat views,
+    then the C fill, or numpy for tables the C loop does not take) against fill_inputs + step, byte for byte in
+    every buffer a decode step writes and in its metadata, over random decode steps with rows in any order and two
+    block sizes."""
     rng = np.random.default_rng(1)
     shapes = {8: (3, 40), 32: (1, 10)}
     lists, arrays = (StepBuffers(torch.device("cpu"), "torch", 16, 64, shapes) for _ in range(2))
