@@ -7,6 +7,7 @@ hold different numbers of tokens per block (hybridkv/grouping.py); token counts 
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,11 @@ from hybridkv.state_slots import StateCheckpoints, StateSlots
 from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 from hybridkv.window_managers import WindowedManager
+
+# update_computed's events for a request it has not updated yet (both of its parts run), and the number of computed
+# tokens of an event that never comes (no group with a window or chunk: `_next_change_after`).
+_NOW = (0, 0)
+_NEVER = sys.maxsize
 
 
 @dataclass(slots=True)
@@ -152,8 +158,11 @@ class KVCacheCoordinator:
         self._freed: list[str] = []
         # update_computed's fast path: per request, the number of computed tokens at which an update can next
         # change something (a block fills, a window or chunk start passes a block), and each windowed group's
-        # pending steps (an update drops them).
+        # pending steps (an update drops them); and what changes there: (the number at which a block fills,
+        # which caching waits for, the number at which a window or chunk start passes a block, which returning
+        # blocks waits for).
         self._next_change: dict[str, int] = {}
+        self._next_events: dict[str, tuple[int, int]] = {}
         self._window_steps = [m.steps for m in self._windowed]
         # What `_next_change_after` reads of each group: (block size, window, chunk size), once per distinct kind.
         self._change_rules = list(
@@ -450,23 +459,33 @@ class KVCacheCoordinator:
         """After a step computed tokens: cache blocks that became full, then return the blocks that
         request.num_computed_tokens has left out of every sliding window.
 
-        Caching comes first so that out-of-window blocks go back to the pool still hashed.
+        Caching comes first so that out-of-window blocks go back to the pool still hashed. Each part runs only
+        where it can change something: caching where a block filled since the last update, returning where a
+        window or chunk start passed a block or a windowed group holds a pending step (decode steps meet one
+        or the other, a token apart).
         """
         request_id = request.request_id
         num_computed = request.num_computed_tokens
-        if num_computed < self._next_change.get(request_id, 0):
-            for steps in self._window_steps:
-                if steps and request_id in steps:
-                    break
-            else:  # no block filled, no window moved, no pending step: nothing to do (most decode steps)
-                return
-        self._next_change[request_id] = self._next_change_after(num_computed)
+        pending = False
+        for steps in self._window_steps:
+            if steps and request_id in steps:
+                pending = True
+                break
+        fills_at, moves_at = self._next_events.get(request_id, _NOW)
+        caches = num_computed >= fills_at
+        returns = pending or num_computed >= moves_at
+        if not (caches or returns):  # most decode steps
+            return
+        self._next_change[request_id], self._next_events[request_id] = self._next_change_after(num_computed)
+        if caches and self.enable_caching:
+            for manager in self.managers:
+                manager.cache_blocks(request_id, request.block_hashes, num_computed)
+        if not returns:
+            return
         # The blocks every window left go back to the pool in one call, in the order the groups would return them
         # one by one (no group's caching touches another group's blocks or the free queue).
         released: list[KVBlock] = []
         for manager, windowed in zip(self.managers, self._is_windowed, strict=True):
-            if self.enable_caching:
-                manager.cache_blocks(request_id, request.block_hashes, num_computed)
             if windowed:
                 released += manager.take_skipped_blocks(request_id, num_computed)
             else:
@@ -485,18 +504,18 @@ class KVCacheCoordinator:
             if request.num_computed_tokens >= next_change.get(request_id, 0) or request_id in pending:
                 self.update_computed(request)
 
-    def _next_change_after(self, num_computed: int) -> int:
-        """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group: a
-        block fills, or a window's or chunk's first needed block moves on."""
-        nearest = None
+    def _next_change_after(self, num_computed: int) -> tuple[int, tuple[int, int]]:
+        """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group,
+        and what changes there: (the fewest at which a block fills, the fewest at which a window's or chunk's
+        first needed block moves on; `_NEVER` where no group has a window or chunk)."""
+        fills = moves = _NEVER
         for block_size, window, chunk in self._change_rules:
-            change = (num_computed // block_size + 1) * block_size
+            fills = min(fills, (num_computed // block_size + 1) * block_size)
             if window is not None:
-                change = min(change, (max(0, num_computed - window + 1) // block_size + 1) * block_size + window - 1)
+                moves = min(moves, (max(0, num_computed - window + 1) // block_size + 1) * block_size + window - 1)
             if chunk is not None:
-                change = min(change, (num_computed // chunk + 1) * chunk)
-            nearest = change if nearest is None else min(nearest, change)
-        return nearest if nearest is not None else num_computed + 1
+                moves = min(moves, (num_computed // chunk + 1) * chunk)
+        return min(fills, moves), (fills, moves)
 
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
@@ -534,6 +553,7 @@ class KVCacheCoordinator:
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
         self._next_change.pop(request_id, None)
+        self._next_events.pop(request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request_id)
         self._freed.append(request_id)

@@ -1,5 +1,7 @@
-"""The coordinator's fast path for one block size (`_append_one_block`: a step that needs one more block in every
-group) changes nothing but speed: two coordinators, one with it turned off, take the same random engine-like
+"""The coordinator's fast paths change nothing but speed: `_append_one_block` (one block size, a step that needs one
+more block in every group) and `update_computed`'s parts run only where they can change something (caching where a
+block filled, returning blocks where a window or chunk start passed one or a step is pending). Two coordinators,
+one with both turned off (every update caches and returns in every group), take the same random engine-like
 operations and must agree on every result, block table, free-queue order, cached hash and eviction count after
 each."""
 
@@ -22,8 +24,17 @@ LAYOUTS = [
 ]
 
 
-def _without_fast_path(coordinator) -> None:
+def _without_fast_paths(coordinator) -> None:
     coordinator._append_one_block = lambda request_id, num_total: False
+    update = coordinator.update_computed
+
+    def update_everything(request) -> None:  # as if the request had never been updated: both parts run
+        coordinator._next_change.pop(request.request_id, None)
+        coordinator._next_events.pop(request.request_id, None)
+        update(request)
+
+    coordinator.update_computed = update_everything
+    coordinator.update_computed_many = lambda requests: [update_everything(request) for request in requests]
 
 
 def _state(coordinator, request_ids) -> tuple:
@@ -41,7 +52,7 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
     rng = random.Random(seed)
     num_blocks = rng.randint(14, 40)
     twins = [make_coordinator(windows, num_blocks, block_size, caching) for _ in range(2)]
-    _without_fast_path(twins[1])
+    _without_fast_paths(twins[1])
     requests: list[dict[str, KVRequest]] = [{}, {}]
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7]]
     num_fast = num_ops = 0
