@@ -383,7 +383,7 @@ class LLMEngine(RunLoops):
         for request, status, error in self.outputs.process(sampling, tokens, logprobs):
             self.scheduler.finish(request, status, error)
         states = self.outputs.states
-        for request in itertools.chain((s.request for s in plan.scheduled), plan.failed):
+        for request in [s.request for s in plan.scheduled] + plan.failed:
             request_id = request.group.request_id
             if request_id not in touched:
                 touched[request_id] = states[request_id]

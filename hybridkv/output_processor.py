@@ -25,12 +25,14 @@ from hybridkv.structured_outputs import CompiledGrammar
 
 @dataclass(slots=True)
 class SampleState:
-    """One sample: its scheduler request (whose `sampling_row` is what the sampler reads for it: params,
-    generator, tokens so far), its text, its output record and how much of it a stream has yielded."""
+    """One sample (its request's `sample_state`): its scheduler request (whose `sampling_row` is what the sampler
+    reads for it: params, generator, tokens so far), its text, its output record, its request's metrics (shared
+    by the request's samples) and how much of it a stream has yielded."""
 
     request: Request
     detokenizer: IncrementalDetokenizer | None
     completion: CompletionOutput
+    metrics: RequestMetrics
     num_streamed_tokens: int = 0
 
 
@@ -59,6 +61,7 @@ class OutputProcessor:
         leader = group.leader
         params = leader.params
         prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
+        metrics = RequestMetrics(arrival_time=time.monotonic())
         samples = []
         for index, request in enumerate(group.members if group.beam is None else ()):
             generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
@@ -68,20 +71,20 @@ class OutputProcessor:
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
-            samples.append(
-                SampleState(
-                    request=request,
-                    detokenizer=detokenizer,
-                    completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
-                )
+            request.sample_state = SampleState(
+                request=request,
+                detokenizer=detokenizer,
+                completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
+                metrics=metrics,
             )
+            samples.append(request.sample_state)
         output = RequestOutput(
             request_id=group.request_id,
             prompt=prompt,
             prompt_token_ids=prompt_ids,
             outputs=[sample.completion for sample in samples],
             finished=False,
-            metrics=RequestMetrics(arrival_time=time.monotonic()),
+            metrics=metrics,
         )
         state = RequestState(group, samples, output)
         self.states[group.request_id] = state
@@ -98,10 +101,9 @@ class OutputProcessor:
         requests that stop, with their status and error: the caller finishes them in the scheduler."""
         now = time.monotonic()
         stopped = []
-        states, check = self.states, self.stop_rules.check
+        check = self.stop_rules.check
         for request, token, token_logprobs in zip(requests, tokens, logprobs, strict=True):
-            state = states[request.group.request_id]
-            sample = state.samples[request.sample_index]
+            sample = request.sample_state
             completion = sample.completion
             matcher = request.sampling_row.matcher
             if matcher is not None and (error := matcher.accept(token)) is not None:
@@ -113,8 +115,8 @@ class OutputProcessor:
                 completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + token_logprobs.logprob
                 if completion.logprobs is not None:
                     completion.logprobs.append(token_logprobs)
-            if state.output.metrics.first_token_time is None:
-                state.output.metrics.first_token_time = now
+            if sample.metrics.first_token_time is None:
+                sample.metrics.first_token_time = now
             status = check(request, token, sample.detokenizer)
             if status is None and matcher is not None and matcher.is_complete:
                 status = RequestStatus.FINISHED_STOPPED

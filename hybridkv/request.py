@@ -12,6 +12,7 @@ from hybridkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridkv.multimodal import MultiModalInputs
+    from hybridkv.output_processor import SampleState
     from hybridkv.sampler import SamplingRow
 
 
@@ -126,6 +127,7 @@ class Request(KVRequest):
         "num_preemptions",
         "params",
         "sample_index",
+        "sample_state",
         "sampling_row",
         "status",
         "stop_reason",
@@ -148,8 +150,10 @@ class Request(KVRequest):
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
         self.group = SampleGroup(request_id, [self])
         self.sample_index = 0
-        # What the sampler reads for this sample (hybridkv/sampler.py); the output processor gives it.
+        # What the sampler reads for this sample (hybridkv/sampler.py) and the output processor's record of it
+        # (hybridkv/output_processor.py): the output processor gives both (a beam has neither).
         self.sampling_row: SamplingRow | None = None
+        self.sample_state: SampleState | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
