@@ -122,7 +122,7 @@ def decode_steps(fast_path: bool, num_steps: int = 800) -> tuple[float, float, l
         update_computed = coordinator.update_computed
 
         def update_both(request: KVRequest) -> None:  # an update that runs runs both of its parts
-            coordinator._next_events.pop(request.request_id, None)
+            coordinator._next_change.pop(request.request_id, None)
             update_computed(request)
 
         coordinator.update_computed = update_both

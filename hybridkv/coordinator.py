@@ -22,9 +22,9 @@ from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
 from hybridkv.window_managers import WindowedManager
 
-# update_computed's events for a request it has not updated yet (both of its parts run), and the number of computed
-# tokens of an event that never comes (no group with a window or chunk: `_next_change_after`).
-_NOW = (0, 0)
+# update_computed's next changes for a request it has not updated yet (both of its parts run), and the number of
+# computed tokens of a change that never comes (no group with a window or chunk: `_next_change_after`).
+_NOW = (0, 0, 0)
 _NEVER = sys.maxsize
 
 
@@ -156,13 +156,11 @@ class KVCacheCoordinator:
         self.prefix_cache_hits = 0
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
-        # update_computed's fast path: per request, the number of computed tokens at which an update can next
-        # change something (a block fills, a window or chunk start passes a block), and each windowed group's
-        # pending steps (an update drops them); and what changes there: (the number at which a block fills,
-        # which caching waits for, the number at which a window or chunk start passes a block, which returning
-        # blocks waits for).
-        self._next_change: dict[str, int] = {}
-        self._next_events: dict[str, tuple[int, int]] = {}
+        # update_computed's fast path: per request, the numbers of computed tokens at which an update can next
+        # change something (the nearest of the two that follow), at which a block next fills (caching waits for
+        # it) and at which a window or chunk start next passes a block (returning blocks waits for it, or for a
+        # windowed group's pending step, which an update drops).
+        self._next_change: dict[str, tuple[int, int, int]] = {}
         self._window_steps = [m.steps for m in self._windowed]
         # What `_next_change_after` reads of each group: (block size, window, chunk size), once per distinct kind.
         self._change_rules = list(
@@ -471,12 +469,12 @@ class KVCacheCoordinator:
             if steps and request_id in steps:
                 pending = True
                 break
-        fills_at, moves_at = self._next_events.get(request_id, _NOW)
+        _, fills_at, moves_at = self._next_change.get(request_id, _NOW)
         caches = num_computed >= fills_at
         returns = pending or num_computed >= moves_at
         if not (caches or returns):  # most decode steps
             return
-        self._next_change[request_id], self._next_events[request_id] = self._next_change_after(num_computed)
+        self._next_change[request_id] = self._next_change_after(num_computed)
         if caches and self.enable_caching:
             for manager in self.managers:
                 manager.cache_blocks(request_id, request.block_hashes, num_computed)
@@ -501,13 +499,13 @@ class KVCacheCoordinator:
         pending = set().union(*window_steps) if any(window_steps) else ()
         for request in requests:
             request_id = request.request_id
-            if request.num_computed_tokens >= next_change.get(request_id, 0) or request_id in pending:
+            if request.num_computed_tokens >= next_change.get(request_id, _NOW)[0] or request_id in pending:
                 self.update_computed(request)
 
-    def _next_change_after(self, num_computed: int) -> tuple[int, tuple[int, int]]:
+    def _next_change_after(self, num_computed: int) -> tuple[int, int, int]:
         """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group,
-        and what changes there: (the fewest at which a block fills, the fewest at which a window's or chunk's
-        first needed block moves on; `_NEVER` where no group has a window or chunk)."""
+        the fewest at which a block fills, and the fewest at which a window's or chunk's first needed block moves
+        on (`_NEVER` where no group has a window or chunk)."""
         fills = moves = _NEVER
         for block_size, window, chunk in self._change_rules:
             fills = min(fills, (num_computed // block_size + 1) * block_size)
@@ -515,7 +513,7 @@ class KVCacheCoordinator:
                 moves = min(moves, (max(0, num_computed - window + 1) // block_size + 1) * block_size + window - 1)
             if chunk is not None:
                 moves = min(moves, (num_computed // chunk + 1) * chunk)
-        return min(fills, moves), (fills, moves)
+        return min(fills, moves), fills, moves
 
     def restore(self, tables: dict[str, list[list[int | None]]]) -> list[tuple[int, int]] | None:
         """Give requests that hold nothing (swapped out together) fresh blocks: per request and group, a
@@ -553,7 +551,6 @@ class KVCacheCoordinator:
         self._copies.pop(request_id, None)
         self._may_share.discard(request_id)
         self._next_change.pop(request_id, None)
-        self._next_events.pop(request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request_id)
         self._freed.append(request_id)

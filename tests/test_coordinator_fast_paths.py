@@ -30,7 +30,6 @@ def _without_fast_paths(coordinator) -> None:
 
     def update_everything(request) -> None:  # as if the request had never been updated: both parts run
         coordinator._next_change.pop(request.request_id, None)
-        coordinator._next_events.pop(request.request_id, None)
         update(request)
 
     coordinator.update_computed = update_everything
