@@ -464,14 +464,9 @@ class KVCacheCoordinator:
         """
         request_id = request.request_id
         num_computed = request.num_computed_tokens
-        pending = False
-        for steps in self._window_steps:
-            if steps and request_id in steps:
-                pending = True
-                break
         _, fills_at, moves_at = self._next_change.get(request_id, _NOW)
         caches = num_computed >= fills_at
-        returns = pending or num_computed >= moves_at
+        returns = num_computed >= moves_at or any(steps and request_id in steps for steps in self._window_steps)
         if not (caches or returns):  # most decode steps
             return
         self._next_change[request_id] = self._next_change_after(num_computed)
