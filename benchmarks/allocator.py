@@ -20,8 +20,9 @@ Decode steps (`--decode`): what a decode step costs the coordinator, 32 requests
 decoding 800 tokens each, one token a step, in 1 full + 5 sliding groups (window 256, the benchmarks' hybrid
 model's layout): `allocate_slots` of every request, microseconds per step, with the one-block-size fast path
 (`_append_one_block`) and without it (the general path it stands for), and the update after it
-(`update_computed_many`) with its parts run only where they change something and with both run wherever either
-can (as before the split), alternated in one process; the block tables must come out the same.
+(`update_computed_many`) with its parts run only where they change something and a filled block cached in every
+group in one pool call (`_cache_one_block`), and with both parts run wherever either can, group by group (as before
+the split), alternated in one process; the block tables must come out the same.
 
     python benchmarks/allocator.py [--requests 10000]
     python benchmarks/allocator.py --decode [--pairs 6]
@@ -119,6 +120,7 @@ def decode_steps(fast_path: bool, num_steps: int = 800) -> tuple[float, float, l
     coordinator = KVCacheCoordinator(group_layers(specs, BLOCK_SIZE), 12_000)
     if not fast_path:
         coordinator._append_one_block = lambda request_id, num_total: False
+        coordinator._cache_one_block = lambda request_id, block_hashes, num_computed: False
         update_computed = coordinator.update_computed
 
         def update_both(request: KVRequest) -> None:  # an update that runs runs both of its parts
@@ -164,7 +166,8 @@ def decode_main(pairs: int) -> None:
     general, fast = (statistics.median(r[1] for r in results[f]) for f in (False, True))
     ratios = [f[1] / g[1] for f, g in zip(results[True], results[False], strict=True)]
     print(
-        f"decode step, 32 requests, 6 groups, update: both parts {general:.1f} us, fast path {fast:.1f} us; "
+        f"decode step, 32 requests, 6 groups, update: both parts, group by group {general:.1f} us, "
+        f"fast path {fast:.1f} us; "
         f"fast / general per pair {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.2f}"
     )
 

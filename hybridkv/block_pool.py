@@ -14,7 +14,7 @@ cached block is the next to be evicted.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from hybridkv.utils import NULL_BLOCK_ID
 
@@ -196,6 +196,17 @@ class BlockPool:
             return
         group_map = self.cached[group_id]
         for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+                continue
+            if group_map.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                block.hash_group = group_id
+
+    def cache_block_per_group(self, blocks: Sequence[KVBlock], block_hash: bytes) -> None:
+        """`cache_blocks` of one block in each group: `blocks[g]` is group g's, all under `block_hash`."""
+        if not self.enable_caching:
+            return
+        for group_id, (block, group_map) in enumerate(zip(blocks, self.cached, strict=True)):
             if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
                 continue
             if group_map.setdefault(block_hash, block) is block:

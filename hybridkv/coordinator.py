@@ -470,9 +470,14 @@ class KVCacheCoordinator:
         if not (caches or returns):  # most decode steps
             return
         self._next_change[request_id] = self._next_change_after(num_computed)
-        if caches and self.enable_caching:
+        hashes = request.block_hashes
+        if (
+            caches
+            and self.enable_caching
+            and not (self._one_block_size and self._cache_one_block(request_id, hashes, num_computed))
+        ):
             for manager in self.managers:
-                manager.cache_blocks(request_id, request.block_hashes, num_computed)
+                manager.cache_blocks(request_id, hashes, num_computed)
         if not returns:
             return
         # The blocks every window left go back to the pool in one call, in the order the groups would return them
@@ -485,6 +490,24 @@ class KVCacheCoordinator:
                 manager.remove_skipped_blocks(request_id, num_computed)
         if released:
             self.pool.free_blocks(released)
+
+    def _cache_one_block(self, request_id: str, block_hashes: Sequence[bytes], num_computed: int) -> bool:
+        """Most caching (a decode step's token filling a block): with one block size, every group's cached blocks
+        end one block short of the computed tokens' full blocks. Then each group's block there is registered under
+        its hash, as `cache_blocks` would, without a call per group. False, changing nothing, for any other case."""
+        full = num_computed // self._first_size
+        if not 0 < full <= len(block_hashes):
+            return False
+        before = full - 1
+        managers = self.managers
+        for manager in managers:
+            if manager.num_cached_blocks.get(request_id, 0) != before:
+                return False
+        blocks = [manager.req_to_blocks[request_id][before] for manager in managers]
+        for manager in managers:
+            manager.num_cached_blocks[request_id] = full
+        self.pool.cache_block_per_group(blocks, block_hashes[before])
+        return True
 
     def update_computed_many(self, requests: Sequence[KVRequest]) -> None:
         """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary

@@ -1,7 +1,8 @@
 """The coordinator's fast paths change nothing but speed: `_append_one_block` (one block size, a step that needs one
-more block in every group) and `update_computed`'s parts run only where they can change something (caching where a
-block filled, returning blocks where a window or chunk start passed one or a step is pending). Two coordinators,
-one with both turned off (every update caches and returns in every group), take the same random engine-like
+more block in every group), `_cache_one_block` (one block size, an update that caches one more block in every
+group) and `update_computed`'s parts run only where they can change something (caching where a block filled,
+returning blocks where a window or chunk start passed one or a step is pending). Two coordinators, one with all of
+them turned off (every update caches group by group and returns in every group), take the same random engine-like
 operations and must agree on every result, block table, free-queue order, cached hash and eviction count after
 each."""
 
@@ -26,6 +27,7 @@ LAYOUTS = [
 
 def _without_fast_paths(coordinator) -> None:
     coordinator._append_one_block = lambda request_id, num_total: False
+    coordinator._cache_one_block = lambda request_id, block_hashes, num_computed: False
     update = coordinator.update_computed
 
     def update_everything(request) -> None:  # as if the request had never been updated: both parts run
@@ -47,15 +49,16 @@ def _state(coordinator, request_ids) -> tuple:
     )
 
 
-def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
+def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int, int]:
     rng = random.Random(seed)
     num_blocks = rng.randint(14, 40)
     twins = [make_coordinator(windows, num_blocks, block_size, caching) for _ in range(2)]
     _without_fast_paths(twins[1])
     requests: list[dict[str, KVRequest]] = [{}, {}]
     prefixes = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 7, 7, 7, 7]]
-    num_fast = num_ops = 0
+    num_fast = num_cached_fast = num_ops = 0
     original = type(twins[0])._append_one_block
+    original_cache = type(twins[0])._cache_one_block
 
     def counted(self, request_id, num_total):
         nonlocal num_fast
@@ -63,7 +66,14 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
         num_fast += done
         return done
 
+    def counted_cache(self, request_id, block_hashes, num_computed):
+        nonlocal num_cached_fast
+        done = original_cache(self, request_id, block_hashes, num_computed)
+        num_cached_fast += done
+        return done
+
     twins[0]._append_one_block = counted.__get__(twins[0])
+    twins[0]._cache_one_block = counted_cache.__get__(twins[0])
     for index in range(220):
         action = rng.random()
         if action < 0.15 or not requests[0]:
@@ -113,14 +123,16 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int]:
         for coordinator in twins:
             coordinator.check_integrity()
         assert _state(twins[0], sorted(requests[0])) == _state(twins[1], sorted(requests[1])), f"op {index}"
-    return num_fast, num_ops
+    return num_fast, num_cached_fast, num_ops
 
 
 @pytest.mark.parametrize(("windows", "block_size"), LAYOUTS)
 @pytest.mark.parametrize("caching", [True, False])
 def test_fast_path_gives_the_general_paths_blocks(windows, block_size, caching):
-    num_fast = 0
+    num_fast = num_cached_fast = 0
     for seed in range(6):
-        fast, _ = _run(seed, windows, block_size, caching)
+        fast, cached_fast, _ = _run(seed, windows, block_size, caching)
         num_fast += fast
-    assert num_fast > 20  # the fast path was taken, often
+        num_cached_fast += cached_fast
+    assert num_fast > 20  # the fast paths were taken, often
+    assert num_cached_fast > 20 if caching else num_cached_fast == 0
