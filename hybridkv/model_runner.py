@@ -302,27 +302,34 @@ class ModelRunner:
             inputs.seq_lens,
         )
         sample_rows = inputs.logits_rows
+        # The lists' appends bound once, and the rows counted here: this loop runs per request and step.
+        add_id, add_token, add_query, add_seq, add_row = (
+            request_ids.append, input_ids.append, query_lens.append, seq_lens.append, sample_rows.append
+        )  # fmt: skip
+        num_rows = 0
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            if num_new < 1 or end > len(request.token_ids):
+            token_ids = request.token_ids
+            if num_new < 1 or end > len(token_ids):
                 raise ValueError(
                     f"request {request.request_id!r}: a step must compute 1 to {request.num_tokens - start} of its "
                     f"tokens, not {num_new}"
                 )
-            request_ids.append(request.request_id)
+            add_id(request.request_id)
             if request.multimodal is not None and start < request.num_prompt_tokens:
-                _image_rows(inputs, request.multimodal, start, end, len(input_ids))
+                _image_rows(inputs, request.multimodal, start, end, num_rows)
             if num_new == 1:
-                input_ids.append(request.token_ids[start])
+                add_token(token_ids[start])
             else:
-                input_ids.extend(request.token_ids[start:end])
-            query_lens.append(num_new)
-            seq_lens.append(end)
+                input_ids.extend(token_ids[start:end])
+            num_rows += num_new
+            add_query(num_new)
+            add_seq(end)
             if len(samples) == 1:
-                sample_rows.append(len(input_ids) - 1)
+                add_row(num_rows - 1)
             elif samples:  # one row of logits per sample that draws from it (forks share their leader's)
-                sample_rows.extend([len(input_ids) - 1] * len(samples))
+                sample_rows.extend([num_rows - 1] * len(samples))
         self.prepare_seconds += time.perf_counter() - start_time
         if self.verify_tables is not None:
             inputs.checked_tables = self.verify_tables(request_ids)
@@ -352,9 +359,9 @@ class ModelRunner:
             )
         if decode_only and self._plain_decode and not inputs.image_rows and inputs.requested_rows is None:
             # Written from the lists without a numpy call (StepBuffers.decode_step), where the C fill is built.
-            rows_of = map(self.batch.rows.__getitem__, inputs.request_ids)
-            buffers = self.buffers[self.input_device]
-            by_size = buffers.decode_step(input_ids, inputs.seq_lens, rows_of, inputs.logits_rows, self.batch.tables)
+            by_size = self.buffers[self.input_device].decode_step(
+                input_ids, inputs.seq_lens, inputs.request_ids, self.batch.rows, inputs.logits_rows, self.batch.tables
+            )
             if by_size is not None:
                 metadata = [by_size[block_size][index] for block_size, index in self._groups_in_order]
                 self.prepare_seconds += time.perf_counter() - start_time

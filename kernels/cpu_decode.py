@@ -17,6 +17,8 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -80,10 +82,15 @@ def unavailable_reason() -> str | None:
 class NativeFunction:
     """One C function of this folder's sources, built (`build_library`) and loaded with ctypes on first use:
     `get()` is the function, or None where no compiler builds it or ``HYBRIDKV_CPU_KERNEL=0`` is set
-    (`failure` then says why)."""
+    (`failure` then says why). With `python_api`, the source includes Python.h and takes Python objects: it is
+    built against the running Python's headers and called with the GIL held (ctypes.PyDLL), and an exception
+    it sets is raised."""
 
-    def __init__(self, source: Path, name: str, argtypes: list, restype: type, what: str) -> None:
+    def __init__(
+        self, source: Path, name: str, argtypes: list, restype: type, what: str, python_api: bool = False
+    ) -> None:
         self.source, self.name, self.argtypes, self.restype, self.what = source, name, argtypes, restype, what
+        self.python_api = python_api
         self.failure: str | None = None
         self._function: ctypes._CFuncPtr | None = None
         self._lock = threading.Lock()
@@ -97,7 +104,8 @@ class NativeFunction:
                     self.failure = "HYBRIDKV_CPU_KERNEL=0"
                 else:
                     try:
-                        function = getattr(ctypes.CDLL(str(build_library(self.source, self.what))), self.name)
+                        path = str(build_library(self.source, self.what, self.python_api))
+                        function = getattr((ctypes.PyDLL if self.python_api else ctypes.CDLL)(path), self.name)
                         function.argtypes, function.restype = self.argtypes, self.restype
                         self._function = function
                     except (OSError, RuntimeError) as error:
@@ -108,17 +116,21 @@ class NativeFunction:
 _DECODE = NativeFunction(_SOURCE, "hybridkv_paged_decode", _ARGTYPES, ctypes.c_int, "the CPU decode kernel")
 
 
-def build_library(source_path: Path, what: str = "the CPU decode kernel") -> Path:
+def build_library(source_path: Path, what: str = "the CPU decode kernel", python_api: bool = False) -> Path:
     """The shared library of a C source of this package (`what`, for errors), built (or found built) in the
-    cache directory for this source, compiler and CPU; RuntimeError where no flag set builds it."""
+    cache directory for this source, compiler and CPU (and, with `python_api`, against this Python's headers, for
+    this Python's version and build); RuntimeError where no flag set builds it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     source = source_path.read_bytes()
     cache_dir = Path(os.environ.get("HYBRIDKV_CACHE_DIR") or Path.home() / ".cache" / "hybridkv")
     errors = []
-    for flags in _FLAG_SETS:
-        digest = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
+    python_flags = [f"-I{sysconfig.get_paths()['include']}"] if python_api else []
+    python_build = f" {sys.version} {sysconfig.get_config_var('SOABI')}" if python_api else ""
+    for flags in (python_flags + flag_set for flag_set in _FLAG_SETS):
+        key = " ".join([compiler, *flags, _cpu_signature()]) + python_build
+        digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
         target = cache_dir / f"{source_path.stem}-{digest}.so"
         if target.exists():
             return target

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from .backend import Backend
 from .cpu_decode import NativeFunction
 from .metadata import PagedAttentionMetadata, StepMetadata, TritonQueryTiles
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _ptr, _object = ctypes.c_int64, ctypes.c_void_p, ctypes.py_object
 _FILL = NativeFunction(
     Path(__file__).with_name("step_fill.c"),
     "hybridkv_step_fill",
@@ -44,7 +44,14 @@ _FILL = NativeFunction(
     ctypes.c_int,
     "the step fill",
 )
-
+_DECODE_INPUTS = NativeFunction(
+    Path(__file__).with_name("decode_inputs.c"),
+    "hybridkv_decode_inputs",
+    [_object] * 5 + [_ptr] * 5 + [_i64],
+    ctypes.c_longlong,
+    "the decode inputs",
+    python_api=True,
+)
 
 # The `array` type codes of the integer buffers' dtypes (`_Buffer.flat`).
 _ARRAY_CODES = {torch.int64: "q", torch.int32: "i"}
@@ -138,9 +145,13 @@ class StepBuffers:
         # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
         # compare it with the numpy path.
         self.fill = _FILL.get()
-        # A decode step's query lengths (decode_step).
+        # A decode step's query lengths, and its sequences' rows of the persistent batch's tables (decode_step).
         self._ones = np.ones(max(max_num_seqs, max_num_tokens), dtype=np.int64)
         self._ones_address = self._ones.ctypes.data
+        self._decode_rows = _Buffer((max_num_seqs,), torch.int64, torch.device("cpu"))
+        self._decode_rows_address = self._decode_rows.address
+        # The decode step's inputs in one C call (decode_inputs.c) where it builds; tests switch it off.
+        self.decode_inputs = _DECODE_INPUTS.get()
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -203,39 +214,54 @@ class StepBuffers:
         self,
         input_ids: list[int],
         seq_lens: list[int],
-        rows: Iterable[int],
+        request_ids: list[str],
+        row_of: dict[str, int],
         logits_rows: list[int],
         tables: Mapping[int, np.ndarray],
     ) -> dict[int, list[PagedAttentionMetadata]] | None:
         """`fill_inputs` and `step` of a decode-only step (each sequence one new token, at position
-        `seq_lens[s] - 1`) from its Python lists, without a numpy call (each costs tens of microseconds after a
-        forward has evicted its code): each list goes into an `array` assigned to its buffer's flat view, and
-        the C fill writes the slots and tables. None, writing nothing, where the C fill is not built or
-        the step is larger than the buffers: the caller then calls `fill_inputs` and `step` (which raise for
-        a step too large)."""
-        num_seqs = len(seq_lens)
-        if self.fill is None or num_seqs > self.max_num_seqs or len(logits_rows) > self.max_num_seqs:
+        `seq_lens[s] - 1`, reading table row `row_of[request_ids[s]]`) from its Python lists, without a numpy call
+        (each costs tens of microseconds after a forward has evicted its code): one C call (decode_inputs.c)
+        writes the inputs and the rows, or, where it is not built, each list goes into an `array` assigned to its
+        buffer's flat view; then the C fill writes the slots and tables. None, writing nothing, where the C fill
+        is not built or the step is larger than the buffers: the caller then calls `fill_inputs` and `step`
+        (which raise for a step too large)."""
+        num_seqs, num_wanted = len(seq_lens), len(logits_rows)
+        if self.fill is None or num_seqs > self.max_num_seqs or num_wanted > self.max_num_seqs:
             return None
-        longs = [array("q", values) for values in (input_ids, [n - 1 for n in seq_lens], logits_rows, rows)]
-        if len(longs[0]) != num_seqs or len(longs[3]) != num_seqs:
-            raise ValueError(f"a decode step of {num_seqs} sequences has one token id and one row for each")
-        ids, positions, wanted, rows_array = longs
-        lengths = array("i", seq_lens)
-        for buffer, values in (
-            (self.input_ids, ids), (self.positions, positions), (self.logits_rows, wanted), (self.seq_lens, lengths)
+        if self.decode_inputs is not None:
+            longest = self.decode_inputs(
+                input_ids, seq_lens, request_ids, row_of, logits_rows, self.input_ids.address,
+                self.positions.address, self.seq_lens.address, self._decode_rows_address, self.logits_rows.address,
+                self.max_num_seqs,
+            )  # fmt: skip
+        else:
+            longs = [
+                array("q", values)
+                for values in (input_ids, [n - 1 for n in seq_lens], logits_rows, map(row_of.__getitem__, request_ids))
+            ]
+            if len(longs[0]) != num_seqs or len(longs[3]) != num_seqs:
+                raise ValueError(f"a decode step of {num_seqs} sequences has one token id and one row for each")
+            for buffer, values in zip(
+                (self.input_ids, self.positions, self.logits_rows, self._decode_rows), longs, strict=True
+            ):
+                buffer.flat[: len(values)] = values
+            self.seq_lens.flat[:num_seqs] = array("i", seq_lens)
+            longest = max(seq_lens)
+        for buffer, length in (
+            (self.input_ids, num_seqs), (self.positions, num_seqs), (self.logits_rows, num_wanted),
+            (self.seq_lens, num_seqs),
         ):  # fmt: skip
-            buffer.flat[: len(values)] = values
-            buffer.send(slice(0, len(values)))
+            buffer.send(slice(0, length))
         self._write_decode_cu_seqlens(num_seqs)
         step = self._step_metadata([1] * num_seqs, list(seq_lens), num_seqs)
-        addresses = (rows_array.buffer_info()[0], self._ones_address, positions.buffer_info()[0])
+        addresses = (self._decode_rows_address, self._ones_address, self.positions.address)
 
         # Made only where the C fill cannot write a block size's tables (numpy calls are what this path avoids).
         def numpy_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            ones = self._ones[:num_seqs]
-            return np.frombuffer(rows_array, dtype=np.int64), ones, np.frombuffer(positions, dtype=np.int64)
+            return self._decode_rows.host[:num_seqs], self._ones[:num_seqs], self.positions.host[:num_seqs]
 
-        return self._write_tables(step, tables, addresses, numpy_inputs)
+        return self._write_tables(step, tables, addresses, numpy_inputs, longest)
 
     def _write_decode_cu_seqlens(self, num_seqs: int) -> None:
         """A decode step's cu_seqlens, 0, 1, ..., num_seqs: written once for the largest step so far."""
@@ -264,12 +290,14 @@ class StepBuffers:
         tables: Mapping[int, np.ndarray],
         addresses: tuple[int, int, int] | None,
         numpy_inputs: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
+        longest: int | None = None,
     ) -> dict[int, list[PagedAttentionMetadata]]:
         """The step's slot mapping and table rows per block size: by the C fill from the `addresses` of its rows,
         query lengths and positions (int64), or by numpy from the same, as arrays `numpy_inputs()` returns, where
-        it cannot."""
+        it cannot. `longest`: the longest sequence, where the caller knows it."""
         num_seqs, num_tokens = step.num_seqs, step.num_query_tokens
-        longest = max(step.seq_lens_list)
+        if longest is None:
+            longest = max(step.seq_lens_list)
         fill = self.fill if addresses is not None else None
         metadata: dict[int, list[PagedAttentionMetadata]] = {}
         for block_size, groups in tables.items():

@@ -297,16 +297,20 @@ def test_c_fill_writes_what_numpy_writes_on_random_steps():
             )
 
 
+@pytest.mark.parametrize("c_inputs", [True, False], ids=["c-inputs", "array-inputs"])
 @pytest.mark.parametrize("table_dtype", [np.int32, np.int64], ids=["c-fill", "numpy-fill"])
-def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype):
-    """StepBuffers.decode_step (a decode step from its Python lists: arrays assigned to the buffers' flat views,
-    then the C fill, or numpy for tables the C loop does not take) against fill_inputs + step, byte for byte in
-    every buffer a decode step writes and in its metadata, over random decode steps with rows in any order and two
-    block sizes."""
+def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype, c_inputs):
+    """StepBuffers.decode_step (a decode step from its Python lists: read by one C call, or as arrays assigned to
+    the buffers' flat views; then the C fill, or numpy for tables the C loop does not take) against fill_inputs +
+    step, byte for byte in every buffer a decode step writes and in its metadata, over random decode steps with
+    rows in any order and two block sizes."""
     rng = np.random.default_rng(1)
     shapes = {8: (3, 40), 32: (1, 10)}
     lists, arrays = (StepBuffers(torch.device("cpu"), "torch", 16, 64, shapes) for _ in range(2))
-    assert lists.fill is not None
+    assert lists.fill is not None and lists.decode_inputs is not None
+    if not c_inputs:
+        lists.decode_inputs = None
+    row_of = {f"request {row}": row for row in rng.permutation(21).tolist()}
     tables = {
         size: rng.integers(-50, 60, size=(groups, 21, width)).astype(table_dtype)
         for size, (groups, width) in shapes.items()
@@ -317,7 +321,10 @@ def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype):
         rows = rng.permutation(21)[:num_seqs]
         input_ids = rng.integers(0, 1000, size=num_seqs)
         logits_rows = np.sort(rng.choice(num_seqs, size=int(rng.integers(1, num_seqs + 1)), replace=False))
-        by_lists = lists.decode_step(input_ids.tolist(), seq_lens.tolist(), rows.tolist(), logits_rows.tolist(), tables)
+        request_ids = [f"request {row}" for row in rows.tolist()]
+        by_lists = lists.decode_step(
+            input_ids.tolist(), seq_lens.tolist(), request_ids, row_of, logits_rows.tolist(), tables
+        )
         arrays.fill_inputs(input_ids, seq_lens - 1, logits_rows)
         by_arrays = arrays.step(np.ones(num_seqs, dtype=np.int64), seq_lens, seq_lens - 1, tables, rows)
         for name in ("input_ids", "positions", "seq_lens"):
@@ -346,12 +353,43 @@ def test_decode_step_leaves_what_it_cannot_write_to_step():
     runner then calls fill_inputs and step, which raise for a step too large); a row outside the tables raises."""
     buffers = StepBuffers(torch.device("cpu"), "torch", 4, 16, {8: (2, 4)})
     tables = {8: np.ones((2, 3, 4), dtype=np.int32)}
-    assert buffers.decode_step([1] * 5, [9] * 5, [0] * 5, [0], tables) is None  # 5 sequences, 4 rows of buffers
+    row_of = {"a": 0, "b": 3}
+    assert buffers.decode_step([1] * 5, [9] * 5, ["a"] * 5, row_of, [0], tables) is None  # 5 sequences, 4 rows
     with pytest.raises(IndexError):
-        buffers.decode_step([1, 2], [5, 9], [0, 3], [0, 1], tables)
+        buffers.decode_step([1, 2], [5, 9], ["a", "b"], row_of, [0, 1], tables)
     buffers.fill = None
-    assert buffers.decode_step([7], [5], [0], [0], tables) is None
+    assert buffers.decode_step([7], [5], ["a"], row_of, [0], tables) is None
     assert buffers.input_ids.host[0] != 7
+
+
+@pytest.mark.parametrize("c_inputs", [True, False], ids=["c-inputs", "array-inputs"])
+def test_decode_step_refuses_lists_that_do_not_make_a_decode_step(c_inputs):
+    """Lists of other lengths, a request without a row of the persistent batch and a value that is not an int are
+    refused with the error that names them, by the C call and by the arrays alike; the C call also refuses a
+    sequence of no tokens and lists of another type (the runner's are lists)."""
+    buffers = StepBuffers(torch.device("cpu"), "torch", 4, 16, {8: (2, 4)})
+    if not c_inputs:
+        buffers.decode_inputs = None
+    tables = {8: np.ones((2, 4, 4), dtype=np.int32)}
+    row_of = {"a": 0, "b": 3}
+    with pytest.raises(ValueError, match="2 sequences"):
+        buffers.decode_step([1], [5, 9], ["a", "b"], row_of, [0, 1], tables)
+    with pytest.raises(ValueError, match="2 sequences"):
+        buffers.decode_step([1, 2], [5, 9], ["a"], row_of, [0, 1], tables)
+    with pytest.raises(KeyError, match="'c'"):
+        buffers.decode_step([1, 2], [5, 9], ["a", "c"], row_of, [0, 1], tables)
+    with pytest.raises(TypeError):
+        buffers.decode_step([1, "2"], [5, 9], ["a", "b"], row_of, [0, 1], tables)
+    with pytest.raises(TypeError):
+        buffers.decode_step([1, 2], [5, 9], ["a", "b"], row_of, [0, None], tables)
+    if c_inputs:
+        with pytest.raises(ValueError, match="holds 0 tokens"):
+            buffers.decode_step([1, 2], [5, 0], ["a", "b"], row_of, [0, 1], tables)
+        with pytest.raises(TypeError, match="must be a list"):
+            buffers.decode_step((1, 2), [5, 9], ["a", "b"], row_of, [0, 1], tables)
+    by_size = buffers.decode_step([1, 2], [5, 9], ["a", "b"], row_of, [0, 1], tables)  # and then it runs
+    assert by_size[8][0].step.seq_lens_list == [5, 9]
+    np.testing.assert_array_equal(buffers.input_ids.host[:2], [1, 2])
 
 
 def test_the_engine_writes_its_decode_steps_without_numpy_and_gets_the_same_tokens(patched, monkeypatch):
