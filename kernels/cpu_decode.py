@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -21,7 +22,8 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -82,15 +84,10 @@ def unavailable_reason() -> str | None:
 class NativeFunction:
     """One C function of this folder's sources, built (`build_library`) and loaded with ctypes on first use:
     `get()` is the function, or None where no compiler builds it or ``HYBRIDKV_CPU_KERNEL=0`` is set
-    (`failure` then says why). With `python_api`, the source includes Python.h and takes Python objects: it is
-    built against the running Python's headers and called with the GIL held (ctypes.PyDLL), and an exception
-    it sets is raised."""
+    (`failure` then says why)."""
 
-    def __init__(
-        self, source: Path, name: str, argtypes: list, restype: type, what: str, python_api: bool = False
-    ) -> None:
+    def __init__(self, source: Path, name: str, argtypes: list, restype: type, what: str) -> None:
         self.source, self.name, self.argtypes, self.restype, self.what = source, name, argtypes, restype, what
-        self.python_api = python_api
         self.failure: str | None = None
         self._function: ctypes._CFuncPtr | None = None
         self._lock = threading.Lock()
@@ -104,8 +101,7 @@ class NativeFunction:
                     self.failure = "HYBRIDKV_CPU_KERNEL=0"
                 else:
                     try:
-                        path = str(build_library(self.source, self.what, self.python_api))
-                        function = getattr((ctypes.PyDLL if self.python_api else ctypes.CDLL)(path), self.name)
+                        function = getattr(ctypes.CDLL(str(build_library(self.source, self.what))), self.name)
                         function.argtypes, function.restype = self.argtypes, self.restype
                         self._function = function
                     except (OSError, RuntimeError) as error:
@@ -116,14 +112,51 @@ class NativeFunction:
 _DECODE = NativeFunction(_SOURCE, "hybridkv_paged_decode", _ARGTYPES, ctypes.c_int, "the CPU decode kernel")
 
 
-def build_library(source_path: Path, what: str = "the CPU decode kernel", python_api: bool = False) -> Path:
-    """The shared library of a C source of this package (`what`, for errors), built (or found built) in the
-    cache directory for this source, compiler and CPU (and, with `python_api`, against this Python's headers, for
-    this Python's version and build); RuntimeError where no flag set builds it."""
+class NativeModule:
+    """A CPython extension module built from this folder's C sources (the first defines the module `name`) against
+    the running Python's headers, and imported, on first use: `get()` is the module, or None where it does not
+    build (no compiler, no Python headers) or ``HYBRIDKV_CPU_KERNEL=0`` is set (`failure` then says why). Its
+    functions are called as Python's own are: no ctypes conversion of each argument, which costs microseconds a
+    call once a forward has evicted its code."""
+
+    def __init__(self, sources: list[Path], name: str, what: str) -> None:
+        self.sources, self.name, self.what = sources, name, what
+        self.failure: str | None = None
+        self._module: types.ModuleType | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> types.ModuleType | None:
+        if self._module is not None or self.failure is not None:
+            return self._module
+        with self._lock:
+            if self._module is None and self.failure is None:
+                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
+                    self.failure = "HYBRIDKV_CPU_KERNEL=0"
+                else:
+                    try:
+                        path = build_library(self.sources[0], self.what, python_api=True, extra=self.sources[1:])
+                        spec = importlib.util.spec_from_file_location(self.name, path)
+                        if spec is None or spec.loader is None:
+                            raise RuntimeError(f"{path} is not an extension module of this Python")
+                        module = importlib.util.module_from_spec(spec)
+                        spec.loader.exec_module(module)
+                        self._module = module
+                    except (ImportError, OSError, RuntimeError) as error:
+                        self.failure = str(error)
+        return self._module
+
+
+def build_library(
+    source_path: Path, what: str = "the CPU decode kernel", python_api: bool = False, extra: Sequence[Path] = ()
+) -> Path:
+    """The shared library of a C source of this package (`what`, for errors), with the `extra` sources linked in,
+    built (or found built) in the cache directory for these sources, compiler and CPU (and, with `python_api`,
+    against this Python's headers, for this Python's version and build); RuntimeError where no flag set builds it."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = source_path.read_bytes()
+    sources = [source_path, *extra]
+    source = b"".join(path.read_bytes() for path in sources)
     cache_dir = Path(os.environ.get("HYBRIDKV_CACHE_DIR") or Path.home() / ".cache" / "hybridkv")
     errors = []
     python_flags = [f"-I{sysconfig.get_paths()['include']}"] if python_api else []
@@ -137,7 +170,7 @@ def build_library(source_path: Path, what: str = "the CPU decode kernel", python
         cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_dir) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *flags, "-fPIC", "-shared", str(source_path), "-o", str(built), "-lm"]
+            command = [compiler, *flags, "-fPIC", "-shared", *map(str, sources), "-o", str(built), "-lm"]
             result = subprocess.run(command, capture_output=True, text=True)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: a process racing this one loads a whole file

@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from .backend import Backend
-from .cpu_decode import NativeFunction
+from .cpu_decode import NativeFunction, NativeModule
 from .metadata import PagedAttentionMetadata, StepMetadata, TritonQueryTiles
 
-_i64, _ptr, _object = ctypes.c_int64, ctypes.c_void_p, ctypes.py_object
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _FILL = NativeFunction(
     Path(__file__).with_name("step_fill.c"),
     "hybridkv_step_fill",
@@ -44,13 +44,11 @@ _FILL = NativeFunction(
     ctypes.c_int,
     "the step fill",
 )
-_DECODE_INPUTS = NativeFunction(
-    Path(__file__).with_name("decode_inputs.c"),
-    "hybridkv_decode_inputs",
-    [_object] * 5 + [_ptr] * 5 + [_i64],
-    ctypes.c_longlong,
-    "the decode inputs",
-    python_api=True,
+# The same fill and a decode step's inputs as an extension module's functions, where Python's headers build it.
+_NATIVE = NativeModule(
+    [Path(__file__).with_name("step_native.c"), Path(__file__).with_name("step_fill.c")],
+    "hybridkv_step_native",
+    "the step buffers' native functions",
 )
 
 # The `array` type codes of the integer buffers' dtypes (`_Buffer.flat`).
@@ -142,16 +140,17 @@ class StepBuffers:
         self._views: dict[tuple[object, int], object] = {}
         # Per block size, what the C fill needs of the persistent batch's tables array (`_fill_table_facts`).
         self._fill_tables: dict[int, tuple[np.ndarray, int, tuple[int, ...] | None]] = {}
-        # The slot mapping and table rows in one C call (step_fill.c) where it builds; tests switch it off to
-        # compare it with the numpy path.
-        self.fill = _FILL.get()
+        # The slot mapping and table rows in one C call (step_fill.c), and a decode step's inputs read from its lists
+        # in another (step_native.c): the extension module's functions where Python's headers build it, else the
+        # fill through ctypes and the inputs by `array`s, else numpy. Tests switch each off to compare the paths.
+        native = _NATIVE.get()
+        self.fill = native.step_fill if native is not None else _FILL.get()
+        self.decode_inputs = native.decode_inputs if native is not None else None
         # A decode step's query lengths, and its sequences' rows of the persistent batch's tables (decode_step).
         self._ones = np.ones(max(max_num_seqs, max_num_tokens), dtype=np.int64)
         self._ones_address = self._ones.ctypes.data
         self._decode_rows = _Buffer((max_num_seqs,), torch.int64, torch.device("cpu"))
         self._decode_rows_address = self._decode_rows.address
-        # The decode step's inputs in one C call (decode_inputs.c) where it builds; tests switch it off.
-        self.decode_inputs = _DECODE_INPUTS.get()
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -221,7 +220,7 @@ class StepBuffers:
     ) -> dict[int, list[PagedAttentionMetadata]] | None:
         """`fill_inputs` and `step` of a decode-only step (each sequence one new token, at position
         `seq_lens[s] - 1`, reading table row `row_of[request_ids[s]]`) from its Python lists, without a numpy call
-        (each costs tens of microseconds after a forward has evicted its code): one C call (decode_inputs.c)
+        (each costs tens of microseconds after a forward has evicted its code): one C call (step_native.c)
         writes the inputs and the rows, or, where it is not built, each list goes into an `array` assigned to its
         buffer's flat view; then the C fill writes the slots and tables. None, writing nothing, where the C fill
         is not built or the step is larger than the buffers: the caller then calls `fill_inputs` and `step`

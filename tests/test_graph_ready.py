@@ -4,6 +4,11 @@ as CUDA graphs and the CPU runs eagerly over the same padded buffers)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +17,7 @@ import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.graphs import decode_buckets
 from hybridkv.kernels import StepMetadata
-from hybridkv.kernels.step_buffers import StepBuffers
+from hybridkv.kernels.step_buffers import _FILL, _NATIVE, StepBuffers
 from hybridkv.patches.attention import paged_attention_op, running_step
 
 from model_zoo import STATE, ZOO
@@ -259,16 +264,21 @@ def test_a_row_outside_the_tables_raises(native):
         buffers.step(ones, np.array([5, 9]), np.array([4, 8]), tables, np.array([0, 3]))
 
 
-def test_c_fill_writes_what_numpy_writes_on_random_steps():
-    """step_fill.c against the numpy path, byte for byte in the buffers they write, over random persistent tables
-    (null, real and moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes; the
-    tables are new arrays every ten steps, with more rows at times (the persistent batch grows), and the C fill
-    reads the new ones (it keeps each array's address and shape)."""
+@pytest.mark.parametrize("called", ["extension", "ctypes"])
+def test_c_fill_writes_what_numpy_writes_on_random_steps(called):
+    """step_fill.c (called as the extension module's function, or through ctypes where Python's headers are missing)
+    against the numpy path, byte for byte in the buffers they write, over random persistent tables (null, real and
+    moved entries), rows in any order, padding rows, decode and mixed steps, two block sizes; the tables are new
+    arrays every ten steps, with more rows at times (the persistent batch grows), and the C fill reads the new ones
+    (it keeps each array's address and shape)."""
     rng = np.random.default_rng(0)
     shapes = {8: (3, 40), 32: (1, 10)}
     native = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
     numpy_only = StepBuffers(torch.device("cpu"), "torch", 16, 256, shapes)
-    assert native.fill is not None
+    assert native.fill is _NATIVE.get().step_fill
+    if called == "ctypes":
+        native.fill = _FILL.get()
+        assert native.fill is not None
     numpy_only.fill = None
     for step in range(40):
         if step % 10 == 0:
@@ -307,7 +317,7 @@ def test_decode_step_writes_what_fill_inputs_and_step_write(table_dtype, c_input
     rng = np.random.default_rng(1)
     shapes = {8: (3, 40), 32: (1, 10)}
     lists, arrays = (StepBuffers(torch.device("cpu"), "torch", 16, 64, shapes) for _ in range(2))
-    assert lists.fill is not None and lists.decode_inputs is not None
+    assert lists.fill is not None and lists.decode_inputs is not None  # the extension module builds here
     if not c_inputs:
         lists.decode_inputs = None
     row_of = {f"request {row}": row for row in rng.permutation(21).tolist()}
@@ -418,3 +428,27 @@ def test_the_engine_writes_its_decode_steps_without_numpy_and_gets_the_same_toke
             written.clear()
     assert not written  # and none with it switched off
     assert runs[0] == runs[1] == [hf_greedy(model, p, GREEDY.max_tokens)[0] for p in batch]
+
+
+def test_without_python_headers_the_fill_goes_through_ctypes_and_the_inputs_through_arrays(tmp_path):
+    """Where the extension module does not build (here: Python's headers not found), the step buffers call the C
+    fill through ctypes and write a decode step's inputs as arrays, and a decode step still writes its buffers."""
+    script = textwrap.dedent(
+        """
+        import sysconfig
+        found = sysconfig.get_paths
+        sysconfig.get_paths = lambda *args, **kwargs: {**found(*args, **kwargs), "include": "/no/python/headers"}
+        import numpy as np, torch
+        from hybridkv.kernels import step_buffers
+        buffers = step_buffers.StepBuffers(torch.device("cpu"), "torch", 4, 16, {8: (2, 4)})
+        tables = {8: np.arange(32, dtype=np.int32).reshape(2, 4, 4)}
+        buffers.decode_step([7, 8], [5, 9], ["a", "b"], {"a": 1, "b": 3}, [0, 1], tables)
+        print(type(buffers.fill).__name__, buffers.decode_inputs, "Python.h" in step_buffers._NATIVE.failure)
+        print(buffers.input_ids.host[:2].tolist(), buffers.slots[8].host[0, :2].tolist())
+        """
+    )
+    env = {**os.environ, "HYBRIDKV_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # Slots: row 1's entry 4 at position 4 (4 * 8 + 4), row 3's entry 13 at position 8 (13 * 8 + 0).
+    assert result.stdout.split("\n")[:2] == ["_FuncPtr None True", "[7, 8] [36, 104]"]
