@@ -581,6 +581,8 @@ class KVCacheCoordinator:
         self._freed, self._slot_updates = [], []
         entries = updates.entries
         for manager in self.managers:
+            if not manager.changed_from:  # most decode steps change no group's tables
+                continue
             changed, manager.changed_from = manager.changed_from, {}
             tables = manager.req_to_block_ids
             for request_id, start in changed.items():
