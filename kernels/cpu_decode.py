@@ -25,6 +25,7 @@ import threading
 import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,38 +82,54 @@ def unavailable_reason() -> str | None:
     return _DECODE.failure
 
 
-class NativeFunction:
+class _Native:
+    """Native code of this folder's C sources, built and loaded on first use by the subclass's `_load`: `get()` is
+    what it loads, or None where it does not build or load, or ``HYBRIDKV_CPU_KERNEL=0`` is set (`failure` then
+    says why). Thread-safe: one thread builds, the others wait for it."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failure: str | None = None
+        self._loaded: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        if self._loaded is not None or self.failure is not None:
+            return self._loaded
+        with self._lock:
+            if self._loaded is None and self.failure is None:
+                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
+                    self.failure = "HYBRIDKV_CPU_KERNEL=0"
+                else:
+                    try:
+                        self._loaded = self._load()
+                    except (ImportError, OSError, RuntimeError) as error:
+                        self.failure = str(error)
+        return self._loaded
+
+    def _load(self) -> Any:
+        raise NotImplementedError
+
+
+class NativeFunction(_Native):
     """One C function of this folder's sources, built (`build_library`) and loaded with ctypes on first use:
     `get()` is the function, or None where no compiler builds it or ``HYBRIDKV_CPU_KERNEL=0`` is set
     (`failure` then says why)."""
 
     def __init__(self, source: Path, name: str, argtypes: list, restype: type, what: str) -> None:
-        self.source, self.name, self.argtypes, self.restype, self.what = source, name, argtypes, restype, what
-        self.failure: str | None = None
-        self._function: ctypes._CFuncPtr | None = None
-        self._lock = threading.Lock()
+        super().__init__(what)
+        self.source, self.name, self.argtypes, self.restype = source, name, argtypes, restype
 
-    def get(self) -> ctypes._CFuncPtr | None:
-        if self._function is not None or self.failure is not None:
-            return self._function
-        with self._lock:
-            if self._function is None and self.failure is None:
-                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
-                    self.failure = "HYBRIDKV_CPU_KERNEL=0"
-                else:
-                    try:
-                        function = getattr(ctypes.CDLL(str(build_library(self.source, self.what))), self.name)
-                        function.argtypes, function.restype = self.argtypes, self.restype
-                        self._function = function
-                    except (OSError, RuntimeError) as error:
-                        self.failure = str(error)
-        return self._function
+    def _load(self) -> ctypes._CFuncPtr:
+        function = getattr(ctypes.CDLL(str(build_library(self.source, self.what))), self.name)
+        function.argtypes, function.restype = self.argtypes, self.restype
+        return function
 
 
 _DECODE = NativeFunction(_SOURCE, "hybridkv_paged_decode", _ARGTYPES, ctypes.c_int, "the CPU decode kernel")
 
 
-class NativeModule:
+class NativeModule(_Native):
     """A CPython extension module built from this folder's C sources (the first defines the module `name`) against
     the running Python's headers, and imported, on first use: `get()` is the module, or None where it does not
     build (no compiler, no Python headers) or ``HYBRIDKV_CPU_KERNEL=0`` is set (`failure` then says why). Its
@@ -120,30 +137,17 @@ class NativeModule:
     call once a forward has evicted its code."""
 
     def __init__(self, sources: list[Path], name: str, what: str) -> None:
-        self.sources, self.name, self.what = sources, name, what
-        self.failure: str | None = None
-        self._module: types.ModuleType | None = None
-        self._lock = threading.Lock()
+        super().__init__(what)
+        self.sources, self.name = sources, name
 
-    def get(self) -> types.ModuleType | None:
-        if self._module is not None or self.failure is not None:
-            return self._module
-        with self._lock:
-            if self._module is None and self.failure is None:
-                if os.environ.get("HYBRIDKV_CPU_KERNEL", "1") == "0":
-                    self.failure = "HYBRIDKV_CPU_KERNEL=0"
-                else:
-                    try:
-                        path = build_library(self.sources[0], self.what, python_api=True, extra=self.sources[1:])
-                        spec = importlib.util.spec_from_file_location(self.name, path)
-                        if spec is None or spec.loader is None:
-                            raise RuntimeError(f"{path} is not an extension module of this Python")
-                        module = importlib.util.module_from_spec(spec)
-                        spec.loader.exec_module(module)
-                        self._module = module
-                    except (ImportError, OSError, RuntimeError) as error:
-                        self.failure = str(error)
-        return self._module
+    def _load(self) -> types.ModuleType:
+        path = build_library(self.sources[0], self.what, python_api=True, extra=self.sources[1:])
+        spec = importlib.util.spec_from_file_location(self.name, path)
+        if spec is None or spec.loader is None:
+            raise RuntimeError(f"{path} is not an extension module of this Python")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
 
 def build_library(
