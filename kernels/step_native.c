@@ -19,12 +19,18 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* PyList_GetItem checks the index: an item's __index__ may run Python code, which may shorten a list. */
+/* An int of an object, held while it is read: a non-int's __index__ (or a key's __hash__) may run Python code, which
+   may change the list or dict it came from (hence PyList_GetItem, which checks the index, too). */
+static int read_held(PyObject *object, long long *value) {
+    Py_INCREF(object);
+    *value = PyLong_AsLongLong(object);
+    Py_DECREF(object);
+    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 static int read_int(PyObject *list, Py_ssize_t index, long long *value) {
     PyObject *item = PyList_GetItem(list, index); /* borrowed */
-    if (item == NULL) return -1;
-    *value = PyLong_AsLongLong(item);
-    return *value == -1 && PyErr_Occurred() ? -1 : 0;
+    return item == NULL ? -1 : read_held(item, value);
 }
 
 static int check_list(PyObject *object, const char *name, Py_ssize_t length) {
@@ -70,15 +76,13 @@ static long long decode_inputs(PyObject *input_ids, PyObject *seq_lens, PyObject
         if (value > longest) longest = value;
         if (read_int(input_ids, s, &value)) return -1;
         ids[s] = value;
-        PyObject *request_id = PyList_GetItem(request_ids, s); /* borrowed, as are the dict's items */
+        PyObject *request_id = PyList_GetItem(request_ids, s); /* borrowed, as is the dict's item */
         if (request_id == NULL) return -1;
+        Py_INCREF(request_id);
         PyObject *row = PyDict_GetItemWithError(row_of, request_id);
-        if (row == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, request_id);
-            return -1;
-        }
-        value = PyLong_AsLongLong(row);
-        if (value == -1 && PyErr_Occurred()) return -1;
+        if (row == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, request_id);
+        Py_DECREF(request_id);
+        if (row == NULL || read_held(row, &value)) return -1;
         rows[s] = value;
     }
     for (Py_ssize_t i = 0; i < num_wanted; i++) {

@@ -397,6 +397,15 @@ def test_decode_step_refuses_lists_that_do_not_make_a_decode_step(c_inputs):
             buffers.decode_step([1, 2], [5, 0], ["a", "b"], row_of, [0, 1], tables)
         with pytest.raises(TypeError, match="must be a list"):
             buffers.decode_step((1, 2), [5, 9], ["a", "b"], row_of, [0, 1], tables)
+
+        class Shrinking:  # an int-like item that empties its list while it is read: an error, never a crash
+            def __index__(self) -> int:
+                ids.clear()
+                return 1
+
+        ids = [Shrinking(), 2]
+        with pytest.raises(IndexError):
+            buffers.decode_step(ids, [5, 9], ["a", "b"], row_of, [0, 1], tables)
     by_size = buffers.decode_step([1, 2], [5, 9], ["a", "b"], row_of, [0, 1], tables)  # and then it runs
     assert by_size[8][0].step.seq_lens_list == [5, 9]
     np.testing.assert_array_equal(buffers.input_ids.host[:2], [1, 2])
