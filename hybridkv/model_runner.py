@@ -146,6 +146,7 @@ class ModelRunner:
             )
             for device in {*self.devices, self.input_device}
         }
+        self.buffers_max_tokens = max_num_tokens  # every device's buffers hold this many rows
         self._groups_in_order = [self.batch.group_slots[group.group_id] for group in kv_config.groups]
         self._all_rows = np.arange(max_num_tokens, dtype=np.int64)
         self._ones = np.ones(max(max_num_tokens, limits.max_num_seqs), dtype=np.int64)
@@ -442,10 +443,6 @@ class ModelRunner:
         )
         inputs = StepInputs([], [], [], [], [], TableUpdates(), [], [], [])
         return PreparedStep(inputs, metadata, bucket, bucket, None, bucket)
-
-    @property
-    def buffers_max_tokens(self) -> int:
-        return self.buffers[self.input_device].max_num_tokens
 
     def _bucket(self, num_seqs: int) -> int | None:
         """The decode bucket a decode step of `num_seqs` sequences is padded to (None: not graph mode, or more
