@@ -150,7 +150,6 @@ class StepBuffers:
         self._ones = np.ones(max(max_num_seqs, max_num_tokens), dtype=np.int64)
         self._ones_address = self._ones.ctypes.data
         self._decode_rows = _Buffer((max_num_seqs,), torch.int64, torch.device("cpu"))
-        self._decode_rows_address = self._decode_rows.address
 
     def fill_inputs(self, input_ids: np.ndarray | list[int], positions: np.ndarray, logits_rows: np.ndarray) -> None:
         """The step's flattened token ids and positions, and the rows whose logits it keeps."""
@@ -231,7 +230,7 @@ class StepBuffers:
         if self.decode_inputs is not None:
             longest = self.decode_inputs(
                 input_ids, seq_lens, request_ids, row_of, logits_rows, self.input_ids.address,
-                self.positions.address, self.seq_lens.address, self._decode_rows_address, self.logits_rows.address,
+                self.positions.address, self.seq_lens.address, self._decode_rows.address, self.logits_rows.address,
                 self.max_num_seqs,
             )  # fmt: skip
         else:
@@ -254,7 +253,7 @@ class StepBuffers:
             buffer.send(slice(0, length))
         self._write_decode_cu_seqlens(num_seqs)
         step = self._step_metadata([1] * num_seqs, list(seq_lens), num_seqs)
-        addresses = (self._decode_rows_address, self._ones_address, self.positions.address)
+        addresses = (self._decode_rows.address, self._ones_address, self.positions.address)
 
         # Made only where the C fill cannot write a block size's tables (numpy calls are what this path avoids).
         def numpy_inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:

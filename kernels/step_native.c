@@ -104,10 +104,8 @@ static int int_arguments(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t fir
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, not %zd", name, first + count, nargs);
         return -1;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        values[i] = PyLong_AsLongLong(args[first + i]);
-        if (values[i] == -1 && PyErr_Occurred()) return -1;
-    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (read_held(args[first + i], &values[i])) return -1;
     return 0;
 }
 
