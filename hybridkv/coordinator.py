@@ -275,6 +275,32 @@ class KVCacheCoordinator:
             return True
         return self._allocate_blocks(request, num_new_tokens, hit)
 
+    def decode_needs(self, requests: Sequence[KVRequest]) -> list[KVRequest] | None:
+        """For a decode step of `requests` (each one token, its last known): None unless each is one token short of
+        its known tokens; else those whose token `allocate_slots` does not pass at its first test (no block to
+        take, its state slot held, nothing shared), in order, which the caller allocates for, and no other: the
+        rest need nothing (a few requests a step start a block). One pass, where a call per request would cost
+        more than the test."""
+        lists, size, shared = self._first_lists, self._first_size, self._may_share
+        if not self._one_block_size:  # each request's groups cover different positions: allocate_slots decides
+            size = 0
+        held = self.state_slots.held if self.state_slots is not None else None
+        needs = []
+        for request in requests:
+            num_tokens = request.num_computed_tokens + 1
+            if num_tokens != len(request.token_ids):
+                return None
+            request_id = request.request_id
+            blocks = lists.get(request_id)
+            if (
+                blocks is None
+                or num_tokens > len(blocks) * size
+                or request_id in shared
+                or (held is not None and request_id not in held)
+            ):
+                needs.append(request)
+        return needs
+
     def _allocate_blocks(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None) -> bool:
         """`allocate_slots` in every KV cache group (the state slot aside)."""
         request_id = request.request_id

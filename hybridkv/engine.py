@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hybridkv import sampler
 from hybridkv.beam_search import BeamSearch, BeamSearchParams
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
@@ -360,8 +361,9 @@ class LLMEngine(RunLoops):
         self._unreported = []
         plan = self.scheduler.schedule()
         self.schedule_seconds += time.perf_counter() - start
+        alone = plan.greedy_alone and not touched
         try:
-            sampling, tokens, logprobs = self._execute(plan)
+            sampling, tokens, logprobs = self._execute(plan, alone)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
             self._discard_checkpoints()
@@ -375,6 +377,26 @@ class LLMEngine(RunLoops):
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
         update_start = time.perf_counter()
+        if alone and not plan.failed:
+            reports = self._update_alone(plan, tokens)
+        else:
+            reports = self._update(plan, sampling, tokens, logprobs, touched)
+        end = time.perf_counter()
+        self.update_seconds += end - update_start
+        self.step_seconds += end - start
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed + reports
+
+    def _update(
+        self,
+        plan: SchedulerOutput,
+        sampling: list[Request],
+        tokens: list[int | None],
+        logprobs: Sequence[TokenLogprobs | None],
+        touched: dict[str, RequestState],
+    ) -> list[RequestOutput]:
+        """After the step ran: advance its requests by their tokens, record and stop them, and report each request
+        it touched (the step's, the failed, and `touched`: the earlier ones not reported yet)."""
         self.scheduler.update(plan, tokens)
         if None in tokens:  # beams: their search chooses their tokens, the output processor never sees them
             self._advance_beam_searches(sampling)
@@ -387,17 +409,53 @@ class LLMEngine(RunLoops):
             request_id = request.group.request_id
             if request_id not in touched:
                 touched[request_id] = states[request_id]
-        end = time.perf_counter()
-        self.update_seconds += end - update_start
-        self.step_seconds += end - start
-        unclaimed, self._unclaimed = self._unclaimed, []
         # A request reported finished already (e.g. aborted while waiting to be reported) is not reported again.
-        return unclaimed + [self.outputs.output(state) for state in touched.values() if not state.output.finished]
+        return [self.outputs.output(state) for state in touched.values() if not state.output.finished]
 
-    def _execute(self, plan: SchedulerOutput) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
+    def _update_alone(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """`_update` in one pass over the step's requests, for a step whose every request is `greedy_alone` (no
+        beam, fork, grammar or logprobs to record; each is its group's only sample, so its report is its own) and
+        nothing earlier waits to be reported: each request advances, takes and records its token and is checked
+        for a stop as `Scheduler.update` and `OutputProcessor.process` would; then the step's blocks are updated
+        (`Scheduler.update_blocks`) and the stopped requests finished. Most decode steps take it: one pass instead
+        of four, each of which met every request's records cold after the forward."""
+        states = self.outputs.states
+        check = self.outputs.stop_rules.check
+        now = time.monotonic()
+        next_token = iter(tokens).__next__
+        reports: list[RequestOutput] = []
+        stopped: list[tuple[Request, RequestStatus, RequestState]] = []
+        for request, num_new, samples in plan.scheduled:
+            request.num_computed_tokens += num_new
+            sample = request.sample_state
+            state = states[request.group.request_id]
+            reports.append(state.output)  # the live record: a stopped request's is finished below, in place
+            if samples:
+                token = next_token()
+                request.append_token(token)
+                sample.completion.token_ids.append(token)
+                if sample.metrics.first_token_time is None:
+                    sample.metrics.first_token_time = now
+                status = check(request, token, sample.detokenizer)
+                if status is not None:
+                    stopped.append((request, status, state))
+                    continue
+            if sample.detokenizer is not None:  # what `OutputProcessor.output` reads into an unfinished record
+                sample.completion.text = sample.detokenizer.text
+            sample.metrics.num_cached_tokens = request.num_cached_tokens
+        self.scheduler.update_blocks(plan)
+        for request, status, state in stopped:
+            self.scheduler.finish(request, status)
+            self.outputs.output(state)
+        return reports
+
+    def _execute(
+        self, plan: SchedulerOutput, greedy_alone: bool = False
+    ) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
         """Swap and copy-on-write copies, the forward (on every rank of a tensor-parallel model) and sampling:
         the requests that sampled (`plan.sampling` after the step: a request whose sampling fails is failed and
-        leaves the plan), their tokens and logprobs."""
+        leaves the plan), their tokens and logprobs. With `greedy_alone` (every request of the plan is), only the
+        tokens: each logits row's argmax, in `plan.scheduled`'s order of the requests that sample."""
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return [], [], []
         logits = self.runner.execute(plan) if self.tp is None else self.tp.execute(self.runner, plan)
@@ -405,6 +463,10 @@ class LLMEngine(RunLoops):
             return [], [], []
         self.num_steps += 1
         self.num_forward_tokens += plan.num_tokens
+        if greedy_alone:  # the sampler's greedy_tokens, looked up there (benchmarks/host_overhead.py times it)
+            tokens = sampler.greedy_tokens(logits).tolist()
+            self.num_generated_tokens += len(tokens)
+            return [], tokens, []
         sampling = plan.sampling
         if not sampling:
             return [], [], []

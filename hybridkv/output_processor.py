@@ -71,6 +71,7 @@ class OutputProcessor:
             logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
+            request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
             request.sample_state = SampleState(
                 request=request,
                 detokenizer=detokenizer,

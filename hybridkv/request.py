@@ -122,6 +122,7 @@ class Request(KVRequest):
 
     __slots__ = (
         "error",
+        "greedy_alone",
         "group",
         "num_cached_tokens",
         "num_preemptions",
@@ -154,6 +155,9 @@ class Request(KVRequest):
         # (hybridkv/output_processor.py): the output processor gives both (a beam has neither).
         self.sampling_row: SamplingRow | None = None
         self.sample_state: SampleState | None = None
+        # Plainly greedy (its sampling row's argmax is its token) and alone in its group: set with the sampling
+        # row. A step of such requests only takes the engine's one-pass update (`LLMEngine._update_alone`).
+        self.greedy_alone = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -102,6 +102,9 @@ class SchedulerOutput:
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
     num_tokens: int = 0
+    # Whether every request added is `greedy_alone` (its token its row's argmax, no other sample in its group):
+    # the engine then samples and updates the step in one pass (`LLMEngine._update_alone`).
+    greedy_alone: bool = True
     # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
     coordinator: KVCacheCoordinator | None = field(default=None, repr=False)
 
@@ -118,6 +121,8 @@ class SchedulerOutput:
         if request.num_computed_tokens + num_new_tokens == len(request.token_ids):
             members = request.group.members
             samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
+        if not request.greedy_alone:
+            self.greedy_alone = False
         # tuple.__new__: a NamedTuple's own constructor is a Python function, and this runs per request and step.
         self.scheduled.append(_new_tuple(ScheduledRequest, (request, num_new_tokens, samples)))
         self.num_tokens += num_new_tokens
@@ -150,6 +155,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.max_num_running = 0
+        # The last plan, when it was a decode batch (`_decode_batch_of`): its requests and their scheduled entries.
+        self._decode_batch: tuple[list[Request], list[ScheduledRequest]] | None = None
 
     def add_request(self, request: Request) -> bool:
         """Queue a request (with its group's followers, which wait for it to compute the prompt).
@@ -197,7 +204,9 @@ class Scheduler:
         out = SchedulerOutput()
         if self.coordinator.state_slots is not None:  # forks' copies, before this plan frees or gives a slot
             out.state_fork_copies = self.coordinator.take_state_copies()
-        self._schedule(out)
+        if not self._schedule_decode_batch(out):
+            self._schedule(out)
+            self._decode_batch = self._decode_batch_of(out)
         # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
         self.coordinator.use_slack_for_caching()
         out.coordinator = self.coordinator
@@ -212,6 +221,44 @@ class Scheduler:
             out.state_fork_copies = []
         self.max_num_running = max(self.max_num_running, len(self.running))
         return out
+
+    def _decode_batch_of(self, out: SchedulerOutput) -> tuple[list[Request], list[ScheduledRequest]] | None:
+        """The plan as a decode batch that the next plan may repeat (`_schedule_decode_batch`): every running
+        request, in order, each `greedy_alone` and computing one token from which it samples; else None."""
+        scheduled = out.scheduled
+        if (
+            not scheduled
+            or not out.greedy_alone
+            or out.num_tokens != len(scheduled)
+            or len(scheduled) != len(self.running)
+            or not all(s.samples for s in scheduled)
+        ):
+            return None
+        return [s.request for s in scheduled], scheduled
+
+    def _schedule_decode_batch(self, out: SchedulerOutput) -> bool:
+        """Plan the last decode batch again, its entries as they were, when `_schedule` would plan just that: the same
+        requests run, in the same order, nothing waits or is swapped out, and each is again one token short of its
+        known tokens (its one new token is its last sampled one; within the budget, as it was). The coordinator
+        says in one pass which of them start a block (`decode_needs`), and only those are allocated for; False, with
+        nothing else changed, where the batch is not the same or an allocation fails (`_schedule` then preempts and
+        finds what was allocated here in place). This is most decode steps: a step with no call per request."""
+        batch = self._decode_batch
+        if batch is None or self.waiting or self.swapped:
+            return False
+        requests, scheduled = batch
+        if requests != self.running:
+            return False
+        needs = self.coordinator.decode_needs(requests)
+        if needs is None:
+            return False
+        allocate = self.coordinator.allocate_slots
+        for request in needs:
+            if not allocate(request, 1):
+                return False
+        out.scheduled = list(scheduled)
+        out.num_tokens = len(scheduled)
+        return True
 
     def _schedule(self, out: SchedulerOutput) -> None:
         cap = self.chunk_cap()
@@ -398,13 +445,19 @@ class Scheduler:
                     request.append_token(token)
                 if len(samples) > 1:
                     forks.append((request, [(follower, next(tokens)) for follower in samples[1:]]))
-        self.coordinator.update_computed_many([s.request for s in out.scheduled])
-        if self.coordinator.state_checkpoints is not None:
-            self.coordinator.state_checkpoints.commit()  # the step wrote them
+        self.update_blocks(out)
         for request, followers in forks:
             for follower, token in followers:
                 self.fork(request, follower)
                 follower.append_token(token)
+
+    def update_blocks(self, out: SchedulerOutput) -> None:
+        """The KV side of a step's update, once its requests have advanced (`update`; the engine's one-pass update
+        calls it itself): cache the blocks that became full, return those that left a window, and keep the state
+        checkpoints the step wrote."""
+        self.coordinator.update_computed_many([s.request for s in out.scheduled])
+        if self.coordinator.state_checkpoints is not None:
+            self.coordinator.state_checkpoints.commit()  # the step wrote them
 
     def fork(self, parent: Request, child: Request) -> None:
         """Make `child` (holding nothing, with the same computed tokens as `parent`) run beside `parent`,
