@@ -419,7 +419,6 @@ class LLMEngine(RunLoops):
         for a stop as `Scheduler.update` and `OutputProcessor.process` would; then the step's blocks are updated
         (`Scheduler.update_blocks`) and the stopped requests finished. Most decode steps take it: one pass instead
         of four, each of which met every request's records cold after the forward."""
-        states = self.outputs.states
         check = self.outputs.stop_rules.check
         now = time.monotonic()
         next_token = iter(tokens).__next__
@@ -428,7 +427,7 @@ class LLMEngine(RunLoops):
         for request, num_new, samples in plan.scheduled:
             request.num_computed_tokens += num_new
             sample = request.sample_state
-            state = states[request.group.request_id]
+            state = sample.state
             reports.append(state.output)  # the live record: a stopped request's is finished below, in place
             if samples:
                 token = next_token()

@@ -457,8 +457,10 @@ class ModelRunner:
         tokens (a captured graph's replay for a decode bucket that has one); float32 logits of its logits rows
         (None when it computes no token)."""
         inputs = prepared.inputs
-        self.swap(inputs.swap_out, inputs.swap_in)
-        self.copy_blocks(inputs.blocks_to_copy)
+        if inputs.swap_out or inputs.swap_in:  # tested here: most steps have none, and a call costs more
+            self.swap(inputs.swap_out, inputs.swap_in)
+        if inputs.blocks_to_copy:
+            self.copy_blocks(inputs.blocks_to_copy)
         if self.state_pool is not None:
             self.state_pool.copy(inputs.state_fork_copies)
             self.state_pool.swap(self._swap_states, inputs.state_swap_out, inputs.state_swap_in)

@@ -27,13 +27,15 @@ from hybridkv.structured_outputs import CompiledGrammar
 class SampleState:
     """One sample (its request's `sample_state`): its scheduler request (whose `sampling_row` is what the sampler
     reads for it: params, generator, tokens so far), its text, its output record, its request's metrics (shared
-    by the request's samples) and how much of it a stream has yielded."""
+    by the request's samples), how much of it a stream has yielded, and its request's state (`RequestState`,
+    whose output the engine reports: set once that is made)."""
 
     request: Request
     detokenizer: IncrementalDetokenizer | None
     completion: CompletionOutput
     metrics: RequestMetrics
     num_streamed_tokens: int = 0
+    state: RequestState | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class OutputProcessor:
             metrics=metrics,
         )
         state = RequestState(group, samples, output)
+        for sample in samples:
+            sample.state = state
         self.states[group.request_id] = state
         return state
 

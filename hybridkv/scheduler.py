@@ -234,7 +234,7 @@ class Scheduler:
             or not all(s.samples for s in scheduled)
         ):
             return None
-        return [s.request for s in scheduled], scheduled
+        return [s.request for s in scheduled], list(scheduled)
 
     def _schedule_decode_batch(self, out: SchedulerOutput) -> bool:
         """Plan the last decode batch again, its entries as they were, when `_schedule` would plan just that: the same
