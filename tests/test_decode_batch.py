@@ -1,10 +1,10 @@
 """A decode step's two fast paths change nothing but speed: the scheduler planning the last decode batch again
 (`Scheduler._schedule_decode_batch`, with `KVCacheCoordinator.decode_needs` saying which requests start a block),
 and the engine updating a step of `greedy_alone` requests in one pass (`LLMEngine._update_alone`). Two engines on
-one model, one with both turned off, take the same seeded random operations (greedy and sampled requests, n > 1,
-stop tokens, stop strings, min_tokens, aborts, requests arriving mid-batch, a pool small enough to preempt, both
-preemption modes) and must agree after every step on what it reports, the queues, every block table and the
-pool's free queue and cached hashes; the fast paths must have been taken."""
+two copies of one model, one with both turned off, take the same seeded random operations (greedy and sampled
+requests, n > 1, stop tokens, stop strings, min_tokens, aborts, requests arriving mid-batch, a pool small enough
+to preempt, both preemption modes) and must agree after every step on what it reports, the queues, every block
+table and the pool's free queue and cached hashes; the fast paths must have been taken."""
 
 from __future__ import annotations
 
@@ -14,22 +14,10 @@ import pytest
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.tiny import tiny_model
 
 from alloc_helpers import free_order
+from tiny_models import FAMILIES
 from tiny_tokenizer import tiny_tokenizer
-
-CONFIG = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    sliding_window=6,
-    max_position_embeddings=256,
-    layer_types=["sliding_attention", "full_attention"],
-)
 
 
 def _without_fast_paths(engine) -> None:
@@ -108,7 +96,7 @@ def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, c
         block_size=4, max_model_len=96, max_num_batched_tokens=24, enable_prefix_caching=caching,
         long_prefill_token_threshold=chunk,
     )  # fmt: skip
-    models = [tiny_model("ministral", **CONFIG) for _ in range(2)]  # the same weights
+    models = [FAMILIES["ministral"]() for _ in range(2)]  # sliding and full layers, the same weights
     num_blocks = hybridkv.min_num_blocks(models[0], **settings) + 10
     engine_settings = dict(settings, num_blocks=num_blocks, preemption_mode=mode, swap_space=1 << 20, max_num_seqs=8)
     fast, reference = (hybridkv.patch(model, tokenizer=tiny_tokenizer(), **engine_settings) for model in models)
