@@ -255,7 +255,8 @@ class KVCacheCoordinator:
         slots = self.state_slots
         if hit is None and self._one_block_size and request_id not in self._may_share:
             # Most decode steps need no block in any group (one block size: every list covers the same
-            # positions) and the request holds its state slot already: say so without counting.
+            # positions) and the request holds its state slot already: say so without counting. (`decode_needs`
+            # makes this first test for a whole decode batch in one pass: the two must stay the same test.)
             held = self._first_lists.get(request_id)
             if (
                 held is not None
@@ -280,7 +281,7 @@ class KVCacheCoordinator:
         its known tokens; else those whose token `allocate_slots` does not pass at its first test (no block to
         take, its state slot held, nothing shared), in order, which the caller allocates for, and no other: the
         rest need nothing (a few requests a step start a block). One pass, where a call per request would cost
-        more than the test."""
+        more than the test (which is `allocate_slots`' own, written out here for the batch)."""
         lists, size, shared = self._first_lists, self._first_size, self._may_share
         if not self._one_block_size:  # each request's groups cover different positions: allocate_slots decides
             size = 0
