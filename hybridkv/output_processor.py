@@ -103,7 +103,8 @@ class OutputProcessor:
     ) -> list[tuple[Request, RequestStatus, str | None]]:
         """Record each request's new token (already appended to the request) and its logprobs, extend its
         text, advance its grammar, and decide whether it stops (a completed grammar stops it). Returns the
-        requests that stop, with their status and error: the caller finishes them in the scheduler."""
+        requests that stop, with their status and error: the caller finishes them in the scheduler. (A step of
+        `greedy_alone` requests does this in `LLMEngine._update_alone`'s one pass: keep the two alike.)"""
         now = time.monotonic()
         stopped = []
         check = self.stop_rules.check

@@ -434,7 +434,8 @@ class Scheduler:
         """After the step ran: advance every scheduled request by its computed tokens, append the sampled
         tokens (aligned with `out.sampling`; None for a beam, whose token the beam search chooses), cache
         blocks that became full and return blocks that left a window, and fork the samples that drew
-        their first token from a leader's logits. Stopping is the caller's: `finish`."""
+        their first token from a leader's logits. Stopping is the caller's: `finish`. (A step of `greedy_alone`
+        requests is advanced in `LLMEngine._update_alone`'s one pass instead: keep the two alike.)"""
         tokens = iter(sampled_tokens)
         forks = []
         for request, num_new, samples in out.scheduled:
