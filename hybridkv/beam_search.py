@@ -134,8 +134,10 @@ class BeamSearch:
         max_model_len: int,
         block_size: int | None,
         multimodal: MultiModalInputs | None = None,
+        model_key: bytes = b"",
     ) -> None:
         self.request_id = request_id
+        self.model_key = model_key  # the prompt's key when the search was added (a later model's is taken at admission)
         self.multimodal = multimodal  # the prompt's images: every beam carries them (a restart recomputes them)
         self.params = params
         self.width = params.beam_width
@@ -167,11 +169,15 @@ class BeamSearch:
         """A beam's request (a fork of `parent` takes its tokens' block hashes instead of hashing again)."""
         block_size = self.block_size if parent is None else None
         request = Request(
-            f"{self.request_id}#beam{self._next_id}", token_ids, self.request_params, block_size, self.multimodal
+            f"{self.request_id}#beam{self._next_id}",
+            token_ids,
+            self.request_params,
+            block_size,
+            self.multimodal,
+            self.model_key,
         )
         if parent is not None:
-            request.block_size = parent.block_size
-            request.block_hashes = list(parent.block_hashes)
+            request.share_hashes(parent)
         request.num_prompt_tokens = len(self.prompt_token_ids)
         request.group = self.group
         request.sample_index = self._next_id

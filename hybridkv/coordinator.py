@@ -124,6 +124,10 @@ class KVCacheCoordinator:
         self.block_size = config.block_size  # of prefix-cache hashes; the smallest group block size
         self.hit_alignment = config.hit_alignment
         self.enable_caching = enable_caching
+        # The model as it computes now (hybridkv/model_watch.py; b"": as patched): a request is admitted only with
+        # block hashes chained from it (`Scheduler` rekeys one hashed under another), so no hit is ever K/V, or a
+        # state checkpoint, that another model computed.
+        self.model_key = b""
         self.pool = BlockPool(num_blocks, len(config.groups), enable_caching)
         self.managers: list[SingleTypeManager] = []
         for group in config.groups:

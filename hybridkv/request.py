@@ -21,7 +21,8 @@ class KVRequest:
 
     `num_computed_tokens` is the only progress state: tokens whose K/V are in the cache.
     `block_hashes[i]` is the chained hash of full block i of `token_ids`; it is kept up to date as
-    tokens are appended (only when `block_size` is given, i.e. prefix caching is on).
+    tokens are appended (only when `block_size` is given, i.e. prefix caching is on). Its chain starts from
+    the cache salt and `model_key`, the model the request computes with (b"": as patched; `rekey`).
     """
 
     __slots__ = (
@@ -29,6 +30,7 @@ class KVRequest:
         "block_hashes",
         "block_size",
         "cache_salt",
+        "model_key",
         "multimodal",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -43,6 +45,7 @@ class KVRequest:
         block_size: int | None,
         cache_salt: str | None = None,
         multimodal: MultiModalInputs | None = None,
+        model_key: bytes = b"",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -53,9 +56,25 @@ class KVRequest:
         self.cache_salt = cache_salt
         self.multimodal = multimodal  # the prompt's images (hybridkv/multimodal.py), None for text
         self.block_size = block_size
-        self._root_hash = root_hash(cache_salt)
+        self.model_key = model_key
+        self._root_hash = root_hash(cache_salt, model_key)
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
+
+    def rekey(self, model_key: bytes) -> None:
+        """Hash the blocks again under another model key: the request computes nothing it held (it is about to be
+        admitted, `num_computed_tokens` 0), and what it computes from now on is the new model's."""
+        self.model_key = model_key
+        self._root_hash = root_hash(self.cache_salt, model_key)
+        self.block_hashes = []
+        self._hash_new_full_blocks()
+
+    def share_hashes(self, parent: KVRequest) -> None:
+        """Take `parent`'s block hashes, model key and root for the same tokens (a fork), instead of hashing again."""
+        self.block_size = parent.block_size
+        self.model_key = parent.model_key
+        self._root_hash = parent._root_hash
+        self.block_hashes = list(parent.block_hashes)
 
     @property
     def num_tokens(self) -> int:
@@ -141,8 +160,9 @@ class Request(KVRequest):
         params: SamplingParams,
         block_size: int | None,
         multimodal: MultiModalInputs | None = None,
+        model_key: bytes = b"",
     ) -> None:
-        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal)
+        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
         self.params = params
         self.status = RequestStatus.WAITING
         self.error: str | None = None
@@ -200,10 +220,14 @@ class SampleGroup:
         params: SamplingParams,
         block_size: int | None,
         multimodal: MultiModalInputs | None = None,
+        model_key: bytes = b"",
     ):
-        """The params.best_of samples of a prompt, named `request_id#index`."""
+        """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key`."""
         count = params.num_samples
-        members = [Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal) for i in range(count)]
+        members = [
+            Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal, model_key)
+            for i in range(count)
+        ]
         return cls(request_id, members)
 
     @property

@@ -308,6 +308,8 @@ class Scheduler:
             needed = 0 if id(group) in seated else group.seats
             if needed > seats:
                 break
+            if request.model_key != coordinator.model_key and not self._take_model_key(request, out):
+                continue
             hit = coordinator.find_longest_cache_hit(request)
             num_new = _fit(request, hit.num_tokens, min(request.num_tokens - hit.num_tokens, cap, budget))
             if num_new == 0 or not coordinator.allocate_slots(request, num_new, hit):
@@ -322,6 +324,23 @@ class Scheduler:
             self.running.append(request)
             out.add(request, num_new)
             budget -= num_new
+
+    def _take_model_key(self, request: Request, out: SchedulerOutput) -> bool:
+        """A request about to be admitted that was hashed under another model (the model changed after it was added,
+        or while it ran before a preemption by recompute): hash it, and the followers waiting for it, under the
+        model as it is now, so that no block another model computed is hit. A request whose images were encoded
+        by another model fails instead (their embeddings are that model's); False then, the request gone."""
+        key = self.coordinator.model_key
+        if request.multimodal is not None and request.multimodal.model_key != key:
+            error = (
+                "the model changed (weights or adapters) after this request's images were encoded, so their "
+                "embeddings are the old model's; submit the request again"
+            )
+            out.failed.extend(self.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
+            return False
+        for member in (request, *request.group.held_followers(request)):
+            member.rekey(key)
+        return True
 
     def _alone(self, victim: Request, request: Request) -> bool:
         """Whether preempting `victim` to make room for `request` cannot help: the request runs alone, or
@@ -367,10 +386,26 @@ class Scheduler:
                     budget -= num_new
         return budget, seats
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        """Preempt the victim, with every other running beam of its search when it is a beam: samples go
-        alone (they need not run together, and a group that cannot fit at once must not keep preempting
-        itself)."""
+    def recompute_all(self) -> None:
+        """Send every running and swapped-out request back to wait, holding nothing, to compute its tokens again
+        (`LLMEngine.reset_prefix_cache(reset_running_requests=True)`), ahead of the requests already waiting; a
+        beam search starts again from its prompt."""
+        while self.swapped:
+            group = self.swapped[-1].group
+            members = [r for r in self.swapped if r.group is group]
+            for member in members:
+                self.swapped.remove(member)
+                self.swap_space.free(self.swap_records.pop(member.request_id).cpu_block_ids)
+                if self.swap_states is not None:
+                    self.swap_states.release(member.request_id)
+            self._back_to_waiting(members)
+        while self.running:
+            self._preempt(self.running[-1], SchedulerOutput(), recompute=True)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, recompute: bool = False) -> None:
+        """Preempt the victim (by the configured mode, or by `recompute`), with every other running beam of its
+        search when it is a beam: samples go alone (they need not run together, and a group that cannot fit at
+        once must not keep preempting itself)."""
         group = victim.group
         members = sorted(group.running(), key=self.running.index) if group.runs_together else [victim]
         # A member already scheduled earlier in this step leaves the step's batch (its copies with it).
@@ -380,12 +415,18 @@ class Scheduler:
             member.num_preemptions += 1
             self.num_preemptions += 1
             out.preempted.append(member)
-        if self.config.preemption_mode == "swap" and self._swap_out(members, out):
+        if not recompute and self.config.preemption_mode == "swap" and self._swap_out(members, out):
             return
+        self._back_to_waiting(members)
+
+    def _back_to_waiting(self, members: list[Request]) -> None:
+        """Members of one group, out of the running or swapped queue, to the front of the waiting queue, holding no
+        block: they compute their tokens again (a beam search from its prompt)."""
         for member in members:
             self.coordinator.free(member.request_id)
             member.num_computed_tokens = 0
             member.status = RequestStatus.WAITING
+        group = members[0].group
         if group.beam is not None:
             members = self._restart_beam_search(group, members)
         self.waiting.extendleft(reversed(members))
