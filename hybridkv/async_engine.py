@@ -124,7 +124,7 @@ class AsyncLLMEngine:
                 "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
             )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        checked = self.llm._checked_request(prompt, params, request_id)
+        checked = self.llm._checked_request(prompt, params, request_id, follow_model=False)
         handle = RequestHandle(self, request_id)
         self._post(("add", handle, checked))
         return handle

@@ -8,6 +8,10 @@ What comes before and after a step lives beside it: `inputs.py` (prompts into ch
 Every public call is `exclusive` (one thread at a time; none after `unpatch`). Nothing is lost on the
 way out: a request whose call fails or is interrupted (KeyboardInterrupt) is aborted, and every block it
 held returns to the pool.
+
+The engine follows the model (`model_watch.py`): the first step of a call that may admit a request (or replay
+a CUDA graph) checks whether the model changed since the last call, and a request admitted after a change is
+hashed under the new model's key, so the prefix cache never serves it K/V of the old one.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import itertools
 import math
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -32,6 +37,7 @@ from hybridkv.graphs import captures_graphs, decode_buckets, graph_mode
 from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
 from hybridkv.loops import RunLoops
 from hybridkv.model_runner import ModelRunner, RunnerLimits
+from hybridkv.model_watch import ModelChange, ModelWatch
 from hybridkv.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.output_processor import OutputProcessor, RequestState
 from hybridkv.outputs import RequestOutput, TokenLogprobs
@@ -47,6 +53,7 @@ from hybridkv.step_check import check_step_exactness
 from hybridkv.stopping import StopRules
 from hybridkv.structured_outputs import GrammarCompiler
 from hybridkv.threads import StepThreads
+from hybridkv.validation import check_bool
 
 __all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
@@ -170,6 +177,9 @@ class LLMEngine(RunLoops):
         self.step_seconds = 0.0
         self.schedule_seconds = 0.0
         self.update_seconds = 0.0
+        # The model as the caches know it: checked at most once per engine call (`_follow_model`).
+        self.model_watch = ModelWatch(model)
+        self._model_checked = True
 
     def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
         """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
@@ -206,10 +216,16 @@ class LLMEngine(RunLoops):
         return self._enqueue(*self._checked_request(prompt, params, request_id))
 
     def _checked_request(
-        self, prompt: Prompt | dict[str, Any], params: SamplingParams | BeamSearchParams | None, request_id: str | None
+        self,
+        prompt: Prompt | dict[str, Any],
+        params: SamplingParams | BeamSearchParams | None,
+        request_id: str | None,
+        follow_model: bool = True,
     ) -> CheckedRequest:
         """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix.
-        A dict prompt with images has them through the vision tower here (hybridkv/multimodal.py)."""
+        A dict prompt with images has them through the vision tower here (hybridkv/multimodal.py), after the model
+        is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
+        key; a request whose images another model encoded is refused when it is queued)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(
@@ -223,6 +239,8 @@ class LLMEngine(RunLoops):
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         multimodal = None
         if isinstance(prompt, dict):
+            if follow_model and not self._model_checked:
+                self._follow_model()
             prompt_text, prompt_ids, multimodal = self._multimodal_prompt(prompt)
         else:
             prompt_text, prompt_ids = self.inputs.tokenize(prompt)
@@ -247,7 +265,7 @@ class LLMEngine(RunLoops):
             encoder = ImageEncoder(self.model, self.processor, bidirectional=False)
         else:
             encoder = self.images
-        text, ids, multimodal = encoder.inputs(prompt)
+        text, ids, multimodal = encoder.inputs(prompt, self.coordinator.model_key)
         placeholder = encoder.image_token_id if multimodal is not None else None
         self.inputs.check(ids, allowed=placeholder)
         if multimodal is not None and multimodal.bidirectional:
@@ -269,14 +287,27 @@ class LLMEngine(RunLoops):
         params: SamplingParams | BeamSearchParams,
         multimodal: MultiModalInputs | None = None,
     ) -> str:
+        model_key = self.coordinator.model_key
+        if multimodal is not None and multimodal.model_key != model_key:
+            raise ValueError(
+                "the model changed (weights or adapters) while this request's images were encoded, so their "
+                "embeddings are the old model's; submit the request again"
+            )
         block_size = self.config.block_size if self.config.enable_prefix_caching else None
         if isinstance(params, BeamSearchParams):
             search = BeamSearch(
-                request_id, prompt_ids, params, self.eos_token_ids, self.max_model_len, block_size, multimodal
+                request_id,
+                prompt_ids,
+                params,
+                self.eos_token_ids,
+                self.max_model_len,
+                block_size,
+                multimodal,
+                model_key,
             )
             group = search.group
         else:
-            group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal)
+            group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal, model_key)
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -319,10 +350,48 @@ class LLMEngine(RunLoops):
         finally:
             self._lock.release()
 
-    def _abort_released_streams(self) -> None:
-        """Called by `exclusive` when a call begins: the aborts `_release_stream` had to put off."""
+    def _begin_call(self) -> None:
+        """Called by `exclusive` when an outermost call begins: the aborts `_release_stream` had to put off are made,
+        and the model, which the caller may have changed since the last call, is to be checked again."""
+        self._model_checked = False
         while self._pending_aborts:
             self._abort(self._pending_aborts.popleft())
+
+    # ---- the model it serves ------------------------------------------------------------------------
+
+    def _follow_model(self) -> None:
+        """Check the model once in this call (`ModelWatch.check`); after a change, requests admitted from now on
+        are hashed under its new key, the encoder cache drops other models' embeddings, and CUDA graphs are
+        captured again when a weight moved (they would read its old address). A dtype or device change raises
+        `ModelMoved`, naming the fix."""
+        self._model_checked = True
+        change = self.model_watch.check()
+        if change is not None:
+            self._take_model_change(change)
+
+    def _take_model_change(self, change: ModelChange) -> None:
+        self.coordinator.model_key = change.key
+        if self.images is not None:
+            self.images.keep_only(change.key)
+        if change.moved and self.runner.graphs is not None:
+            warnings.warn(
+                f"hybridkv captures the decode steps' CUDA graphs again: {'; '.join(change.reasons)}, and the "
+                "captured graphs read the old addresses",
+                stacklevel=4,
+            )
+            self.runner.capture_graphs()
+
+    @exclusive
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Make every cached block unreachable (vLLM's name), for a change to the model that no check sees (weights
+        written outside torch's view, a non-tensor attribute edited; changes through torch are followed without
+        it). With `reset_running_requests`, running and swapped-out requests are also sent back to compute their
+        tokens again (their blocks were computed before). Returns True: the reset never waits for requests."""
+        check_bool("reset_running_requests", reset_running_requests)
+        if reset_running_requests:
+            self.scheduler.recompute_all()
+        self._take_model_change(self.model_watch.invalidate("reset_prefix_cache() was called"))
+        return True
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
@@ -331,6 +400,7 @@ class LLMEngine(RunLoops):
             self.tp.stop()
         self.coordinator.pool.close()
         self.runner.close()
+        self.model_watch.close()
         self._closed = True
 
     def run_worker(self) -> None:
@@ -357,6 +427,11 @@ class LLMEngine(RunLoops):
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        scheduler = self.scheduler
+        if not self._model_checked and (
+            scheduler.waiting or (self.runner.graphs is not None and (scheduler.running or scheduler.swapped))
+        ):  # a request may be admitted (and hit the prefix cache), or a graph replayed: the model as it is now
+            self._follow_model()
         touched = {state.group.request_id: state for state in self._unreported}
         self._unreported = []
         plan = self.scheduler.schedule()

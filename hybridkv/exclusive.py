@@ -28,7 +28,8 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 
 def exclusive(method: Method) -> Method:
     """A public entry point: refuses a closed engine and a second thread (the lock is re-entrant, so the
-    engine's own calls nest); the outermost call first aborts the streams dropped during earlier calls."""
+    engine's own calls nest); the outermost call begins with the engine's `_begin_call` (it aborts the streams
+    dropped during earlier calls, and the model may have changed since the last call)."""
 
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -40,7 +41,7 @@ def exclusive(method: Method) -> Method:
             raise RuntimeError(BUSY_MESSAGE)
         try:
             if self._depth == 0:
-                self._abort_released_streams()
+                self._begin_call()
             self._depth += 1
             try:
                 return method(self, *args, **kwargs)

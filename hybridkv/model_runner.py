@@ -198,18 +198,25 @@ class ModelRunner:
                     f"({type(exc).__name__}: {first_line}); patch it with compile=False"
                 ) from exc
         if capture:
-            graphs = DecodeGraphs(self, self.limits.decode_buckets)
-            try:
-                graphs.capture()
-            except Exception as exc:
-                self.graph_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-                warnings.warn(
-                    f"hybridkv could not capture {type(self.model).__name__}'s decode step as a CUDA graph "
-                    f"({self.graph_error}); its decode steps run eagerly",
-                    stacklevel=3,
-                )
-            else:
-                self.graphs = graphs
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture a decode step's CUDA graph at every decode bucket, dropping any captured before (a weight moved
+        to another address since: hybridkv/model_watch.py); a capture that fails leaves decode steps eager, with
+        a warning."""
+        self.graphs = None  # the old graphs' memory goes back before the new ones take theirs
+        graphs = DecodeGraphs(self, self.limits.decode_buckets)
+        try:
+            graphs.capture()
+        except Exception as exc:
+            self.graph_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+            warnings.warn(
+                f"hybridkv could not capture {type(self.model).__name__}'s decode step as a CUDA graph "
+                f"({self.graph_error}); its decode steps run eagerly",
+                stacklevel=4,
+            )
+        else:
+            self.graphs, self.graph_error = graphs, None
 
     def close(self) -> None:
         """Give the state layers' modules their own forward back (the model as it was) and drop the device memory

@@ -36,6 +36,7 @@ import torch
 # Processor outputs that are not per-image data.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
+_HASH_BYTES = 32  # an image's content hash (SHA-256), the end of its encoder-cache key after the model key
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,13 @@ class ImageInput:
 
 @dataclass
 class MultiModalInputs:
-    """A request's images, in prompt order, and whether their tokens attend both ways within an image."""
+    """A request's images, in prompt order, whether their tokens attend both ways within an image, and the key of
+    the model whose vision tower made their embeddings (hybridkv/model_watch.py; the scheduler admits the request
+    only under that model)."""
 
     images: list[ImageInput]
     bidirectional: bool = False
+    model_key: bytes = b""
     _positions: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,8 +115,8 @@ class MultiModalInputs:
 
 class ImageEncoder:
     """The engine's images: the model's processor and vision tower, the placeholder id, and the encoder
-    cache (embeddings by content hash, least recently used out past `cache_bytes`). Counters:
-    `num_encoded` images through the tower, `num_cache_hits` taken from the cache."""
+    cache (embeddings by model key and content hash, least recently used out past `cache_bytes`; `keep_only` drops
+    another model's). Counters: `num_encoded` images through the tower, `num_cache_hits` taken from the cache."""
 
     def __init__(
         self,
@@ -138,8 +142,18 @@ class ImageEncoder:
     def serves_images(self) -> bool:
         return self.image_token_id is not None and callable(getattr(self.model, "get_image_features", None))
 
-    def inputs(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], MultiModalInputs | None]:
-        """A dict prompt's text, its token ids (placeholders expanded) and its images' embeddings."""
+    def keep_only(self, model_key: bytes) -> None:
+        """Drop the embeddings every other model made (the model changed: hybridkv/model_watch.py)."""
+        with self._lock:
+            for cache_key in [k for k in self._cache if k[:-_HASH_BYTES] != model_key]:
+                dropped = self._cache.pop(cache_key)
+                self.cached_bytes -= dropped.numel() * dropped.element_size()
+
+    def inputs(
+        self, prompt: dict[str, Any], model_key: bytes = b""
+    ) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """A dict prompt's text, its token ids (placeholders expanded) and its images' embeddings, made by the model
+        `model_key` names (the engine's key as the call began)."""
         unknown = prompt.keys() - {"prompt", "prompt_token_ids", "multi_modal_data"}
         if unknown:
             raise ValueError(
@@ -169,7 +183,7 @@ class ImageEncoder:
             return text, ids, None
         if self.refusal:  # an earlier check refused this model's images: no tower run for nothing
             raise ValueError(self.refusal)
-        multimodal = self._images(ids, kwargs)
+        multimodal = self._images(ids, kwargs, model_key)
         self._check_merge(ids, kwargs, multimodal)
         return text, ids, multimodal
 
@@ -244,13 +258,13 @@ class ImageEncoder:
         ids = out["input_ids"][0].tolist()
         return text, ids, {k: v for k, v in out.items() if k not in _TEXT_KEYS}
 
-    def _images(self, ids: list[int], kwargs: dict[str, Any]) -> MultiModalInputs:
+    def _images(self, ids: list[int], kwargs: dict[str, Any], model_key: bytes) -> MultiModalInputs:
         per_image = _split_per_image(kwargs)
         positions = [i for i, token in enumerate(ids) if token == self.image_token_id]
         images, used = [], 0
         for image_kwargs in per_image:
             content_hash = _content_hash(image_kwargs)
-            features = self._features(content_hash, image_kwargs)
+            features = self._features(model_key + content_hash, image_kwargs)
             count = features.shape[0]
             if used + count > len(positions):
                 raise ValueError(
@@ -265,21 +279,21 @@ class ImageEncoder:
                 f"the prompt holds {len(positions)} image placeholder tokens but its {len(per_image)} image(s) "
                 f"make {used} embeddings: one placeholder per embedding, as the processor expands them"
             )
-        return MultiModalInputs(images, self.bidirectional)
+        return MultiModalInputs(images, self.bidirectional, model_key)
 
-    def _features(self, content_hash: bytes, image_kwargs: dict[str, Any]) -> torch.Tensor:
+    def _features(self, cache_key: bytes, image_kwargs: dict[str, Any]) -> torch.Tensor:
         with self._lock:
-            features = self._cache.get(content_hash)
+            features = self._cache.get(cache_key)
             if features is not None:
-                self._cache.move_to_end(content_hash)
+                self._cache.move_to_end(cache_key)
                 self.num_cache_hits += 1
                 return features
         features = self._encode(image_kwargs)
         with self._lock:
             self.num_encoded += 1
             size = features.numel() * features.element_size()
-            if content_hash not in self._cache and size <= self.cache_bytes:
-                self._cache[content_hash] = features
+            if cache_key not in self._cache and size <= self.cache_bytes:
+                self._cache[cache_key] = features
                 self.cached_bytes += size
                 while self.cached_bytes > self.cache_bytes:
                     _, dropped = self._cache.popitem(last=False)

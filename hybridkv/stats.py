@@ -52,6 +52,11 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "prefix_cache_hits": kv.prefix_cache_hits,
         "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
         "num_evictions": kv.num_evictions,
+        # Changes to the model's weights seen since patch (each makes every block computed before unreachable; an
+        # adapter switch is not one: hybridkv/model_watch.py), the checks for them and their seconds.
+        "model_weight_changes": engine.model_watch.generation,
+        "model_checks": engine.model_watch.num_checks,
+        "model_check_seconds": engine.model_watch.check_seconds,
         # Structured outputs: next-token grammar masks computed (a constrained row per step) and their
         # seconds (the mask, its unpacking and the logits' masking; hybridkv/structured_outputs.py).
         "structured_output_masks": engine.grammars.counters.num_masks,

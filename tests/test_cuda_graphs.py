@@ -96,3 +96,28 @@ def test_models_without_graphs_decode_eagerly_on_cuda_as_generate_does(name, pat
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for prompt, output in zip(batch, outputs, strict=True):
         assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0]
+
+
+def test_graphs_follow_the_weights_in_place_and_are_captured_again_when_they_move(patched):
+    """An in-place update keeps the addresses the graphs read: replayed as they are, they give the new model's
+    tokens. A weight reassigned to a new tensor (the old one freed) has the graphs captured again, with a warning
+    that says why, before any replay; tokens are the new model's either way (hybridkv/model_watch.py)."""
+    model = ZOO["llama"]().to(DEVICE)
+    batch = prompts((7, 33))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
+    assert llm.stats()["cuda_graphs"] == [1, 2, 4, 8]
+    llm.generate(batch, params, use_tqdm=False)
+    graphs = llm.runner.graphs
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == [hf_greedy(model, p, 8)[0] for p in batch] and llm.runner.graphs is graphs
+    for parameter in model.parameters():
+        parameter.data = parameter.data * 0.5
+    torch.cuda.empty_cache()
+    with pytest.warns(UserWarning, match="captures the decode steps' CUDA graphs again"):
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert got == [hf_greedy(model, p, 8)[0] for p in batch]
+    assert llm.runner.graphs is not graphs and llm.stats()["cuda_graphs"] == [1, 2, 4, 8]

@@ -183,6 +183,30 @@ def test_the_encoder_cache_keeps_within_its_bytes(patched):
     assert llm.stats()["images_encoded"] == 4
 
 
+def test_after_the_vision_tower_changes_images_are_encoded_again_and_older_encodings_refused(patched):
+    """The encoder cache and the prefix cache follow the model (hybridkv/model_watch.py): after the projector's
+    weights change the same image is encoded again and the tokens are the new model's; a request whose image was
+    encoded before the change, not yet admitted, fails with an error naming the fix rather than use it."""
+    model, placeholder, count, type_fields = gemma3()
+    ids = prompt_ids("gemma3", placeholder, count, "middle")
+    data = image_inputs("gemma3", 7, 1)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": data}
+    llm = patched(model, max_model_len=128, block_size=4)
+    before = reference(model, ids, data, type_fields, placeholder)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+    projector = model.model.multi_modal_projector.mm_input_projection_weight
+    projector.data.mul_(-1.0)  # through .data: only the content sample sees it
+    expected = reference(model, ids, data, type_fields, placeholder)
+    assert expected != before
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert (llm.stats()["images_encoded"], llm.stats()["image_cache_hits"]) == (2, 0)
+    stale = llm.add_request(prompt, GREEDY)  # encoded now (a cache hit), admitted after the next change
+    projector.data.mul_(2.0)
+    (output,) = [o for o in llm.step() if o.request_id == stale]
+    assert output.finished and "images were encoded" in output.error
+    assert llm.stats()["blocks_in_use"] == 0 and not llm.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_requests_with_images_keep_their_tokens(family, mode, patched):
     name, model, placeholder, count, type_fields = family
