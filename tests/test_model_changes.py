@@ -50,6 +50,14 @@ def tokens(outputs):
     return [output.outputs[0].token_ids for output in outputs]
 
 
+def first_generation(patched, model, mode="default"):
+    """Patch the model and generate the batch once (transformers' tokens); the engine and those references."""
+    llm = patched(model, **settings_for(model, mode))
+    before = references(model)
+    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
+    return llm, before
+
+
 def generate_in_steps(llm, batch=BATCH):
     """`llm.generate(batch)` as a loop of steps: the outputs, and how many steps had requests waiting while others
     ran (a pool too small for all of them at once)."""
@@ -153,9 +161,7 @@ UPDATES = {
 @pytest.mark.parametrize("family", HYBRID_AND_FULL)
 def test_generate_follows_the_weights(family, update, patched):
     model = FAMILIES[family]()
-    llm = patched(model, **settings_for(model, "default"))
-    before = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
+    llm, before = first_generation(patched, model)
     UPDATES[update](model)
     assert_follows(llm, model, before)
 
@@ -164,9 +170,7 @@ def test_generate_follows_the_weights(family, update, patched):
 @pytest.mark.parametrize("family", HYBRID_AND_FULL)
 def test_updates_in_turn_are_followed_with_chunks_and_tiny_pools(family, mode, patched):
     model = FAMILIES[family]()
-    llm = patched(model, **settings_for(model, mode))
-    before = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
+    llm, before = first_generation(patched, model, mode)
     for update in ("adamw_fused", "data_edit", "load_state_dict", "parameter_replaced"):
         UPDATES[update](model)
         before = assert_follows(llm, model, before, in_steps=mode == "tiny_pool")
@@ -192,9 +196,7 @@ def test_nothing_changed_the_prefix_cache_still_hits(family, patched):
 def test_a_state_layer_model_follows_the_weights(patched):
     """A state-layer hybrid's prefix hits restore state checkpoints, a cache of their own."""
     model = tiny_model("qwen3_5")
-    llm = patched(model, **settings_for(model, "default"))
-    before = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
+    llm, before = first_generation(patched, model)
     hits = llm.stats()["prefix_cache_hits"]
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
     assert llm.stats()["prefix_cache_hits"] > hits
@@ -220,9 +222,7 @@ def lora_model(family):
 @pytest.mark.parametrize("family", HYBRID_AND_FULL)
 def test_set_adapter_is_followed_and_alternating_adapters_keeps_both_hits(family, patched):
     model = lora_model(family)
-    llm = patched(model, **settings_for(model, "default"))
-    under_sft = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in under_sft]
+    llm, under_sft = first_generation(patched, model)
     model.set_adapter("dpo")
     under_dpo = assert_follows(llm, model, under_sft)
     for adapter, expected in (("sft", under_sft), ("dpo", under_dpo), ("sft", under_sft)):
@@ -235,9 +235,7 @@ def test_set_adapter_is_followed_and_alternating_adapters_keeps_both_hits(family
 @pytest.mark.parametrize("family", HYBRID_AND_FULL)
 def test_disabled_adapters_are_followed(family, patched):
     model = lora_model(family)
-    llm = patched(model, **settings_for(model, "default"))
-    under_sft = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in under_sft]
+    llm, under_sft = first_generation(patched, model)
     with model.disable_adapter():
         base = assert_follows(llm, model, under_sft)
     assert_follows(llm, model, base)
@@ -246,9 +244,7 @@ def test_disabled_adapters_are_followed(family, patched):
 @pytest.mark.parametrize("family", HYBRID_AND_FULL)
 def test_merged_and_unmerged_adapters_are_followed(family, patched):
     model = lora_model(family)
-    llm = patched(model, **settings_for(model, "default"))
-    under_sft = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in under_sft]
+    llm, under_sft = first_generation(patched, model)
     model.set_adapter("dpo")
     model.merge_adapter()
     merged_dpo = assert_follows(llm, model, under_sft)
@@ -351,9 +347,7 @@ def _double_attention_scaling(model):
 
 def test_reset_prefix_cache_covers_a_change_no_check_sees(patched):
     model = FAMILIES["llama"]()
-    llm = patched(model, **settings_for(model, "default"))
-    before = references(model)
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == [t for t, _ in before]
+    llm, before = first_generation(patched, model)
     _double_attention_scaling(model)
     assert llm.model_watch.check() is None  # unseen: what reset_prefix_cache is for
     assert llm.reset_prefix_cache() is True
