@@ -184,7 +184,10 @@ class ModelWatch:
             versions = [t._version for t in tensors]
         except RuntimeError:  # inference tensors keep no version counter (and only inference mode writes them)
             versions = [0 if t.is_inference() else t._version for t in tensors]
-        return versions, [t.data_ptr() for t in tensors]
+        try:
+            return versions, [t.data_ptr() for t in tensors]
+        except RuntimeError:  # a wrapper subclass without storage of its own (its identity stands for its address)
+            return versions, [_address(t) for t in tensors]
 
     def _tensor_layouts(self) -> list[tuple[torch.dtype, torch.device]]:
         return [(t.dtype, t.device) for t in self._tensors()]
@@ -209,10 +212,7 @@ class ModelWatch:
         for tensor in self._tensors():
             view = _sample_view(tensor)
             if view is not None:
-                view = view.view(_INTEGER_OF_SIZE[tensor.element_size()])
-                groups.setdefault((tensor.device, tensor.element_size()), []).append(
-                    view.numpy() if tensor.device.type == "cpu" else view
-                )
+                groups.setdefault((tensor.device, tensor.element_size()), []).append(view)
         return list(groups.values())
 
     def _read_samples(self) -> list[Any]:
@@ -254,9 +254,10 @@ def _is_tuner_layer(module: torch.nn.Module) -> bool:
     return hasattr(cls, "merged_adapters") and hasattr(cls, "active_adapters") and hasattr(cls, "disable_adapters")
 
 
-def _sample_view(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D view of up to `SAMPLES` elements spread over the tensor's storage span (None: no data to read, as
-    a meta tensor's, or a layout that has no strided view)."""
+def _sample_view(tensor: torch.Tensor) -> Any:
+    """A 1-D view of up to `SAMPLES` elements spread over the tensor's storage span, as integers of the element's
+    size (a numpy array on the CPU, a tensor elsewhere); None where there is no data to read (a meta tensor) or
+    no strided view of it (another layout, a tensor subclass without one)."""
     if tensor.device.type == "meta" or tensor.layout != torch.strided or tensor.numel() == 0:
         return None
     if tensor.element_size() not in _INTEGER_OF_SIZE or tensor.is_complex():
@@ -265,9 +266,18 @@ def _sample_view(tensor: torch.Tensor) -> torch.Tensor | None:
     step = max(1, span // SAMPLES)
     count = min(SAMPLES, (span + step - 1) // step)
     try:
-        return tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without strided views
+        view = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
+        view = view.view(_INTEGER_OF_SIZE[tensor.element_size()])
+        return view.numpy() if tensor.device.type == "cpu" else view
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _address(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return id(tensor)
 
 
 def _same_samples(now: list[Any], before: list[Any]) -> bool:
