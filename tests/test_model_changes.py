@@ -171,7 +171,7 @@ def test_generate_follows_the_weights(family, update, patched):
 def test_updates_in_turn_are_followed_with_chunks_and_tiny_pools(family, mode, patched):
     model = FAMILIES[family]()
     llm, before = first_generation(patched, model, mode)
-    for update in ("adamw_fused", "data_edit", "load_state_dict", "parameter_replaced"):
+    for update in sorted(UPDATES):
         UPDATES[update](model)
         before = assert_follows(llm, model, before, in_steps=mode == "tiny_pool")
     if mode == "tiny_pool" and family == "llama":
