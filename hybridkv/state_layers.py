@@ -25,6 +25,7 @@ bit. A decode row's checkpoint is copied after the step (every layer at once).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -212,61 +213,106 @@ class StepStateCache(PassThroughCache):
 
 def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[..., Any]:
     """`original` (a state layer module's forward), run per request segment of a step (module docstring);
-    outside a step, as it is."""
+    outside a step, as it is. Its arguments are bound by its own signature, so the hidden states and the cache may
+    come by position or by name (Zaya's projection takes the cache second, by position); every other `[1, rows,
+    ...]` tensor is cut to the segment's rows. It returns a tensor or a tuple of them (Zaya's q, k and v), each
+    `[1, rows, ...]` put back together from the segments'."""
+    signature = inspect.signature(original)
+    first = next(iter(signature.parameters))
 
-    def forward(hidden_states: torch.Tensor, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        # transformers' layers pass the hidden states by position and the rest by name: no binding then (2-5 us a
+        # layer and step).
+        bound = None if len(args) == 1 else signature.bind(*args, **kwargs)
+        cache = kwargs.get("cache") if bound is None else bound.arguments.get("cache")
         plan = getattr(cache, "plan", None)
         if plan is None:
-            return original(hidden_states, *args, cache=cache, **kwargs)
+            return original(*args, **kwargs)
+        hidden_states = args[0] if bound is None else bound.arguments[first]
         num_rows = hidden_states.shape[1]
-        out = None
+        outputs = _SegmentOutputs(num_rows)
 
-        def run(rows: Any, segment: torch.Tensor, view: _SegmentView) -> torch.Tensor:
+        def run(rows: Any, segment: torch.Tensor, view: _SegmentView) -> tuple[torch.Tensor, ...]:
             cache.view = view
             try:
-                result = original(segment, *args, cache=cache, **_rows_of(kwargs, rows, num_rows))
+                if bound is None:
+                    result = original(segment, **{k: _row_cut(v, rows, num_rows) for k, v in kwargs.items()})
+                else:
+                    call = _rows_of(signature, bound, rows, num_rows)
+                    call.arguments[first] = segment
+                    result = original(*call.args, **call.kwargs)
             finally:
                 cache.view = None
             view.write_back()
-            if not isinstance(result, torch.Tensor):
-                raise TypeError(f"state layer {layer_idx} returned {type(result).__name__}, not a tensor")
-            return result
+            results = result if isinstance(result, tuple) else (result,)
+            if not results or not all(isinstance(r, torch.Tensor) for r in results):
+                raise TypeError(f"state layer {layer_idx} returned {type(result).__name__}, not tensors")
+            outputs.single = not isinstance(result, tuple)
+            return results
 
         if plan.decode_rows is not None:
             rows = plan.decode_rows
-            result = run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1), _decode_view(cache, layer_idx))
-            out = result.new_empty((1, num_rows, result.shape[-1]))
-            out[0].index_copy_(0, rows, result[:, 0])
+            results = run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1), _decode_view(cache, layer_idx))
+            for out, result in zip(outputs.like(results), results, strict=True):
+                out[0].index_copy_(0, rows, result[:, 0])
         for start, end, slot, has_state, checkpoints in plan.segments:
             slots = torch.tensor([slot], device=hidden_states.device)
-            first = start
+            first_row = start
             # Pieces that end at each checkpoint (the layer copies its state there), then the rest.
             for offset, checkpoint in (*checkpoints, (end - start, None)):
                 stop = start + offset
-                if stop > first:
-                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first > start)
-                    result = run(slice(first, stop), hidden_states[:, first:stop], view)
-                    if out is None:
-                        out = result.new_empty((1, num_rows, result.shape[-1]))
-                    out[:, first:stop] = result
-                    first = stop
+                if stop > first_row:
+                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start)
+                    results = run(slice(first_row, stop), hidden_states[:, first_row:stop], view)
+                    for out, result in zip(outputs.like(results), results, strict=True):
+                        out[:, first_row:stop] = result
+                    first_row = stop
                 if checkpoint is not None:
                     cache.pool.copy_layer(layer_idx, slot, checkpoint)
-        return out
+        return outputs.result()
 
     return forward
+
+
+class _SegmentOutputs:
+    """A step's outputs of one state layer, `[1, rows, ...]` each, made on the first segment's results."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.tensors: list[torch.Tensor] | None = None
+        self.single = True
+
+    def like(self, results: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        if self.tensors is None:
+            self.tensors = [r.new_empty((1, self.num_rows, *r.shape[2:])) for r in results]
+        return self.tensors
+
+    def result(self) -> Any:
+        assert self.tensors is not None, "a step with state rows ran no segment"
+        return self.tensors[0] if self.single else tuple(self.tensors)
 
 
 def _decode_view(cache: Any, layer_idx: int) -> _SegmentView:
     return _SegmentView(cache.pool, layer_idx, cache.plan.decode_slots, True)
 
 
-def _rows_of(kwargs: dict[str, Any], rows: Any, num_rows: int) -> dict[str, Any]:
-    """The keyword arguments of a segment: a `[1, num_rows, ...]` tensor is cut to the segment's rows (a decode
-    batch's rows become its batch), anything else passes as it is."""
+def _rows_of(signature: inspect.Signature, bound: inspect.BoundArguments, rows: Any, num_rows: int) -> Any:
+    """The arguments of a segment: every `[1, num_rows, ...]` tensor cut to the segment's rows (a decode batch's
+    rows become its batch), inside `*args` and `**kwargs` too; anything else passes as it is."""
+    parameters = signature.parameters
     cut = {}
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_rows:
-            value = value[:, rows] if isinstance(rows, slice) else value[0].index_select(0, rows).unsqueeze(1)
-        cut[name] = value
-    return cut
+    for name, value in bound.arguments.items():
+        kind = parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            cut[name] = tuple(_row_cut(item, rows, num_rows) for item in value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            cut[name] = {key: _row_cut(item, rows, num_rows) for key, item in value.items()}
+        else:
+            cut[name] = _row_cut(value, rows, num_rows)
+    return inspect.BoundArguments(signature, cut)
+
+
+def _row_cut(value: Any, rows: Any, num_rows: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_rows:
+        return value[:, rows] if isinstance(rows, slice) else value[0].index_select(0, rows).unsqueeze(1)
+    return value

@@ -26,6 +26,7 @@ from hybridkv.patches.layer_checks import layer_problem, state_layer_problem, st
 from hybridkv.patches.layer_kinds import (
     FULL_ATTENTION,
     HYBRID_LAYER_TYPES,
+    SLIDING_ATTENTION,
     STATE_LAYER_TYPES,
     STATELESS_LAYER_TYPES,
     ConfigLayer,
@@ -107,7 +108,8 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             states.append(_state_spec(layer_idx, layer_state_calls, names))
             if not hybrid:
                 continue
-            layer = ConfigLayer(FULL_ATTENTION)  # its attention side: full attention, checked as any other
+            # Its attention side, checked as any other: full attention, or a sliding window (`hybrid_sliding`).
+            layer = ConfigLayer(SLIDING_ATTENTION if layer.sliding_window else FULL_ATTENTION, layer.sliding_window)
         problem = layer_problem(model, layer_idx, layer, calls.get(layer_idx, []))
         latent = _layer_attribute(config, "kv_lora_rank", layer_idx)
         if not problem and latent:

@@ -15,7 +15,6 @@ import torch
 from hybridkv.patches.layer_kinds import SUPPORTED_LAYER_TYPES, ConfigLayer
 from hybridkv.patches.probe import AttentionCall, StateCall
 
-_RECURRENT_LAYER_TYPES = frozenset({"hybrid_sliding"})
 _SPARSE_LAYER_TYPES = frozenset(
     {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse"}
 )
@@ -24,11 +23,6 @@ _SPARSE_LAYER_TYPES = frozenset(
 def layer_problem(model: torch.nn.Module, layer_idx: int, layer: ConfigLayer, calls: list[AttentionCall]) -> str | None:
     """Why layer `layer_idx` cannot be served exactly, or None."""
     layer_type = layer.layer_type
-    if layer_type in _RECURRENT_LAYER_TYPES:
-        return (
-            f"{layer_type!r} layers mix a sliding window and a recurrent state in one layer, a kind hybridkv "
-            "does not implement (its state layers are linear_attention, mamba, conv and hybrid)"
-        )
     if layer_type in _SPARSE_LAYER_TYPES:
         return f"{layer_type!r} layers use sparse or compressed attention, which hybridkv's kernels do not implement"
     if layer_type not in SUPPORTED_LAYER_TYPES:

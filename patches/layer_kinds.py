@@ -26,9 +26,11 @@ SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
 # Layers that keep a per-request state (linear attention, SSM, short convolution) instead of K/V: served when
 # the probe sees the state go through transformers' cache interface (patches/inspection.py).
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
-# A layer that attends fully and keeps a state side by side (Falcon-H1), and layers that do neither (Nemotron-H's
-# MLP and MoE layers: nothing to cache).
-HYBRID_LAYER_TYPES = frozenset({"hybrid"})
+# A layer that attends and keeps a state side by side (Falcon-H1 attends fully; Zaya's attention projects q/k/v
+# through a state of its own, over every key or a sliding window), and layers that do neither (Nemotron-H's MLP
+# and MoE layers: nothing to cache).
+HYBRID_SLIDING = "hybrid_sliding"
+HYBRID_LAYER_TYPES = frozenset({"hybrid", HYBRID_SLIDING})
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
@@ -62,13 +64,13 @@ def config_layers(config: Any) -> list[ConfigLayer]:
         raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers; fix the config")
     layers = []
     for layer_idx, layer_type in enumerate(layer_types):
-        if layer_type == SLIDING_ATTENTION:
+        if layer_type in (SLIDING_ATTENTION, HYBRID_SLIDING):
             if window is None:
                 raise ValueError(
-                    f"layer {layer_idx} is a sliding_attention layer but config.sliding_window is None; "
+                    f"layer {layer_idx} is a {layer_type} layer but config.sliding_window is None; "
                     "set config.sliding_window"
                 )
-            layers.append(ConfigLayer(SLIDING_ATTENTION, window))
+            layers.append(ConfigLayer(layer_type, window))
         elif layer_type == CHUNKED_ATTENTION:
             chunk_size = getattr(config, "attention_chunk_size", None)
             if not chunk_size:

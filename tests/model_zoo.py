@@ -596,6 +596,19 @@ STATE = {
         num_experts_per_tok=2,
         initializer_range=0.2,
     ),
+    "zaya": lambda: _build(  # its attention's q/k/v projection holds a conv state and a recurrent value state
+        hf.zaya.ZayaForCausalLM,
+        hf.zaya.ZayaConfig,
+        num_hidden_layers=4,
+        layer_types=["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+        sliding_window=WINDOW,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+        router_hidden_size=16,
+        initializer_range=0.5,  # below, its greedy tokens repeat one token (the test would be weak)
+    ),
     "falcon_h1": lambda: _build(
         hf.falcon_h1.FalconH1ForCausalLM,
         hf.falcon_h1.FalconH1Config,

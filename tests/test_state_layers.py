@@ -300,3 +300,49 @@ def test_without_room_for_states_a_swap_falls_back_to_recompute(patched):
     assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
     assert llm.stats()["num_preemptions"] > 0 and llm.stats()["num_swaps"] == 0
     _all_returned(llm)
+
+
+class _PositionalCacheLayer(torch.nn.Module):
+    """A state layer that takes the cache second, by position (as Zaya's q/k/v projection does), a per-row tensor
+    third, and returns a tuple: each row's running sum over its sequence (the recurrent state) times the row's
+    scale, and that sum's negation."""
+
+    layer_idx = 0
+
+    def forward(self, hidden_states, cache, scale, extra=None):
+        state = cache.get_recurrent_state(self.layer_idx) if cache is not None else None
+        sums = hidden_states.cumsum(dim=1)
+        if state is not None:
+            sums = sums + state.unsqueeze(1)
+        if cache is not None:
+            cache.update_recurrent_state(sums[:, -1], self.layer_idx)
+        return sums * scale, -sums
+
+
+def test_a_state_layer_taking_its_cache_by_position_runs_per_segment():
+    """`segmented_forward` binds the layer's arguments by its signature, cuts the per-row tensors to each segment and
+    puts a tuple's tensors back together: two decode rows (each continuing the state in its slot) and a prompt's
+    segment (from no state) give what each sequence alone gives."""
+    from hybridkv.kv_spec import StateSpec
+    from hybridkv.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
+    from hybridkv.tiny import tiny_config
+
+    layer = _PositionalCacheLayer()
+    spec = StateSpec(0, "layer", (), (((4,), torch.float32),))
+    pool = StatePool([spec], 4, {0: torch.device("cpu")})
+    cache = StepStateCache(tiny_config("llama"), pool)
+    generator = torch.Generator().manual_seed(0)
+    before = torch.randn(2, 4, generator=generator)  # slots 1 and 2: two sequences' running sums so far
+    pool.recurrent[0][0][1:3] = before
+    hidden = torch.randn(1, 5, 4, generator=generator)  # rows 0 and 1: decodes of slots 1, 2; rows 2-4: a prompt
+    scale = torch.arange(1.0, 6.0).view(1, 5, 1)
+    cache.plan = StatePlan(torch.tensor([0, 1]), torch.tensor([1, 2]), [(2, 5, 3, False, ())])
+    layer.forward = segmented_forward(layer.forward, 0)
+    sums, negated = layer(hidden, cache, scale, extra="kept")
+    expected = torch.cat([before[0] + hidden[0, 0], before[1] + hidden[0, 1]]).view(2, 4)
+    prompt = hidden[0, 2:].cumsum(dim=0)
+    assert torch.allclose(sums[0, :2], expected * scale[0, :2]) and torch.allclose(sums[0, 2:], prompt * scale[0, 2:])
+    assert torch.allclose(negated[0], -torch.cat([expected, prompt]))
+    assert torch.allclose(pool.recurrent[0][0][1:4], torch.cat([expected, prompt[-1:]]))
+    cache.plan = None
+    assert torch.equal(layer(hidden, None, 1.0)[0], hidden.cumsum(dim=1))  # outside a step: the layer's own forward
