@@ -887,6 +887,7 @@ LAYER_KINDS: dict[str, str] = {
     "granitemoehybrid": "3 Mamba2 (state) : 1 full, MoE",
     "nemotron_h": "Mamba2 (state), MoE, full, Mamba2, MLP, full",
     "falcon_h1": "every layer full attention and Mamba2 side by side (state)",
+    "zaya": "full and sliding, each projecting q/k/v through a convolution and a delayed value of its own (state), MoE",
     "lfm2_moe": "alternating short conv (state) / full, MoE after the first 2",
     "olmo_hybrid": "3 Gated DeltaNet (linear attention, state) : 1 full",
     # REFUSED
