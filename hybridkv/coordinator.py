@@ -185,7 +185,11 @@ class KVCacheCoordinator:
         the hit's end is restored from it.
         """
         checkpoints = self.state_checkpoints
-        if not self.enable_caching or (self.state_slots is not None and checkpoints is None):
+        if (
+            not self.enable_caching
+            or not request.reads_prefix_cache
+            or (self.state_slots is not None and checkpoints is None)
+        ):
             return CacheHit([[] for _ in self.managers], 0)
         align = self.hit_alignment if checkpoints is None else checkpoints.interval
         max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align

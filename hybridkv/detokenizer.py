@@ -6,8 +6,9 @@ context (SentencePiece's leading spaces, byte-level BPE's multi-byte characters)
 decode gives them, at a constant cost per token. Text that ends in an incomplete character ("\ufffd")
 waits for the next token.
 
-Stop strings: the text is cut right before the first stop string that appears. Text that could still
-turn into the start of a stop string is held back from streaming until it cannot.
+Stop strings: the text is cut right before the first stop string that appears (right after it with
+`include_stop_str_in_output`, vLLM's option). Text that could still turn into the start of a stop string is held
+back from streaming until it cannot.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ class IncrementalDetokenizer:
     """The text of one completion, grown token by token."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], stop: Sequence[str] = (), skip_special_tokens=True
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.stop = tuple(stop)
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         if tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
@@ -70,7 +77,7 @@ class IncrementalDetokenizer:
         if not found:
             return False
         index, stop = min(found)
-        self.text = self.text[:index]
+        self.text = self.text[: index + len(stop) if self.include_stop_str_in_output else index]
         self.stop_reason = stop
         return True
 

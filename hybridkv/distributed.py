@@ -13,6 +13,7 @@ closes its engine (`hybridkv.unpatch`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,10 +64,12 @@ class TensorParallel:
     def _agree(self, ok: bool) -> bool:
         return self.smallest(int(ok)) == 1
 
-    def execute(self, runner: ModelRunner, plan: SchedulerOutput) -> torch.Tensor | None:
+    def execute(
+        self, runner: ModelRunner, plan: SchedulerOutput, extra_rows: Sequence[int] = ()
+    ) -> torch.Tensor | None:
         """The driver's step: send its inputs, prepare, agree, run. A rank that could not prepare fails
-        the step (RuntimeError, nothing run anywhere)."""
-        inputs = runner.step_inputs(plan)
+        the step (RuntimeError, nothing run anywhere). `extra_rows`: `ModelRunner.execute`'s."""
+        inputs = runner.step_inputs(plan, extra_rows=extra_rows)
         self._broadcast((_STEP, inputs))
         return self._run(runner, inputs)
 

@@ -277,13 +277,17 @@ class ModelRunner:
             destinations = torch.tensor([p[1] for p in pairs], device=device)
             pages[destinations] = pages[sources]
 
-    def execute(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> torch.Tensor:
+    def execute(
+        self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None, extra_rows: Sequence[int] = ()
+    ) -> torch.Tensor:
         """Compute the plan's tokens in one forward and return float32 logits of `logits_rows` of the
         flattened batch (by default the last row of each request that samples, once per sample drawn
-        from it: the rows of `plan.sampling`)."""
-        return self.forward(self.prepare(self.step_inputs(plan, logits_rows)))
+        from it: the rows of `plan.sampling`), then those of `extra_rows` (prompt logprobs)."""
+        return self.forward(self.prepare(self.step_inputs(plan, logits_rows, extra_rows)))
 
-    def step_inputs(self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None) -> StepInputs:
+    def step_inputs(
+        self, plan: SchedulerOutput, logits_rows: Sequence[int] | None = None, extra_rows: Sequence[int] = ()
+    ) -> StepInputs:
         """The plan as plain lists (what another rank needs to run the same step)."""
         start_time = time.perf_counter()
         inputs = StepInputs(
@@ -338,6 +342,8 @@ class ModelRunner:
                 add_row(num_rows - 1)
             elif samples:  # one row of logits per sample that draws from it (forks share their leader's)
                 sample_rows.extend([num_rows - 1] * len(samples))
+        if extra_rows:
+            inputs.requested_rows = [*(sample_rows if logits_rows is None else logits_rows), *extra_rows]
         self.prepare_seconds += time.perf_counter() - start_time
         if self.verify_tables is not None:
             inputs.checked_tables = self.verify_tables(request_ids)

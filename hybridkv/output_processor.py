@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from hybridkv.detokenizer import IncrementalDetokenizer
-from hybridkv.outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamDelta, TokenLogprobs
+from hybridkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampler import SamplingRow
+from hybridkv.sampler import SampledLogprobs, SamplingRow
 from hybridkv.stopping import StopRules
 from hybridkv.structured_outputs import CompiledGrammar
 
@@ -55,6 +55,7 @@ class OutputProcessor:
         self.stop_rules = stop_rules
         self.device = device
         self.states: dict[str, RequestState] = {}
+        self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
 
     def add(self, group: SampleGroup, prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
         """Records for a new request's samples (a seeded request's sample i draws from seed + i; each
@@ -69,8 +70,14 @@ class OutputProcessor:
             generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
             detokenizer = None
             if self.tokenizer is not None:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-            logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+            logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
             request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
@@ -81,10 +88,13 @@ class OutputProcessor:
                 metrics=metrics,
             )
             samples.append(request.sample_state)
+        prompt_logprobs = getattr(params, "prompt_logprobs", None)
         output = RequestOutput(
             request_id=group.request_id,
             prompt=prompt,
             prompt_token_ids=prompt_ids,
+            # Filled position by position as the prompt is computed (`record_prompt_logprobs`); the first stays None.
+            prompt_logprobs=[None] * len(prompt_ids) if prompt_logprobs is not None else None,
             outputs=[sample.completion for sample in samples],
             finished=False,
             metrics=metrics,
@@ -98,8 +108,36 @@ class OutputProcessor:
     def state_of(self, request: Request) -> RequestState:
         return self.states[request.group.request_id]
 
+    def logprob_dict(self, token: int, logprobs: SampledLogprobs) -> dict[int, Logprob]:
+        """vLLM's dict for one position: the token with its rank, then the k most likely (ranks 1..k)."""
+        decoded = self._decoded_token
+        entries = {token: Logprob(logprobs.logprob, logprobs.rank, decoded(token))}
+        for rank, (top_id, value) in enumerate(zip(logprobs.top_ids, logprobs.top_logprobs, strict=True), start=1):
+            entries[top_id] = Logprob(value, rank, decoded(top_id))
+        return entries
+
+    def _decoded_token(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decoded.get(token)
+        if text is None:
+            text = self._decoded[token] = self.tokenizer.decode([token])
+        return text
+
+    def record_prompt_logprobs(
+        self, request: Request, first_position: int, logprobs: Sequence[SampledLogprobs]
+    ) -> None:
+        """The prompt logprobs of positions `first_position`, `first_position + 1`, ... of a request (a prompt
+        computed again after a preemption writes the same values again)."""
+        output = self.state_of(request).output
+        if output.prompt_logprobs is None:
+            return
+        tokens = request.token_ids
+        for position, entry in enumerate(logprobs, start=first_position):
+            output.prompt_logprobs[position] = self.logprob_dict(tokens[position], entry)
+
     def process(
-        self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
+        self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[SampledLogprobs | None]
     ) -> list[tuple[Request, RequestStatus, str | None]]:
         """Record each request's new token (already appended to the request) and its logprobs, extend its
         text, advance its grammar, and decide whether it stops (a completed grammar stops it). Returns the
@@ -120,7 +158,7 @@ class OutputProcessor:
             if token_logprobs is not None:
                 completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + token_logprobs.logprob
                 if completion.logprobs is not None:
-                    completion.logprobs.append(token_logprobs)
+                    completion.logprobs.append(self.logprob_dict(token, token_logprobs))
             if sample.metrics.first_token_time is None:
                 sample.metrics.first_token_time = now
             status = check(request, token, sample.detokenizer)
@@ -169,9 +207,10 @@ class OutputProcessor:
             start = sample.num_streamed_tokens
             new_tokens = completion.token_ids[start:]
             sample.num_streamed_tokens = len(completion.token_ids)
-            text = sample.detokenizer.stream_delta(completion.finished) if sample.detokenizer is not None else ""
-            if new_tokens or text or completion.finished:
-                error = sample.request.error if completion.finished else None
+            finished = completion.finished()
+            text = sample.detokenizer.stream_delta(finished) if sample.detokenizer is not None else ""
+            if new_tokens or text or finished:
+                error = sample.request.error if finished else None
                 logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
                 deltas.append(
                     StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error, logprobs)

@@ -1,4 +1,5 @@
-"""What the engine returns: RequestOutput with one CompletionOutput per sample (names follow vLLM)."""
+"""What the engine returns: RequestOutput with one CompletionOutput per sample, and Logprob: vLLM's classes, field for
+field (hybridkv adds `RequestOutput.error`, the reason a request failed)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top-k (token id, logprob) pairs, most likely first."""
+class Logprob:
+    """vLLM's: one token's log-probability, its rank in the distribution (1: the most likely) and its text
+    (`tokenizer.decode([token_id])`; None without a tokenizer)."""
 
     logprob: float
-    top: list[tuple[int, float]]
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position, token id -> Logprob: the sampled (or prompt) token and the k most likely (vLLM's shapes). A
+# request's prompt logprobs start with None: its first token has no distribution.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -22,13 +31,13 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """vLLM's: whether the sample has ended (a method, as vLLM's is)."""
         return self.finish_reason is not None
 
 
@@ -48,15 +57,23 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's state: its prompt and samples; `error` says why a failed request failed."""
+    """A request's state, vLLM's fields in vLLM's order: its prompt, the prompt's logprobs (with
+    `prompt_logprobs`), its samples, whether it has finished, its metrics and how many prompt tokens came from the
+    prefix cache; `error` says why a failed request failed (hybridkv's)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's: the prompt tokens taken from the prefix cache when the request was first admitted."""
+        return self.metrics.num_cached_tokens
 
 
 @dataclass
@@ -69,4 +86,4 @@ class StreamDelta:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: SampleLogprobs | None = None

@@ -34,6 +34,7 @@ class KVRequest:
         "multimodal",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "reads_prefix_cache",
         "request_id",
         "token_ids",
     )
@@ -59,6 +60,9 @@ class KVRequest:
         self.model_key = model_key
         self._root_hash = root_hash(cache_salt, model_key)
         self.block_hashes: list[bytes] = []
+        # False: it computes its whole prompt, taking no prefix-cache hit (it asks for the prompt's logprobs, vLLM's
+        # `skip_reading_prefix_cache`); its blocks are still cached for others.
+        self.reads_prefix_cache = True
         self._hash_new_full_blocks()
 
     def rekey(self, model_key: bytes) -> None:
@@ -164,6 +168,7 @@ class Request(KVRequest):
     ) -> None:
         super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
         self.params = params
+        self.reads_prefix_cache = params.prompt_logprobs is None
         self.status = RequestStatus.WAITING
         self.error: str | None = None
         self.stop_reason: str | int | None = None

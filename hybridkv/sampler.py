@@ -1,7 +1,7 @@
 """The sampler: next tokens for a batch of logit rows, vectorised over the batch.
 
 Order of operations (vLLM's): a structured-outputs row's grammar mask (disallowed tokens at -inf), then
-penalties, then greedy rows take the argmax; other rows are divided by their temperature, filtered by
+logit biases, then penalties, then greedy rows take the argmax; other rows are divided by their temperature, filtered by
 top-k, top-p and min-p, and sampled. Sampling is an exponential race (argmax of probs / q with q ~
 Exp(1)), equivalent to drawing from probs; a seeded row draws its q from its own generator, so its
 tokens do not depend on the rest of the batch. Logprobs are those of the model's raw distribution
@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.outputs import TokenLogprobs
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.structured_outputs import GrammarMatcher, apply_bitmasks
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """A sampled token's raw logprob and rank (1: the most likely; among equals, the last), and the ids and logprobs
+    of the k most likely tokens, most likely first (what `SamplingParams.logprobs` asks for; -1: every token)."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True, eq=False)
@@ -34,13 +44,17 @@ class SamplingRow:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     matcher: GrammarMatcher | None = None
-    # Greedy with nothing else to compute (no penalty, no logprob, no grammar): the row is its argmax.
+    # Greedy with nothing else to compute (no penalty, bias, logprob or grammar): the row is its argmax.
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
         params = self.params
         self.plain_greedy = (
-            params.greedy and not params.has_penalties and not params.needs_logprob and self.matcher is None
+            params.greedy
+            and not params.has_penalties
+            and not params.logit_bias
+            and not params.needs_logprob
+            and self.matcher is None
         )
 
     @property
@@ -48,7 +62,7 @@ class SamplingRow:
         return self.token_ids[self.num_prompt_tokens :]
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
     """One token per row of `logits` ([num_rows, vocab], float32), and its logprobs where asked."""
     if all(r.plain_greedy for r in rows):
         return greedy_tokens(logits).tolist(), [None] * len(rows)
@@ -56,6 +70,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
     constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
     if constrained:
         logits = apply_bitmasks(logits, constrained, [rows[i].matcher for i in constrained])
+    logits = _apply_logit_bias(logits, rows)
     logits = _apply_penalties(logits, rows)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -68,16 +83,23 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
         probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
         tokens[index] = _race(probs, [rows[i].generator for i in random_rows])
     token_list = tokens.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    logprobs: list[SampledLogprobs | None] = [None] * len(rows)
     if raw_logprobs is not None:
         for i, row in enumerate(rows):
-            if not row.params.needs_logprob:
-                continue
-            k = row.params.logprobs or 0  # best_of alone needs the sampled token's logprob, no top-k
-            values, ids = raw_logprobs[i].topk(k) if k else (raw_logprobs[i][:0], raw_logprobs[i][:0])
-            top = list(zip(ids.tolist(), values.tolist(), strict=True))
-            logprobs[i] = TokenLogprobs(raw_logprobs[i, token_list[i]].item(), top)
+            if row.params.needs_logprob:
+                logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
     return token_list, logprobs
+
+
+def token_logprobs(raw: torch.Tensor, token: int, num_top: int | None) -> SampledLogprobs:
+    """`token`'s logprob and rank in one row of raw logprobs `[vocab]`, and its `num_top` most likely tokens (None
+    or 0: none, as best_of alone needs; -1: every token)."""
+    value = raw[token]
+    k = raw.shape[-1] if num_top == -1 else (num_top or 0)
+    values, ids = raw.topk(k) if k else (raw[:0], raw[:0])
+    # vLLM's rank: how many tokens are at least as likely (so the most likely is 1).
+    rank = int((raw >= value).sum())
+    return SampledLogprobs(value.item(), rank, ids.tolist(), values.tolist())
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | np.ndarray:
@@ -91,7 +113,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor | np.ndarray:
 
 def sample_each(
     logits: torch.Tensor, rows: Sequence[SamplingRow]
-) -> tuple[list[int | None], list[TokenLogprobs | None], list[Exception | None]]:
+) -> tuple[list[int | None], list[SampledLogprobs | None], list[Exception | None]]:
     """`sample`, but a row that fails fails alone: its token is None and its error says why, and every
     other row gets the token `sample` would have given it (seeded generators are rewound before the
     rows are sampled one by one)."""
@@ -104,7 +126,7 @@ def sample_each(
     except Exception:
         for generator, state in seeded:
             generator.set_state(state)
-    results: tuple[list[int | None], list[TokenLogprobs | None], list[Exception | None]] = ([], [], [])
+    results: tuple[list[int | None], list[SampledLogprobs | None], list[Exception | None]] = ([], [], [])
     for index, row in enumerate(rows):
         try:
             (token,), (token_logprobs,) = sample(logits[index : index + 1], [row])
@@ -114,6 +136,23 @@ def sample_each(
         for values, value in zip(results, (token, token_logprobs, error), strict=True):
             values.append(value)
     return results
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its tokens' logits (an id past the vocabulary is an error of its row)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        ids = list(bias)
+        if max(ids) >= vocab:
+            raise ValueError(f"logit_bias names token id {max(ids)}, outside the vocabulary [0, {vocab})")
+        values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[i, torch.tensor(ids, device=logits.device)] += values
+    return logits
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -146,10 +185,10 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
     logits = logits / temperature
-    if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
+    if any(p.top_k_on or p.top_p < 1.0 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=device)
+        top_k = torch.tensor([p.top_k if p.top_k_on else vocab for p in params], device=device)
         ranks = torch.arange(vocab, device=device).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -21,7 +21,7 @@ class StopRules:
     ) -> RequestStatus | None:
         """The status `request` finishes with now that `token` (already appended) is its newest, or None.
 
-        Length first (max_tokens, max_model_len); EOS and stop tokens only from min_tokens on; a stop
+        Length first (max_tokens, None for none, and max_model_len); EOS and stop tokens only from min_tokens on; a stop
         string completed by the token's text (the detokenizer sees every token) stops the request
         whatever the token rules said, with the string as its stop_reason. A stop token's id is its
         stop_reason; EOS leaves it None.
@@ -30,7 +30,8 @@ class StopRules:
         status = None
         num_tokens = len(request.token_ids)
         num_output_tokens = num_tokens - request.num_prompt_tokens
-        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+        max_tokens = params.max_tokens
+        if num_tokens >= self.max_model_len or (max_tokens is not None and num_output_tokens >= max_tokens):
             status = RequestStatus.FINISHED_LENGTH
         elif num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:

@@ -10,7 +10,7 @@ import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.tiny import tiny_model
 
-from tiny_models import FAMILIES, hf_greedy, prompts
+from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -49,7 +49,7 @@ def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, sw
         max_num_batched_tokens=32,
         num_blocks=num_blocks,
         preemption_mode="swap",
-        swap_space=swap_space_blocks * probe.bytes_per_block,
+        swap_space=swap_space_blocks * probe.bytes_per_block / (1 << 30),  # GiB
     )
     assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
     stats = llm.stats()
@@ -65,7 +65,7 @@ def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, sw
 
 def test_swap_without_swap_space_is_a_clear_error(gemma3):
     with pytest.raises(ValueError, match="needs swap space: set swap_space"):
-        hybridkv.patch(gemma3[0], max_model_len=176, preemption_mode="swap")
+        hybridkv.patch(gemma3[0], max_model_len=176, preemption_mode="swap", swap_space=0)
     with pytest.raises(ValueError, match="preemption_mode must be one of"):
         hybridkv.patch(gemma3[0], max_model_len=176, preemption_mode="drop")
 
@@ -91,9 +91,9 @@ def test_samples_that_cannot_all_fit_at_once_still_finish(patched, mode):
     model = tiny_model("ministral", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     settings = dict(block_size=4, max_model_len=48, max_num_batched_tokens=16)
     llm = patched(model, **settings, num_blocks=hybridkv.min_num_blocks(model, **settings), preemption_mode=mode,
-                  swap_space=1 << 20)  # fmt: skip
+                  swap_space=1 / 1024)  # fmt: skip
     params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
-    llm.add_request(list(range(30)), params)
+    llm.add_request(new_request_id(), list(range(30)), params)
     for _ in range(200):  # bounded: a livelock fails instead of hanging
         (output,) = llm.step() or (None,)
         if output is not None and output.finished:
@@ -151,7 +151,7 @@ def test_stream_yields_the_same_tokens_and_text_as_generate(text_model, patched)
 def test_stream_keeps_other_requests_results(text_model, patched):
     model, tokenizer = text_model
     llm = patched(model, tokenizer=tokenizer, max_model_len=128)
-    other = llm.add_request("lazy dog", SamplingParams(temperature=0, max_tokens=3))
+    other = llm.add_request(new_request_id(), "lazy dog", SamplingParams(temperature=0, max_tokens=3))
     list(llm.stream("The quick", SamplingParams(temperature=0, max_tokens=10)))
     finished = [o for o in llm.step() if o.finished]
     assert [o.request_id for o in finished] == [other]
@@ -166,14 +166,18 @@ def test_logprobs_are_the_models_own(gemma3, patched):
     assert completion.token_ids == expected_tokens
     for step, logprobs in enumerate(completion.logprobs):
         reference = torch.log_softmax(hf_logits[step], dim=-1)
-        assert logprobs.logprob == pytest.approx(reference[expected_tokens[step]].item(), abs=1e-4)
-        assert [t for t, _ in logprobs.top] == reference.topk(3).indices.tolist()
+        token = expected_tokens[step]
+        assert logprobs[token].logprob == pytest.approx(reference[token].item(), abs=1e-4)
+        assert logprobs[token].rank == 1  # greedy
+        top = sorted(logprobs, key=lambda t: logprobs[t].rank)
+        assert top == reference.topk(3).indices.tolist()
+        assert [logprobs[t].logprob for t in top] == pytest.approx(reference.topk(3).values.tolist(), abs=1e-4)
 
 
 def test_abort_returns_every_block_and_the_rest_finish(gemma3, patched):
     model, batch, expected = gemma3
     llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32)
-    ids = [llm.add_request(p, GREEDY) for p in batch]
+    ids = [llm.add_request(new_request_id(), p, GREEDY) for p in batch]
     for _ in range(4):
         llm.step()
     aborted = llm.abort(ids[3])
@@ -213,14 +217,14 @@ def test_bad_input_gets_errors_that_name_the_fix(gemma3, text_model, patched):
     model, _, _ = gemma3
     llm = patched(model, max_model_len=256)
     with pytest.raises(ValueError, match="needs a tokenizer"):
-        llm.add_request("hello")
+        llm.add_request(new_request_id(), "hello")
     with pytest.raises(ValueError, match="token id 999 is outside the vocabulary"):
-        llm.add_request([1, 999])
+        llm.add_request(new_request_id(), [1, 999])
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
-        llm.add_request([1, 2], SamplingParams(stop=["x"]))
-    llm.add_request([1, 2], request_id="same")
+        llm.add_request(new_request_id(), [1, 2], SamplingParams(stop=["x"]))
+    llm.add_request("same", [1, 2])
     with pytest.raises(ValueError, match="already in use"):
-        llm.add_request([3], request_id="same")
+        llm.add_request("same", [3])
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
         llm.generate([[1], [2]], [GREEDY] * 3)
 
@@ -293,7 +297,7 @@ def test_an_engine_closed_by_unpatch_says_how_to_get_a_new_one(gemma3):
 def test_a_request_output_is_its_live_record_extended_by_each_step(gemma3, patched):
     model, batch, expected = gemma3
     llm = patched(model, block_size=8, max_model_len=256)
-    request_id = llm.add_request(batch[0], GREEDY)
+    request_id = llm.add_request(new_request_id(), batch[0], GREEDY)
     (first,) = llm.step()
     tokens_list = first.outputs[0].token_ids
     assert tokens_list == expected[0][:1] and not first.finished

@@ -84,13 +84,36 @@ def test_logprobs_are_the_raw_distribution_with_the_top_k():
     expected = torch.log_softmax(logits[0], dim=-1)
     assert tokens == [1]
     assert logprobs[0].logprob == pytest.approx(expected[1].item())
-    assert [t for t, _ in logprobs[0].top] == [1, 2]
-    assert [v for _, v in logprobs[0].top] == pytest.approx([expected[1].item(), expected[2].item()])
+    assert logprobs[0].rank == 1
+    assert logprobs[0].top_ids == [1, 2]
+    assert logprobs[0].top_logprobs == pytest.approx([expected[1].item(), expected[2].item()])
 
 
-def test_logprobs_zero_returns_only_the_sampled_token():
+def test_logprobs_zero_returns_only_the_sampled_token_and_minus_one_every_token():
     _, logprobs = sample(torch.tensor([[0.0, 0.0]]), [row(temperature=0, logprobs=0)])
-    assert logprobs[0].top == [] and logprobs[0].logprob == pytest.approx(math.log(0.5))
+    assert logprobs[0].top_ids == [] and logprobs[0].logprob == pytest.approx(math.log(0.5))
+    assert logprobs[0].rank == 2  # among equals, the last (vLLM's count of those at least as likely)
+    _, logprobs = sample(torch.tensor([[1.0, 3.0, 2.0]]), [row(temperature=0, logprobs=-1)])
+    assert logprobs[0].top_ids == [1, 2, 0]
+
+
+def test_a_sampled_tokens_rank_counts_the_tokens_at_least_as_likely():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0]])
+    ranks = set()
+    for seed in range(20):
+        (token,), (logprobs,) = sample(logits, [row(seeded(seed), temperature=2.0, logprobs=1)])
+        assert logprobs.rank == int((logits[0] >= logits[0, token]).sum())
+        ranks.add(logprobs.rank)
+    assert len(ranks) > 1  # not only the most likely token was drawn: the test sees ranks above 1
+
+
+def test_logit_bias_shifts_the_logits_of_its_tokens():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert sample(logits, [row(temperature=0, logit_bias={0: 5.0})])[0] == [0]
+    assert sample(logits, [row(temperature=0, logit_bias={"2": 1.5})])[0] == [2]
+    tokens, logprobs = sample(logits, [row(temperature=0, logit_bias={1: -100.0}, logprobs=1)])
+    raw = torch.log_softmax(logits[0], -1)
+    assert tokens == [2] and logprobs[0].logprob == pytest.approx(raw[2].item())  # the raw distribution's
 
 
 @pytest.mark.parametrize(
@@ -98,7 +121,7 @@ def test_logprobs_zero_returns_only_the_sampled_token():
     [
         (dict(temperature=-1), "temperature must be >= 0"),
         (dict(top_p=0), r"top_p must be in \(0, 1\]"),
-        (dict(top_k=-2), r"top_k must be -1 or 0 \(off\) or >= 1"),
+        (dict(top_k=-2), r"top_k must be 0 or -1 \(off\) or >= 1"),
         (dict(n=0), "n must be >= 1"),
         (dict(max_tokens=0), "max_tokens must be >= 1"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens must be in"),
@@ -111,9 +134,9 @@ def test_invalid_params_name_the_rule(params, message):
         SamplingParams(**params)
 
 
-def test_stop_accepts_one_string_or_many():
-    assert SamplingParams(stop="x").stop == ("x",)
-    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
+def test_stop_accepts_one_string_or_many_kept_as_lists_as_in_vllm():
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[3, 3]).stop_token_ids == [3]
 
 
 def test_greedy_ties_go_to_the_first_index_as_in_transformers():

@@ -36,10 +36,15 @@ def test_a_count_given_as_a_float_is_a_type_error(params, message):
         SamplingParams(**params)
 
 
-@pytest.mark.parametrize("name", ["n", "max_tokens", "min_tokens", "top_k", "logprobs", "seed"])
+@pytest.mark.parametrize("name", ["n", "max_tokens", "min_tokens", "top_k", "seed"])
 def test_a_bool_is_not_a_count(name):
     with pytest.raises(TypeError, match=rf"^{name} must be an int, got True \(bool\)$"):
         SamplingParams(**{name: True})
+
+
+def test_logprobs_true_means_one_and_seed_minus_one_none_as_in_vllm():
+    params = SamplingParams(logprobs=True, prompt_logprobs=True, seed=-1)
+    assert (params.logprobs, params.prompt_logprobs, params.seed) == (1, 1, None)
 
 
 def test_a_string_seed_is_a_type_error():
@@ -55,7 +60,7 @@ def test_a_seed_beyond_64_bits_is_a_value_error():
 def test_numpy_ints_are_stored_as_ints():
     params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(5), stop_token_ids=np.array([4, 9]))
     assert (type(params.seed), params.seed, type(params.max_tokens), params.max_tokens) == (int, 3, int, 5)
-    assert params.stop_token_ids == (4, 9) and all(type(t) is int for t in params.stop_token_ids)
+    assert params.stop_token_ids == [4, 9] and all(type(t) is int for t in params.stop_token_ids)
 
 
 def test_cache_salt_must_be_a_string():
@@ -107,9 +112,9 @@ def test_a_float_setting_given_as_a_string_is_a_type_error():
 # ---- SamplingParams: meanings -----------------------------------------------------------------
 
 
-def test_top_k_zero_turns_top_k_off_as_in_vllm():
-    assert SamplingParams(top_k=0).top_k == -1
-    with pytest.raises(ValueError, match=r"^top_k must be -1 or 0 \(off\) or >= 1, got -2$"):
+def test_top_k_zero_or_minus_one_turns_top_k_off_as_in_vllm():
+    assert SamplingParams().top_k == 0 and not SamplingParams().top_k_on and not SamplingParams(top_k=-1).top_k_on
+    with pytest.raises(ValueError, match=r"^top_k must be 0 or -1 \(off\) or >= 1, got -2$"):
         SamplingParams(top_k=-2)
 
 
@@ -155,8 +160,12 @@ def test_a_request_at_a_tiny_temperature_gives_exactly_the_greedy_tokens(patched
             ValueError,
             r"^long_prefill_token_threshold must be >= 0 \(0 turns the cap off\), got -1$",
         ),
-        (dict(swap_space=-1), ValueError, r"^swap_space must be >= 0 \(bytes; 0 = no swap space\), got -1$"),
-        (dict(swap_space=True), TypeError, r"^swap_space must be an int, got True \(bool\)$"),
+        (
+            dict(swap_space=-1),
+            ValueError,
+            r"^swap_space must be >= 0 \(GiB of CPU memory for swapped requests\), got -1.0$",
+        ),
+        (dict(swap_space=True), TypeError, r"^swap_space must be a number, got True \(bool\)$"),
     ],
 )
 def test_a_count_setting_out_of_range_or_of_the_wrong_type_names_the_rule(settings, error, message):
