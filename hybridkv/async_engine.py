@@ -3,9 +3,11 @@
 One background thread owns the engine and runs its step loop while there is work. Callers never touch
 the engine: `submit` checks a request in the caller's thread (bad input raises there, at once) and puts
 it in the thread's inbox; results come back through a `RequestHandle`: a future for the final output
-(`handle.result()` from a thread, `await handle` from any running event loop, Jupyter's included) and
-the request's `StreamDelta`s (`async for delta in handle.deltas()`). Abandoning a stream (closing it,
-cancelling its task, dropping it) or `handle.abort()` aborts the request and returns its blocks. A
+(`handle.result()` from a thread, `await handle` from any running event loop, Jupyter's included),
+the request's `StreamDelta`s (`async for delta in handle.deltas()`) and its cumulative `RequestOutput`s
+(`async for output in handle.outputs()`, what vLLM's `AsyncLLM.generate` yields: `engine.generate` is that).
+Abandoning a stream (closing it, cancelling its task, dropping it) or `handle.abort()` aborts the request and
+returns its blocks. A
 failing step fails only its requests (the engine's rule); an unexpected error in the loop fails the
 requests in flight and the loop keeps serving. `shutdown()` aborts what runs and stops the thread.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import queue
 import threading
 import uuid
@@ -23,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.beam_search import BeamSearchParams
+from hybridkv.inputs import refuse_lora_request
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.sampling_params import SamplingParams
 
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
 
 
 class RequestHandle:
-    """One submitted request: its id, its final output (a future) and its deltas as they come."""
+    """One submitted request: its id, its final output (a future), its deltas and its outputs as they come."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
         self.request_id = request_id
@@ -43,6 +47,11 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self._lock = threading.Lock()
         self._done = False
+        # With a reader of `outputs()`: a copy of the request's output as of its latest step, and how many steps
+        # changed it (the engine thread updates the live record in place, so a reader gets copies).
+        self._wants_outputs = False
+        self._latest: RequestOutput | None = None
+        self._version = 0
         self.state: RequestState | None = None  # set by the engine thread when the request is queued
 
     def result(self, timeout: float | None = None) -> RequestOutput:
@@ -59,11 +68,7 @@ class RequestHandle:
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         """Each sample's new tokens and text as the engine produces them, until the request ends. Leaving
         the loop early (break, cancellation, closing the iterator) aborts the request."""
-        event = asyncio.Event()
-        waiter = (asyncio.get_running_loop(), event)
-        with self._lock:
-            self._waiters.append(waiter)
-        try:
+        async with self._waiting() as event:
             while True:
                 while self._deltas:
                     yield self._deltas.popleft()
@@ -71,6 +76,34 @@ class RequestHandle:
                     return
                 await event.wait()
                 event.clear()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The request's output after each step that changed it, cumulative (each holds everything so far: a reader
+        slower than the engine gets the latest), the last one finished: what vLLM's `AsyncLLM.generate` yields.
+        Leaving the loop early aborts the request; a failed submission raises here."""
+        self._wants_outputs = True
+        seen = 0
+        async with self._waiting() as event:
+            while not self._done:
+                if self._version != seen:
+                    seen = self._version
+                    latest = self._latest
+                    if latest is not None and not latest.finished:
+                        yield latest
+                await event.wait()
+                event.clear()
+            yield await asyncio.wrap_future(self._future)
+
+    @contextlib.asynccontextmanager
+    async def _waiting(self) -> AsyncIterator[asyncio.Event]:
+        """An event the engine thread sets whenever the request has news; leaving before the request ended aborts
+        it."""
+        event = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), event)
+        with self._lock:
+            self._waiters.append(waiter)
+        try:
+            yield event
         finally:
             with self._lock:
                 self._waiters.remove(waiter)
@@ -81,6 +114,9 @@ class RequestHandle:
 
     def _push(self, deltas: list[StreamDelta], output: RequestOutput | None) -> None:
         self._deltas.extend(deltas)
+        if output is not None and self._wants_outputs and not output.finished:
+            self._latest = copy.deepcopy(output)
+            self._version += 1
         if output is not None and output.finished:
             self._done = True
             self._future.set_result(output)
@@ -114,7 +150,10 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
     ) -> RequestHandle:
         """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
         naming the fix), before anything is queued. A beam search's handle has no deltas: its sequences
@@ -124,16 +163,25 @@ class AsyncLLMEngine:
                 "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
             )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        checked = self.llm._checked_request(prompt, params, request_id, follow_model=False)
+        checked = self.llm._checked_request(prompt, sampling_params, request_id, follow_model=False)
         handle = RequestHandle(self, request_id)
         self._post(("add", handle, checked))
         return handle
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
-    ) -> RequestOutput:
-        """Submit and wait for the finished output (from any running event loop)."""
-        return await self.submit(prompt, params, request_id)
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
+        request_id: str | None = None,
+        lora_request: Any = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's `AsyncLLM.generate`: submit, then yield the request's cumulative output after each step that changed
+        it, the last one finished (`RequestHandle.outputs`). `await engine.submit(...)` waits for the final output
+        alone. `priority` changes nothing here; a `lora_request` is refused."""
+        refuse_lora_request(lora_request)
+        async for output in self.submit(prompt, sampling_params, request_id).outputs():
+            yield output
 
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridkv.outputs import CompletionOutput, RequestOutput
+from hybridkv.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridkv.request import Request, RequestStatus, SampleGroup
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.validation import check_bool, check_float, check_int
@@ -75,15 +75,19 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One hypothesis, best first in its output: `tokens` are the prompt's ids then the generated ones;
-    `cum_logprob` their summed log-probabilities; `score` the ranking score (cum_logprob / generated
-    length ** length_penalty); finish_reason "stop" (an EOS token ends it) or "length"."""
+    """One hypothesis, best first in its output, vLLM's fields: `tokens` are the prompt's ids then the generated ones;
+    `logprobs` one dict per generated token, the token -> its `Logprob` (the log-probability the search scored it
+    by); `cum_logprob` their sum; `text` the whole sequence's (prompt and generated, special tokens kept, as vLLM
+    decodes it); finish_reason "stop" (an EOS token ends it) or "length". hybridkv's: `score`, the ranking score
+    (cum_logprob / generated length ** length_penalty), and the prompt's length (`output_token_ids`)."""
 
     tokens: list[int]
-    cum_logprob: float
-    score: float
-    finish_reason: str
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
     text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    score: float = 0.0
     num_prompt_tokens: int = 0
 
     @property
@@ -99,27 +103,51 @@ class BeamSearchOutput:
     request_id: str = ""
 
     @classmethod
-    def of(cls, output: RequestOutput, params: BeamSearchParams) -> BeamSearchOutput:
+    def of(cls, output: RequestOutput, params: BeamSearchParams, tokenizer: Any = None) -> BeamSearchOutput:
         """The beam search's result from its finished RequestOutput (whose outputs are its hypotheses)."""
         prompt = output.prompt_token_ids
-        sequences = [
-            BeamSearchSequence(
-                tokens=[*prompt, *c.token_ids],
-                cum_logprob=c.cumulative_logprob,
-                score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
-                finish_reason=c.finish_reason,
-                text=c.text,
-                num_prompt_tokens=len(prompt),
+        sequences = []
+        for c in output.outputs:
+            tokens = [*prompt, *c.token_ids]
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=tokens,
+                    logprobs=c.logprobs or [],
+                    cum_logprob=c.cumulative_logprob,
+                    text=tokenizer.decode(tokens) if tokenizer is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    score=c.cumulative_logprob / len(c.token_ids) ** params.length_penalty,
+                    num_prompt_tokens=len(prompt),
+                )
             )
-            for c in output.outputs
-        ]
         return cls(sequences, output.request_id)
 
 
 @dataclass(slots=True)
+class _Hypothesis:
+    """A finished hypothesis while the search runs: its tokens (prompt and generated), each generated token's
+    log-probability and their sum, why it ended and its ranking score."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cum_logprob: float
+    finish_reason: str
+    score: float
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+@dataclass(slots=True)
 class _Beam:
+    """A live beam: its request, the summed log-probability of its generated tokens and each one's."""
+
     request: Request
     cum_logprob: float
+    logprobs: list[float]
 
 
 class BeamSearch:
@@ -159,8 +187,8 @@ class BeamSearch:
         """Start (again) from the prompt: one new request that holds nothing; returns it."""
         prompt = self._new_request(self.prompt_token_ids)
         self.group.members = [prompt]
-        self.beams = [_Beam(prompt, 0.0)]
-        self.finished: list[BeamSearchSequence] = []
+        self.beams = [_Beam(prompt, 0.0, [])]
+        self.finished: list[_Hypothesis] = []
         self.improvable = True
         self.pending: dict[str, torch.Tensor] = {}
         return prompt
@@ -220,10 +248,16 @@ class BeamSearch:
                 if len(survivors) < self.width:
                     survivors.append((parent, token, value))
             elif rank < self.width and may_finish:
-                reason = "stop" if token in self.eos else "length"
-                tokens = [*parent.request.token_ids, token]
-                num_prompt = len(self.prompt_token_ids)
-                new_finished.append(BeamSearchSequence(tokens, value, value / penalty, reason, None, num_prompt))
+                new_finished.append(
+                    _Hypothesis(
+                        tokens=[*parent.request.token_ids, token],
+                        logprobs=[*parent.logprobs, value - parent.cum_logprob],
+                        cum_logprob=value,
+                        finish_reason="stop" if token in self.eos else "length",
+                        score=value / penalty,
+                        num_prompt_tokens=len(self.prompt_token_ids),
+                    )
+                )
         if new_finished:
             merged = self.finished + new_finished
             order = sorted(range(len(merged)), key=lambda i: merged[i].score, reverse=True)
@@ -264,26 +298,31 @@ class BeamSearch:
                 child = self._new_request(parent.request.token_ids, parent.request)
                 scheduler.fork(parent.request, child)
                 child.append_token_ids([token])
-                beams[position] = _Beam(child, value)
+                beams[position] = _Beam(child, value, [*parent.logprobs, value - parent.cum_logprob])
             _, token, value = survivors[positions[0]]
             parent.request.append_token_ids([token])
+            parent.logprobs.append(value - parent.cum_logprob)
             parent.cum_logprob = value
             beams[positions[0]] = parent
         return [beam for beam in beams if beam is not None]
 
     def outputs(self, tokenizer: Any) -> list[CompletionOutput]:
-        """The hypotheses, best first, as completions (text decoded when a tokenizer is given)."""
+        """The hypotheses, best first, as completions: the generated tokens, their text (decoded when a tokenizer is
+        given), and each token's logprob as vLLM's dict."""
         completions = []
         for index, sequence in enumerate(self.finished):
-            if tokenizer is not None and sequence.text is None:
-                sequence.text = tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
+            generated = sequence.output_token_ids
             completions.append(
                 CompletionOutput(
                     index=index,
-                    text=sequence.text or "",
-                    token_ids=sequence.output_token_ids,
-                    finish_reason=sequence.finish_reason,
+                    text=tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else "",
+                    token_ids=generated,
                     cumulative_logprob=sequence.cum_logprob,
+                    logprobs=[
+                        {token: Logprob(value, None, tokenizer.decode([token]) if tokenizer is not None else None)}
+                        for token, value in zip(generated, sequence.logprobs, strict=True)
+                    ],
+                    finish_reason=sequence.finish_reason,
                 )
             )
         return completions

@@ -2,37 +2,80 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 Messages = list[dict[str, Any]]
 
 
-def render_chat(tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
-    """One conversation as the prompt text the model was trained on: the tokenizer's chat template with
-    `add_generation_prompt=True`, so the model answers as the assistant, and `tools` (OpenAI's function
-    definitions) given to the template as transformers does. The template adds the special tokens it
-    needs; the engine then tokenizes the text as any prompt."""
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered, vLLM's options: another Jinja `chat_template` than the tokenizer's,
+    `add_generation_prompt` (the model answers as the assistant) or `continue_final_message` (it continues the
+    last message; not both), and `chat_template_kwargs` the template reads (e.g. `enable_thinking`)."""
+
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message=True continues the last message, add_generation_prompt=True starts a new "
+                "one: set add_generation_prompt=False"
+            )
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(self.chat_template_kwargs).__name__}")
+
+    def template_arguments(self) -> dict[str, Any]:
+        """What `apply_chat_template` takes besides the messages and tools."""
+        arguments = dict(self.chat_template_kwargs or {})
+        if self.chat_template is not None:
+            arguments["chat_template"] = self.chat_template
+        arguments["add_generation_prompt"] = self.add_generation_prompt
+        arguments["continue_final_message"] = self.continue_final_message
+        return arguments
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Messages,
+    tools: list[dict[str, Any]] | None = None,
+    options: ChatOptions | None = None,
+) -> str:
+    """One conversation as the prompt text the model was trained on: the tokenizer's chat template (or
+    `options.chat_template`) with `add_generation_prompt=True` by default, so the model answers as the assistant,
+    and `tools` (OpenAI's function definitions) given to the template as transformers does. The template adds the
+    special tokens it needs; the engine then tokenizes the text as any prompt."""
+    options = options or ChatOptions()
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer= to hybridkv.patch")
-    if not getattr(tokenizer, "chat_template", None):
+    template = options.chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ValueError(
-            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; set tokenizer.chat_template "
-            "(a Jinja template) or use generate() with a prompt you format yourself"
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template; pass chat_template= (a Jinja "
+            "template), set tokenizer.chat_template, or use generate() with a prompt you format yourself"
         )
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise TypeError('a conversation is a list of messages like {"role": "user", "content": "..."}')
-    if tools and "tools" not in tokenizer.chat_template:
+    if tools and "tools" not in template:
         raise ValueError(
-            "the tokenizer's chat template does not read `tools`, so the model would never see them; use a "
-            "template that renders tools (the model's own, for a model trained to call them)"
+            "the chat template does not read `tools`, so the model would never see them; use a template that "
+            "renders tools (the model's own, for a model trained to call them)"
         )
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, **options.template_arguments())
 
 
-def chat_prompt(tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+def chat_prompt(
+    tokenizer: Any,
+    messages: Messages,
+    tools: list[dict[str, Any]] | None = None,
+    options: ChatOptions | None = None,
+) -> tuple[str, list[int]]:
     """The rendered conversation and its token ids. The template already holds the special tokens, so
     the text is tokenized without adding any (a second BOS would change the model's output)."""
-    text = render_chat(tokenizer, messages, tools)
+    text = render_chat(tokenizer, messages, tools, options)
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -62,7 +105,11 @@ def chat_images(messages: Messages) -> list[Any]:
 
 
 def image_chat_prompt(
-    processor: Any, messages: Messages, images: list[Any], tools: list[dict[str, Any]] | None = None
+    processor: Any,
+    messages: Messages,
+    images: list[Any],
+    tools: list[dict[str, Any]] | None = None,
+    options: ChatOptions | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """A conversation with images as the processor renders and processes it (its chat template places each
     image's start token, the processor expands it): the text, and a dict prompt of its token ids and image
@@ -71,11 +118,13 @@ def image_chat_prompt(
         raise ValueError(
             "a chat with images needs the model's processor: hybridkv.patch(model, processor=AutoProcessor...)"
         )
-    if not getattr(processor, "chat_template", None):
+    options = options or ChatOptions()
+    if not (options.chat_template or getattr(processor, "chat_template", None)):
         raise ValueError(
-            f"the processor ({type(processor).__name__}) has no chat template; set processor.chat_template"
+            f"the processor ({type(processor).__name__}) has no chat template; pass chat_template= or set "
+            "processor.chat_template"
         )
-    text = processor.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    text = processor.apply_chat_template(messages, tools=tools or None, tokenize=False, **options.template_arguments())
     try:
         out = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
     except Exception as exc:

@@ -13,6 +13,8 @@ from hybridkv.scheduler import PREEMPTION_MODES
 from hybridkv.validation import check_bool, check_choice, check_float, check_int
 
 ATTENTION_BACKENDS = (None, *get_args(Backend))
+GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values but a folder's path (load its GenerationConfig yourself)
+GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -21,9 +23,11 @@ class EngineConfig:
 
     KV memory: `num_blocks` if given, else `kv_cache_memory` bytes, else on CUDA
     `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `kv_cache_dtype`: the pages' dtype,
-    one for every layer or one per layer kind, fp8 included (hybridkv/kv_dtypes.py). `swap_space` bytes of CPU memory
-    hold requests preempted with `preemption_mode="swap"` (never more blocks than the device pool; with state
-    layers, up to half of it holds their states, one CPU slot per swapped request).
+    one for every layer or one per layer kind, fp8 included (hybridkv/kv_dtypes.py). With `preemption_mode="swap"`,
+    `swap_space` GiB of CPU memory (vLLM's unit and default, 4) hold preempted requests' blocks (never more blocks than
+    the device pool; with state layers, up to half of it holds their states, one CPU slot per swapped request); with
+    "recompute" none is taken. `generation_config`: "auto" (vLLM's default) gives a request without sampling
+    settings the model's generation config's (`LLMEngine.get_default_sampling_params`), "vllm" SamplingParams'.
     `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
     leave free, at most torch's count; hybridkv/threads.py), a count, or None (torch's setting as it is).
     `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a
@@ -56,7 +60,8 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space: int = 0
+    swap_space: float = 4
+    generation_config: str = "auto"
     attention_backend: str | None = None
     cpu_threads: int | str | None = "auto"
     enforce_eager: bool | None = None
@@ -72,7 +77,6 @@ class EngineConfig:
             ("max_num_seqs", 1, ""),
             ("max_num_batched_tokens", 1, ""),
             ("long_prefill_token_threshold", 0, " (0 turns the cap off)"),
-            ("swap_space", 0, " (bytes; 0 = no swap space)"),
             ("encoder_cache_bytes", 0, " (bytes of image embeddings kept for reuse; 0 keeps none)"),
         )
         for name, minimum, rule in counts:
@@ -87,6 +91,11 @@ class EngineConfig:
         for name, minimum, rule in optional_counts:
             if getattr(self, name) is not None:
                 set_field(name, check_int(name, getattr(self, name), minimum, rule))
+        swap_space = check_float("swap_space", self.swap_space)
+        if swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB of CPU memory for swapped requests), got {swap_space}")
+        set_field("swap_space", swap_space)
+        check_choice("generation_config", self.generation_config, GENERATION_CONFIGS)
         utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < utilization <= 1:
             raise ValueError(
@@ -105,6 +114,11 @@ class EngineConfig:
             if isinstance(self.cpu_threads, str):
                 raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
             set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """The CPU memory swapped requests may take: `swap_space` GiB with `preemption_mode="swap"`, else 0."""
+        return int(self.swap_space * GIB) if self.preemption_mode == "swap" else 0
 
     @classmethod
     def from_kwargs(cls, **config: Any) -> EngineConfig:

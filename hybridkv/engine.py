@@ -16,13 +16,14 @@ hashed under the new model's key, so the prefix cache never serves it K/V of the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -34,17 +35,17 @@ from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.exclusive import CLOSED_MESSAGE, exclusive
 from hybridkv.graphs import captures_graphs, decode_buckets, graph_mode
-from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids
+from hybridkv.inputs import InputProcessor, Prompt, eos_token_ids, plain_prompt, refuse_lora_request
 from hybridkv.loops import RunLoops
 from hybridkv.model_runner import ModelRunner, RunnerLimits
 from hybridkv.model_watch import ModelChange, ModelWatch
 from hybridkv.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.output_processor import OutputProcessor, RequestState
-from hybridkv.outputs import RequestOutput, TokenLogprobs
+from hybridkv.outputs import RequestOutput
 from hybridkv.patches.probe import attention_installed, image_attention_layers
 from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampler import sample_each
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampler import SampledLogprobs, sample_each, token_logprobs
+from hybridkv.sampling_params import SamplingParams, generation_config_defaults
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.state_layers import scan_chunk
@@ -105,7 +106,7 @@ class LLMEngine(RunLoops):
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
         # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
         # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
-        swap_space, num_swap_state_slots = config.swap_space, 0
+        swap_space, num_swap_state_slots = config.swap_space_bytes, 0
         if layout.states and swap_space:
             state_bytes = sum(spec.state_bytes for spec in layout.states)
             num_swap_state_slots = min(config.max_num_seqs, swap_space // 2 // state_bytes)
@@ -177,6 +178,14 @@ class LLMEngine(RunLoops):
         self.step_seconds = 0.0
         self.schedule_seconds = 0.0
         self.update_seconds = 0.0
+        # Requests (their leaders) whose prompt logprobs are not all computed yet (`_prompt_logprob_rows`).
+        self._prompt_logprobs_pending: set[str] = set()
+        # What a request without sampling settings of its own takes (`get_default_sampling_params`).
+        self.default_sampling = (
+            generation_config_defaults(getattr(model, "generation_config", None))
+            if config.generation_config == "auto"
+            else {}
+        )
         # The model as the caches know it: checked at most once per engine call (`_follow_model`).
         self.model_watch = ModelWatch(model)
         self._model_checked = True
@@ -208,12 +217,39 @@ class LLMEngine(RunLoops):
 
     @exclusive
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | BeamSearchParams | None = None, request_id: str | None = None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | BeamSearchParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request (text needs the tokenizer given to patch); returns its id. A request that
-        can never run finishes at once with an error, reported by the next step. With BeamSearchParams
-        the request is a beam search: its output, once finished, lists the beam_width best sequences."""
+        """Queue a request under `request_id` (vLLM's `LLMEngine.add_request`, its arguments in its order); returns
+        the id. `prompt`: text (needs the tokenizer given to patch), token ids, or vLLM's dict prompts
+        (`{"prompt": text}`, `{"prompt_token_ids": ids}`, with `multi_modal_data` for images). `params` None takes
+        the model's default sampling settings (`get_default_sampling_params`). A request that can never run
+        finishes at once with an error, reported by the next step. With BeamSearchParams the request is a beam
+        search: its output, once finished, lists the beam_width best sequences. `arrival_time` and `priority` change
+        nothing here (accepted as vLLM's); a `lora_request` is refused (switch the model's own PEFT adapters)."""
+        if not isinstance(request_id, str) or isinstance(prompt, (SamplingParams, BeamSearchParams)):
+            raise TypeError(
+                f"add_request takes (request_id, prompt, params), vLLM's order: request_id must be a str, got "
+                f"{type(request_id).__name__} {request_id!r}, and prompt a prompt, got {type(prompt).__name__}"
+            )
+        refuse_lora_request(lora_request)
         return self._enqueue(*self._checked_request(prompt, params, request_id))
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer given to patch (None without one), vLLM's name."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling settings a request without its own takes. With `generation_config="auto"` (the
+        default) the model's generation config sets those it changes from transformers' defaults among
+        temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens); with "vllm",
+        SamplingParams' own defaults. A new object each call: change it freely."""
+        return SamplingParams(**self.default_sampling)
 
     def _checked_request(
         self,
@@ -222,12 +258,16 @@ class LLMEngine(RunLoops):
         request_id: str | None,
         follow_model: bool = True,
     ) -> CheckedRequest:
-        """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix.
+        """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix. The
+        request keeps a checked copy of its SamplingParams (`clone`), the model's defaults when it gives none.
         A dict prompt with images has them through the vision tower here (hybridkv/multimodal.py), after the model
         is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
         key; a request whose images another model encoded is refused when it is queued)."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        if params is None:
+            params = self.get_default_sampling_params()
+        elif isinstance(params, SamplingParams):
+            params = params.clone()
+        elif not isinstance(params, BeamSearchParams):
             raise TypeError(
                 f"params must be a hybridkv.SamplingParams (or BeamSearchParams), got {type(params).__name__}"
             )
@@ -238,6 +278,12 @@ class LLMEngine(RunLoops):
         elif request_id in self.outputs.states:
             raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
         multimodal = None
+        if isinstance(prompt, dict):
+            prompt, cache_salt = plain_prompt(prompt)
+            if cache_salt is not None:  # vLLM's prompt-level salt
+                if isinstance(params, BeamSearchParams):
+                    raise ValueError("a beam search's prompt takes no cache_salt")
+                params = dataclasses.replace(params, cache_salt=cache_salt)
         if isinstance(prompt, dict):
             if follow_model and not self._model_checked:
                 self._follow_model()
@@ -251,10 +297,16 @@ class LLMEngine(RunLoops):
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # checked now; kept for _enqueue
         vocab_size = self.inputs.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab_size:
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > vocab_size:
+                raise ValueError(
+                    f"{name}={count} asks for more tokens than the vocabulary has ({vocab_size}); ask for at most "
+                    f"{vocab_size}, or -1 for every token"
+                )
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
             raise ValueError(
-                f"logprobs={params.logprobs} asks for more tokens than the vocabulary has ({vocab_size}); "
-                f"ask for at most {vocab_size}"
+                f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary [0, {vocab_size})"
             )
         return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal)
 
@@ -314,12 +366,24 @@ class LLMEngine(RunLoops):
         state = self.outputs.add(group, prompt_text, grammar)
         if not self.scheduler.add_request(group.leader):
             self._unreported.append(state)
+        elif isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            self._prompt_logprobs_pending.add(group.leader.request_id)
         return request_id
 
     @exclusive
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; every block it held, on the device or in swap space, is returned."""
+        """Stop a request now; every block it held, on the device or in swap space, is returned. Its output (None
+        for an id that is not running)."""
         return self._abort(request_id)
+
+    @exclusive
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """vLLM's `LLMEngine.abort_request`: abort one request or several (ids that are not running are passed
+        over); their outputs come with the next `step()`."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            output = self._abort(request_id)
+            if output is not None:
+                self._unclaimed.append(output)
 
     @exclusive
     def abort_all(self) -> list[RequestOutput]:
@@ -467,7 +531,7 @@ class LLMEngine(RunLoops):
         plan: SchedulerOutput,
         sampling: list[Request],
         tokens: list[int | None],
-        logprobs: Sequence[TokenLogprobs | None],
+        logprobs: Sequence[SampledLogprobs | None],
         touched: dict[str, RequestState],
     ) -> list[RequestOutput]:
         """After the step ran: advance its requests by their tokens, record and stop them, and report each request
@@ -525,16 +589,24 @@ class LLMEngine(RunLoops):
 
     def _execute(
         self, plan: SchedulerOutput, greedy_alone: bool = False
-    ) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
+    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
         """Swap and copy-on-write copies, the forward (on every rank of a tensor-parallel model) and sampling:
         the requests that sampled (`plan.sampling` after the step: a request whose sampling fails is failed and
         leaves the plan), their tokens and logprobs. With `greedy_alone` (every request of the plan is), only the
         tokens: each logits row's argmax, in `plan.scheduled`'s order of the requests that sample."""
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return [], [], []
-        logits = self.runner.execute(plan) if self.tp is None else self.tp.execute(self.runner, plan)
+        prompt_rows = self._prompt_logprob_rows(plan) if self._prompt_logprobs_pending else []
+        extra_rows = [row for _, _, rows in prompt_rows for row in rows]
+        if self.tp is None:
+            logits = self.runner.execute(plan, extra_rows=extra_rows)
+        else:
+            logits = self.tp.execute(self.runner, plan, extra_rows)
         if not plan.scheduled:
             return [], [], []
+        if extra_rows:  # after the sampling rows
+            self._record_prompt_logprobs(prompt_rows, logits[len(logits) - len(extra_rows) :])
+            logits = logits[: len(logits) - len(extra_rows)]
         self.num_steps += 1
         self.num_forward_tokens += plan.num_tokens
         if greedy_alone:  # the sampler's greedy_tokens, looked up there (benchmarks/host_overhead.py times it)
@@ -548,6 +620,38 @@ class LLMEngine(RunLoops):
         self.num_generated_tokens += len(tokens)
         return sampling, tokens, logprobs
 
+    def _prompt_logprob_rows(self, plan: SchedulerOutput) -> list[tuple[Request, int, range]]:
+        """For each request of the step that asks for prompt logprobs and computes prompt tokens: (the request, the
+        first prompt position the step gives logprobs for, the step's rows whose logits give them). A row's logits
+        give the next position's logprob, so a chunk of positions [start, end) gives those of [start + 1, end + 1)
+        within the prompt; position 0 has none. A request leaves `_prompt_logprobs_pending` once its step reaches the
+        prompt's last position (or it has ended)."""
+        wanted = []
+        offset = 0
+        pending = self._prompt_logprobs_pending
+        for request, num_new, _ in plan.scheduled:
+            if request.request_id in pending:
+                start = request.num_computed_tokens
+                count = min(num_new, request.num_prompt_tokens - 1 - start)
+                if count > 0:
+                    wanted.append((request, start + 1, range(offset, offset + count)))
+                if start + num_new >= request.num_prompt_tokens - 1:
+                    pending.discard(request.request_id)
+            offset += num_new
+        pending.intersection_update(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running))
+        return wanted
+
+    def _record_prompt_logprobs(self, wanted: list[tuple[Request, int, range]], logits: torch.Tensor) -> None:
+        raw = torch.log_softmax(logits, dim=-1)
+        row = 0
+        for request, first_position, rows in wanted:
+            count = request.params.prompt_logprobs
+            entries = []
+            for position in range(first_position, first_position + len(rows)):
+                entries.append(token_logprobs(raw[row], request.token_ids[position], count))
+                row += 1
+            self.outputs.record_prompt_logprobs(request, first_position, entries)
+
     @staticmethod
     def _touched_by(plan: SchedulerOutput) -> list[Request]:
         """The requests a step computes for or copies blocks of: a failed step fails them."""
@@ -556,14 +660,14 @@ class LLMEngine(RunLoops):
 
     def _sample(
         self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[Request], list[int | None], Sequence[TokenLogprobs | None]]:
+    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
         """The requests still in `sampling` afterwards, with their tokens (None for a beam: its row goes to its
         beam search) and logprobs; one request's parameters never fail the others: a request whose row fails is
         failed with its samples and leaves the plan, and so do the tokens its samples drew."""
         rows = [request.sampling_row for request in sampling]  # None for a beam (OutputProcessor.add)
         if None in rows:
             tokens: list[int | None] = [None] * len(sampling)
-            logprobs: list[TokenLogprobs | None] = [None] * len(sampling)
+            logprobs: list[SampledLogprobs | None] = [None] * len(sampling)
             errors: list[Exception | None] = [None] * len(sampling)
             for i, request in enumerate(sampling):
                 if request.group.beam is not None:

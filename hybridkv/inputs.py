@@ -9,8 +9,36 @@ from typing import Any
 
 import torch
 
-# Text, token ids, or a dict with images ({"prompt": ..., "multi_modal_data": {"image": ...}}).
+# Text, token ids, or vLLM's dict prompts: {"prompt": text} (TextPrompt), {"prompt_token_ids": ids} (TokensPrompt),
+# either with "multi_modal_data" (images) and "cache_salt".
 Prompt = str | Sequence[int] | torch.Tensor | dict
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"})
+
+
+def plain_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
+    """A dict prompt (vLLM's TextPrompt or TokensPrompt) as the text or token ids it holds, or, with images in
+    `multi_modal_data`, as the dict without its `cache_salt`; and that salt (None when not given)."""
+    unknown = prompt.keys() - _PROMPT_KEYS
+    if unknown:
+        raise ValueError(
+            f"a dict prompt takes 'prompt' (text) or 'prompt_token_ids', and optionally 'multi_modal_data' and "
+            f"'cache_salt'; got {sorted(unknown)}"
+        )
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a dict prompt needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if prompt.get("multi_modal_data"):
+        return {key: value for key, value in prompt.items() if key != "cache_salt"}, salt
+    return (prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]), salt
+
+
+def refuse_lora_request(lora_request: Any) -> None:
+    """vLLM's `lora_request` picks an adapter its engine loaded; hybridkv serves the model as it is."""
+    if lora_request is not None:
+        raise ValueError(
+            "lora_request is vLLM's way to pick an adapter; hybridkv serves the model as it is: load the adapter with "
+            "PEFT and switch it with model.set_adapter(...) (the prefix cache follows it: README, 'Models that change')"
+        )
 
 
 def token_ids(prompt: Any) -> list[int]:

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams
-from hybridkv.chat import Messages, chat_images, chat_prompt, conversations, image_chat_prompt
+from hybridkv.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.exclusive import exclusive
-from hybridkv.inputs import Prompt, prompt_list
+from hybridkv.inputs import Prompt, prompt_list, refuse_lora_request
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.stream import RequestStream
@@ -30,14 +30,20 @@ class RunLoops:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. A prompt is text, token ids
-        or a 1-D tensor; a [B, N] tensor is B prompts. Every prompt and params are checked before any is
-        queued; if the call fails or is interrupted, the requests it queued are aborted."""
+        """vLLM's `LLM.generate`: run every prompt to completion; outputs come back in input order. A prompt is
+        text, token ids, a 1-D tensor, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with
+        `multi_modal_data` for images); a [B, N] tensor is B prompts. `sampling_params`: one for all prompts, one
+        each, or None for the model's defaults (`get_default_sampling_params`). Every prompt and params are
+        checked before any is queued; if the call fails or is interrupted, the requests it queued are aborted.
+        `priority` changes nothing here (accepted as vLLM's); a `lora_request` is refused."""
+        refuse_lora_request(lora_request)
         prompts = prompt_list(prompts)
-        params = _params_for(params, len(prompts), "prompts")
+        params = _params_for(sampling_params, len(prompts), "prompts")
         checked = [self._checked_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
         return self._run_to_completion(checked, use_tqdm)
 
@@ -45,23 +51,38 @@ class RunLoops:
     def chat(
         self,
         messages: Messages | list[Messages],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """`generate` for conversations (one, or a list of them): each is rendered with the tokenizer's chat
-        template (`add_generation_prompt=True`, vLLM's semantics; `tools`, OpenAI's function definitions, go
-        to the template: hybridkv.tool_calls parses the calls out of the text); a tokenizer without one is a
-        clear error. A message's content may be HF's parts, images among them (`{"type": "image", "image":
-        image}`): the processor given to patch renders and processes that conversation."""
+        """vLLM's `LLM.chat`: `generate` for conversations (one, or a list of them), each rendered with the
+        tokenizer's chat template, or `chat_template` (Jinja text), with `add_generation_prompt` (the model answers as
+        the assistant) or `continue_final_message` (it continues the last message), and `chat_template_kwargs` for
+        the template (e.g. `enable_thinking`). `tools`, OpenAI's function definitions, go to the template
+        (hybridkv.tool_calls parses the calls out of the text); a tokenizer without a template is a clear error. A
+        message's content may be HF's parts, images among them (`{"type": "image", "image": image}`): the processor
+        given to patch renders and processes that conversation."""
+        refuse_lora_request(lora_request)
+        if chat_template_content_format != "auto":
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r}: hybridkv gives the template each "
+                "message's content as it is ('auto'); convert the contents yourself"
+            )
+        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
         rendered = []
         for conversation in conversations(messages):
             images = chat_images(conversation)
             if images:  # content parts with images: the processor renders and processes them
-                rendered.append(image_chat_prompt(self.processor, conversation, images, tools))
+                rendered.append(image_chat_prompt(self.processor, conversation, images, tools, options))
             else:
-                rendered.append(chat_prompt(self.tokenizer, conversation, tools))
-        params = _params_for(params, len(rendered), "conversations")
+                rendered.append(chat_prompt(self.tokenizer, conversation, tools, options))
+        params = _params_for(sampling_params, len(rendered), "conversations")
         checked = []
         for (text, prompt), p in zip(rendered, params, strict=True):
             checked.append(self._checked_request(prompt, p, None)._replace(prompt_text=text))
@@ -69,11 +90,19 @@ class RunLoops:
 
     @exclusive
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """Beam search for every prompt, in the same continuous batch as any other request (see
-        hybridkv/beam_search.py for the rule, transformers' `generate(num_beams=...)`); one output per
-        prompt, in input order, whose `.sequences` are its beam_width best hypotheses, best first."""
+        """vLLM's `LLM.beam_search`: beam search for every prompt (vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}` dicts, or plain text or ids), in the same continuous batch as any other request
+        (see hybridkv/beam_search.py for the rule, transformers' `generate(num_beams=...)`); one output per prompt,
+        in input order, whose `.sequences` are its beam_width best hypotheses, best first, each with the prompt's and
+        its own tokens and text, as vLLM's. `concurrency_limit` changes nothing here: every search runs in the batch."""
+        refuse_lora_request(lora_request)
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a hybridkv.BeamSearchParams, got {type(params).__name__}")
         prompts = prompt_list(prompts)
@@ -82,7 +111,7 @@ class RunLoops:
         for output in outputs:
             if output.error:
                 raise RuntimeError(f"beam search of request {output.request_id!r} failed: {output.error}")
-        return [BeamSearchOutput.of(output, params) for output in outputs]
+        return [BeamSearchOutput.of(output, params, self.tokenizer) for output in outputs]
 
     def _run_to_completion(
         self, checked: list[tuple[str, str | None, list[int], SamplingParams]], use_tqdm: bool
@@ -109,22 +138,22 @@ class RunLoops:
 
     @exclusive
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestStream:
         """Queue a request and return its stream: iterating it yields each sample's new tokens and text
         (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
         dropping it, aborts the request. Other queued requests keep running meanwhile; their results
         wait for the next step() call."""
-        if isinstance(params, BeamSearchParams):
+        if isinstance(sampling_params, BeamSearchParams):
             raise ValueError(
                 "beam search does not stream: its best sequences are known only at the end; use beam_search()"
             )
-        if params is not None and params.num_samples > params.n:
+        if sampling_params is not None and sampling_params.num_samples > sampling_params.n:
             raise ValueError(
-                f"best_of={params.best_of} > n={params.n} does not stream: the best samples are known only at the end; "
-                "use generate(), or best_of=n"
+                f"best_of={sampling_params.best_of} > n={sampling_params.n} does not stream: the best samples are "
+                "known only at the end; use generate(), or best_of=n"
             )
-        request_id = self._enqueue(*self._checked_request(prompt, params, request_id))
+        request_id = self._enqueue(*self._checked_request(prompt, sampling_params, request_id))
         return RequestStream(self, self.outputs.states[request_id])
 
     @exclusive
@@ -145,10 +174,10 @@ class RunLoops:
 
 def _params_for(
     params: SamplingParams | Sequence[SamplingParams] | None, count: int, what: str
-) -> list[SamplingParams]:
-    """One SamplingParams per prompt: the same for all (None: the defaults), or one each."""
+) -> list[SamplingParams | None]:
+    """One SamplingParams per prompt: the same for all (None: the model's defaults), or one each."""
     if isinstance(params, (SamplingParams, BeamSearchParams)) or params is None:
-        return [params or SamplingParams()] * count
+        return [params] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"got {count} {what} but {len(params)} SamplingParams; give one or one each")

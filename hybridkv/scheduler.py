@@ -56,7 +56,7 @@ class SchedulerConfig:
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, " (0 turns the cap off)")
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.num_swap_blocks < 1:
-            raise ValueError("preemption_mode='swap' needs swap space: set swap_space (bytes) to hold blocks")
+            raise ValueError("preemption_mode='swap' needs swap space: set swap_space (GiB) to hold blocks")
 
 
 class ScheduledRequest(NamedTuple):

@@ -20,16 +20,16 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def patched():
-    """`patched(model, **settings)` is `hybridkv.patch(model, **settings)`, with every model it patched
-    unpatched when the test ends, pass or fail (in reverse order, those still patched)."""
+    """`patched(model, tokenizer, **settings)` is `hybridkv.patch(model, tokenizer, **settings)`, with every model it
+    patched unpatched when the test ends, pass or fail (in reverse order, those still patched)."""
     models = []
 
-    def patch(model, **settings):
+    def patch(model, tokenizer=None, **settings):
         if DEVICE.type == "cuda" and not {"num_blocks", "kv_cache_memory", "gpu_memory_utilization"} & settings.keys():
             # The CPU's default budget: 0.9 of an H200 is ~15 million blocks of a tiny model (seconds of block
             # objects), and a fraction of the device is shared with the other test workers' processes.
             settings["kv_cache_memory"] = 1 << 30
-        llm = hybridkv.patch(model, **settings)
+        llm = hybridkv.patch(model, tokenizer, **settings)
         # Every step checks that the runner's persistent block tables equal the managers' lists.
         llm.runner.verify_tables = llm.coordinator.block_tables
         models.append(model)

@@ -16,7 +16,7 @@ from hybridkv import SamplingParams
 from hybridkv.sampler import SamplingRow, sample, sample_each
 from hybridkv.tiny import tiny_model
 
-from tiny_models import VOCAB, hf_greedy, prompts
+from tiny_models import VOCAB, hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -43,7 +43,7 @@ def test_logprobs_beyond_the_vocabulary_is_refused_at_add_request(gemma3, patche
     model, batch, _ = gemma3
     llm = patched(model, max_model_len=128)
     with pytest.raises(ValueError, match=f"logprobs={VOCAB + 1} asks for more tokens than the vocabulary"):
-        llm.add_request(batch[0], SamplingParams(logprobs=VOCAB + 1))
+        llm.add_request(new_request_id(), batch[0], SamplingParams(logprobs=VOCAB + 1))
     assert serves_exactly(llm, gemma3)
 
 
@@ -75,8 +75,8 @@ def test_a_bad_prompt_in_generate_queues_nothing(gemma3, patched):
 def test_a_request_id_that_is_not_a_string_is_refused_at_once(gemma3, patched):
     model, batch, _ = gemma3
     llm = patched(model, max_model_len=128)
-    with pytest.raises(TypeError, match=r"request_id must be a str, got int 5: pass str"):
-        llm.add_request(batch[0], GREEDY, request_id=5)
+    with pytest.raises(TypeError, match=r"vLLM's order: request_id must be a str, got int 5"):
+        llm.add_request(5, batch[0], GREEDY)
     assert serves_exactly(llm, gemma3)
 
 
@@ -141,7 +141,7 @@ def test_a_second_thread_gets_a_clear_error_instead_of_corrupting_the_engine(gem
 def test_a_closed_engine_refuses_every_call(gemma3):
     model, batch, _ = gemma3
     llm = hybridkv.patch(model, max_model_len=128)
-    request_id = llm.add_request(batch[0], GREEDY)
+    request_id = llm.add_request(new_request_id(), batch[0], GREEDY)
     hybridkv.unpatch(model)
     for call in (llm.step, lambda: llm.abort(request_id), llm.abort_all, lambda: llm.stream(batch[0])):
         with pytest.raises(RuntimeError, match=r"closed by hybridkv.unpatch\(model\); call hybridkv.patch"):
@@ -187,7 +187,7 @@ def test_prompts_as_tensors_arrays_and_batches(gemma3, patched):
     assert tokens(llm.generate(torch.tensor([batch[0]]), GREEDY, use_tqdm=False)) == expected[:1]
     assert tokens(llm.generate(torch.tensor(same_length), GREEDY, use_tqdm=False)) == reference
     assert tokens(llm.generate([np.array(p) for p in same_length], GREEDY, use_tqdm=False)) == reference
-    request_id = llm.add_request(torch.tensor([batch[0]]), GREEDY)
+    request_id = llm.add_request(new_request_id(), torch.tensor([batch[0]]), GREEDY)
     done = {}
     while llm.has_unfinished_requests():
         done.update((o.request_id, o) for o in llm.step() if o.finished)
@@ -210,7 +210,7 @@ def test_malformed_prompts_are_clear_type_errors(gemma3, patched, prompt, messag
     model, _, _ = gemma3
     llm = patched(model, max_model_len=128)
     with pytest.raises(TypeError, match=message):
-        llm.add_request(prompt, GREEDY)
+        llm.add_request(new_request_id(), prompt, GREEDY)
     assert serves_exactly(llm, gemma3)
 
 
@@ -236,7 +236,7 @@ def test_ctrl_c_inside_generate_aborts_what_it_queued(gemma3, patched, monkeypat
 def test_an_interrupted_step_fails_its_requests_and_abort_all_clears_the_rest(gemma3, patched, monkeypatch):
     model, batch, _ = gemma3
     llm = patched(model, max_model_len=128, max_num_seqs=1)
-    ids = [llm.add_request(p, GREEDY) for p in batch]
+    ids = [llm.add_request(new_request_id(), p, GREEDY) for p in batch]
     llm.step()
 
     def interrupted(*args, **kwargs):
@@ -271,7 +271,7 @@ def test_a_streamed_request_that_fails_reports_its_error_in_the_last_delta(gemma
 def test_patching_again_with_other_settings_refuses_to_drop_unfinished_requests(gemma3, patched):
     model, batch, _ = gemma3
     llm = patched(model, max_model_len=128)
-    llm.add_request(batch[0], GREEDY)
+    llm.add_request(new_request_id(), batch[0], GREEDY)
     with pytest.raises(RuntimeError, match=r"1 unfinished requests.*abort_all\(\)"):
         hybridkv.patch(model, max_model_len=96)
     llm.abort_all()
@@ -284,7 +284,7 @@ def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_beg
     llm = patched(model, max_model_len=128)
     stream = llm.stream(batch[1], SamplingParams(temperature=0, max_tokens=20))
     next(stream)
-    other = llm.add_request(batch[0], GREEDY)
+    other = llm.add_request(new_request_id(), batch[0], GREEDY)
     execute = llm.runner.execute
 
     def collecting(*args, **kwargs):
@@ -318,7 +318,11 @@ def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_
 
     monkeypatch.setattr(hybridkv.engine, "sample_each", failing)
     pair = SamplingParams(n=2, temperature=0, max_tokens=8)
-    ids = [llm.add_request(batch[0], GREEDY), llm.add_request(batch[1], pair), llm.add_request(batch[2], GREEDY)]
+    ids = [
+        llm.add_request(new_request_id(), batch[0], GREEDY),
+        llm.add_request(new_request_id(), batch[1], pair),
+        llm.add_request(new_request_id(), batch[2], GREEDY),
+    ]
     done = {}
     while llm.has_unfinished_requests():
         done.update((o.request_id, o) for o in llm.step() if o.finished)

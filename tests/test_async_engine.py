@@ -47,7 +47,7 @@ def test_beam_searches_and_samples_share_the_engine_thread(gemma3, served):
     params = hybridkv.BeamSearchParams(beam_width=3, max_tokens=6)
 
     async def main():
-        return await asyncio.gather(served.generate(batch[1], params), served.generate(batch[0], GREEDY))
+        return await asyncio.gather(served.submit(batch[1], params), served.submit(batch[0], GREEDY))
 
     searched, greedy = asyncio.run(main())
     served.shutdown()
@@ -78,7 +78,7 @@ def test_an_event_loop_awaits_and_streams_while_the_engine_runs_beside_it(gemma3
     _, batch, expected = gemma3
 
     async def main():
-        outputs = await asyncio.gather(*(served.generate(p, GREEDY) for p in batch[:4]))
+        outputs = await asyncio.gather(*(served.submit(p, GREEDY) for p in batch[:4]))
         streamed = []
         async for delta in served.submit(batch[4], GREEDY).deltas():
             streamed.extend(delta.token_ids)

@@ -15,7 +15,7 @@ from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO
-from tiny_models import VOCAB, hf_greedy, prompts
+from tiny_models import VOCAB, hf_greedy, new_request_id, prompts
 
 K = 4
 MAX_NEW = 8
@@ -143,12 +143,12 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)
     num_blocks = hybridkv.min_num_blocks(model, **settings)
     if mode == "swap":
-        settings["swap_space"] = 1 << 24
+        settings["swap_space"] = 1 / 64  # GiB: 16 MiB
     while not all(searches_alone(patched, model, settings, num_blocks, p, params) for p in beam_prompts):
         num_blocks += 2
     llm = patched(model, **settings, num_blocks=num_blocks + 2)
-    ids = [llm.add_request(p, params) for p in beam_prompts]
-    ids.append(llm.add_request(greedy_prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
+    ids = [llm.add_request(new_request_id(), p, params) for p in beam_prompts]
+    ids.append(llm.add_request(new_request_id(), greedy_prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)))
     done = {}
     while llm.has_unfinished_requests():
         for output in llm.step():
@@ -209,7 +209,7 @@ def searches_alone(patched, model, settings, num_blocks, prompt, params) -> bool
 
 
 def peak_blocks(llm, prompt, params) -> int:
-    llm.add_request(prompt, params)
+    llm.add_request(new_request_id(), prompt, params)
     peak = 0
     while llm.has_unfinished_requests():
         llm.step()
@@ -258,7 +258,8 @@ def test_best_of_returns_the_n_samples_of_highest_cumulative_logprob(patched):
     assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
     assert [c.cumulative_logprob for c in best.outputs] == pytest.approx([c.cumulative_logprob for c in ranked[:2]])
     for completion in all_five.outputs:
-        assert completion.cumulative_logprob == pytest.approx(sum(t.logprob for t in completion.logprobs))
+        steps = zip(completion.token_ids, completion.logprobs, strict=True)
+        assert completion.cumulative_logprob == pytest.approx(sum(entry[token].logprob for token, entry in steps))
 
 
 def test_beam_search_input_errors(patched):
@@ -281,7 +282,7 @@ def test_beam_search_input_errors(patched):
     with pytest.raises(ValueError, match="best_of must be >= n=3"):
         SamplingParams(n=3, best_of=2)
     # More beams than max_num_seqs can never run: refused with the setting to raise.
-    request_id = llm.add_request([1, 2, 3], BeamSearchParams(beam_width=5))
+    request_id = llm.add_request(new_request_id(), [1, 2, 3], BeamSearchParams(beam_width=5))
     (output,) = llm.step()
     assert output.request_id == request_id and output.finished
     assert "max_num_seqs is 4; raise max_num_seqs" in output.error

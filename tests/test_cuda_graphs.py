@@ -17,7 +17,7 @@ from hybridkv import SamplingParams
 from hybridkv.graphs import sync_is_an_error
 
 from model_zoo import STATE, ZOO
-from tiny_models import DEVICE, hf_greedy, prompts
+from tiny_models import DEVICE, hf_greedy, new_request_id, prompts
 
 if DEVICE.type != "cuda":
     pytest.skip("CUDA graphs need a CUDA GPU (benchmarks/gpu_check.sh runs these there)", allow_module_level=True)
@@ -44,7 +44,7 @@ def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patc
         return
     assert stats["cuda_graphs"] == [1, 2, 4, 8]
     for prompt in prompts((7, 33, 70)):
-        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=5))
+        llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=5))
     llm.step()  # the prompts, eagerly
     runner, scheduler = llm.runner, llm.scheduler
     for _ in range(4):

@@ -16,7 +16,7 @@ import hybridkv
 from hybridkv import SamplingParams
 
 from alloc_helpers import free_order
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, new_request_id
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -98,7 +98,7 @@ def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, c
     )  # fmt: skip
     models = [FAMILIES["ministral"]() for _ in range(2)]  # sliding and full layers, the same weights
     num_blocks = hybridkv.min_num_blocks(models[0], **settings) + 10
-    engine_settings = dict(settings, num_blocks=num_blocks, preemption_mode=mode, swap_space=1 << 20, max_num_seqs=8)
+    engine_settings = dict(settings, num_blocks=num_blocks, preemption_mode=mode, swap_space=1 / 1024, max_num_seqs=8)
     fast, reference = (hybridkv.patch(model, tokenizer=tiny_tokenizer(), **engine_settings) for model in models)
     _without_fast_paths(reference)
     taken = {"batch": 0, "alone": 0}
@@ -123,8 +123,8 @@ def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, c
             prompt = (prefix if rng.random() < 0.5 else [])[: rng.randint(0, 10)]
             prompt += [rng.randrange(1, 256) for _ in range(rng.randint(1, 20))]
             params = _params(rng)
-            ids.append(fast.add_request(prompt, params))
-            assert reference.add_request(prompt, params) == ids[-1]
+            ids.append(fast.add_request(new_request_id(), prompt, params))
+            assert reference.add_request(ids[-1], prompt, params) == ids[-1]
         elif action < 0.15:
             request_id = rng.choice(ids)
             assert _report([fast.abort(request_id)]) == _report([reference.abort(request_id)])

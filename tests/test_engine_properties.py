@@ -16,6 +16,8 @@ import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.tiny import tiny_model
 
+from tiny_models import new_request_id
+
 MODEL = tiny_model(
     "ministral",
     vocab_size=64,
@@ -43,7 +45,7 @@ class EngineMachine(RuleBasedStateMachine):
         settings_ = dict(block_size=4, max_model_len=48, max_num_batched_tokens=16, enable_prefix_caching=caching)
         minimum = hybridkv.min_num_blocks(MODEL, **settings_)
         self.engine = hybridkv.patch(
-            MODEL, **settings_, num_blocks=minimum + extra_blocks, preemption_mode=mode, swap_space=1 << 20
+            MODEL, **settings_, num_blocks=minimum + extra_blocks, preemption_mode=mode, swap_space=1 / 1024
         )
         scheduler = self.engine.scheduler
         schedule = scheduler.schedule
@@ -71,7 +73,7 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             best_of = n + 1 if kind == "best_of" else None
             params = SamplingParams(n=n, best_of=best_of, temperature=temperature, seed=length, max_tokens=max_tokens)
-        self.ids.append(self.engine.add_request(prompt, params))
+        self.ids.append(self.engine.add_request(new_request_id(), prompt, params))
 
     @precondition(lambda self: self.engine is not None)
     @rule()
@@ -104,7 +106,7 @@ class EngineMachine(RuleBasedStateMachine):
     def bad_input(self, bad):
         before = set(self.engine.outputs.states)
         with pytest.raises((ValueError, TypeError)):
-            self.engine.add_request(bad, SamplingParams(max_tokens=2))
+            self.engine.add_request(new_request_id(), bad, SamplingParams(max_tokens=2))
         with pytest.raises((ValueError, TypeError)):
             self.engine.generate([[1, 2, 3], bad], SamplingParams(max_tokens=2), use_tqdm=False)
         assert set(self.engine.outputs.states) == before

@@ -21,7 +21,7 @@ from hybridkv.kernels.step_buffers import _FILL, _NATIVE, StepBuffers
 from hybridkv.patches.attention import paged_attention_op, running_step
 
 from model_zoo import STATE, ZOO
-from tiny_models import FAMILIES, hf_greedy, prompts
+from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -41,7 +41,7 @@ def test_decode_buckets_follow_vllms_capture_sizes_up_to_max_num_seqs():
 def test_the_attention_op_passes_torch_librarys_opcheck(patched):
     model = FAMILIES["gemma3_text"]()
     llm = patched(model, block_size=8, max_model_len=128)
-    request_id = llm.add_request(prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
+    request_id = llm.add_request(new_request_id(), prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
     llm.step()  # the prompt's pages hold its keys; the next step is one decode row
     plan = llm.scheduler.schedule()
     prepared = llm.runner.prepare(llm.runner.step_inputs(plan))
@@ -75,7 +75,7 @@ def test_every_served_family_compiles_a_mixed_and_a_decode_step_with_no_graph_br
     params = SamplingParams(temperature=0, max_tokens=3)
     expected = tokens(patched(model, block_size=8, max_model_len=256).generate(batch, params, use_tqdm=False))
     llm = compiled_to_dynamo_graphs(patched(model, block_size=8, max_model_len=256))
-    ids = [llm.add_request(prompt, params) for prompt in batch]
+    ids = [llm.add_request(new_request_id(), prompt, params) for prompt in batch]
     outputs = {output.request_id: output for output in llm.step()}
     with torch.compiler.set_stance("fail_on_recompile"):
         while llm.has_unfinished_requests():
@@ -143,7 +143,7 @@ def test_step_buffers_keep_their_addresses_across_steps(patched):
     addresses = [t.device.data_ptr() for t in tensors]
     seen = set()
     for prompt in prompts((7, 33, 70)):
-        llm.add_request(prompt, GREEDY)
+        llm.add_request(new_request_id(), prompt, GREEDY)
     while llm.has_unfinished_requests():
         llm.step()
         metadata = llm.runner.context.metadata
@@ -156,7 +156,7 @@ def test_a_decode_step_is_padded_to_its_bucket_and_the_padded_rows_write_nothing
     model = FAMILIES["gemma3_text"]()
     llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False)
     for prompt in prompts((7, 33, 70)):
-        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))
+        llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=4))
     llm.step()  # the three prompts
     pages = {device: pages.clone() for device, pages in llm.runner._pages.items()}
     held = {b for m in llm.coordinator.managers for row in m.req_to_block_ids.values() for b in row}
@@ -192,7 +192,7 @@ def test_graph_mode_gives_eager_modes_tokens(name, patched):
     assert llm.stats()["num_preemptions"] > 0
     if llm.stats()["state_layers"]:
         return  # a model with state layers preempts by recompute whatever the mode
-    swap = dict(num_blocks=tight, preemption_mode="swap", swap_space=64 * llm.bytes_per_block)
+    swap = dict(num_blocks=tight, preemption_mode="swap", swap_space=64 * llm.bytes_per_block / (1 << 30))
     llm = patched(model, **settings, **swap, enforce_eager=False)
     assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == eager
     assert llm.stats()["num_swaps"] > 0

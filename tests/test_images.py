@@ -12,6 +12,7 @@ import hybridkv
 from hybridkv import SamplingParams
 
 from model_zoo import ZOO, _tiny
+from tiny_models import new_request_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -200,7 +201,9 @@ def test_after_the_vision_tower_changes_images_are_encoded_again_and_older_encod
     assert expected != before
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert (llm.stats()["images_encoded"], llm.stats()["image_cache_hits"]) == (2, 0)
-    stale = llm.add_request(prompt, GREEDY)  # encoded now (a cache hit), admitted after the next change
+    stale = llm.add_request(
+        new_request_id(), prompt, GREEDY
+    )  # encoded now (a cache hit), admitted after the next change
     projector.data.mul_(2.0)
     (output,) = [o for o in llm.step() if o.request_id == stale]
     assert output.finished and "images were encoded" in output.error
@@ -218,7 +221,7 @@ def test_preempted_requests_with_images_keep_their_tokens(family, mode, patched)
         expected.append(reference(model, ids, data, type_fields, placeholder))
     # Room for the first chunks of two requests, not for both whole: they preempt each other.
     num_blocks = hybridkv.min_num_blocks(model, block_size=4, max_model_len=48, max_num_batched_tokens=16) + 24
-    swap = {"preemption_mode": "swap", "swap_space": 1 << 22} if mode == "swap" else {}
+    swap = {"preemption_mode": "swap", "swap_space": 1 / 256} if mode == "swap" else {}
     llm = patched(model, max_model_len=48, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16, **swap)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -232,20 +235,20 @@ def test_bad_image_inputs_are_refused_before_anything_runs(patched):
     ids = prompt_ids("gemma3", placeholder, count, "middle")
     data = image_inputs("gemma3", 7, 1)
     with pytest.raises(ValueError, match="with no image given for it"):
-        llm.add_request(ids)
+        llm.add_request(new_request_id(), ids)
     with pytest.raises(ValueError, match="holds 4 image placeholder tokens"):
-        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": image_inputs("gemma3", 7, 2)})
+        llm.add_request(new_request_id(), {"prompt_token_ids": ids, "multi_modal_data": image_inputs("gemma3", 7, 2)})
     with pytest.raises(ValueError, match="images need the model's processor"):
-        llm.add_request({"prompt": "a text", "multi_modal_data": {"image": torch.zeros(3, 28, 28)}})
+        llm.add_request(new_request_id(), {"prompt": "a text", "multi_modal_data": {"image": torch.zeros(3, 28, 28)}})
     with pytest.raises(ValueError, match="images only"):
-        llm.add_request({"prompt_token_ids": ids, "multi_modal_data": {"audio": [0.0]}})
+        llm.add_request(new_request_id(), {"prompt_token_ids": ids, "multi_modal_data": {"audio": [0.0]}})
     assert not llm.has_unfinished_requests()
     small = patched(ZOO["gemma3"](), max_model_len=128, block_size=4, max_num_batched_tokens=3)
     with pytest.raises(ValueError, match="one prefill chunk"):
-        small.add_request({"prompt_token_ids": ids, "multi_modal_data": data})
+        small.add_request(new_request_id(), {"prompt_token_ids": ids, "multi_modal_data": data})
     text_only = patched(ZOO["llama"](), max_model_len=64, block_size=4)
     with pytest.raises(ValueError, match="takes no images"):
-        text_only.add_request({"prompt_token_ids": [1, 2, 3], "multi_modal_data": data})
+        text_only.add_request(new_request_id(), {"prompt_token_ids": [1, 2, 3], "multi_modal_data": data})
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +309,8 @@ def test_async_engine_takes_image_prompts(vision, patched):
     llm = patched(model, processor=processor, max_model_len=128, block_size=4)
     engine = AsyncLLMEngine(llm)
     try:
-        output = asyncio.run(engine.generate({"prompt": text, "multi_modal_data": {"image": picture(2)}}, GREEDY))
+        outputs = engine.generate({"prompt": text, "multi_modal_data": {"image": picture(2)}}, GREEDY)
+        output = asyncio.run(_last(outputs))
     finally:
         engine.shutdown()
     assert output.outputs[0].token_ids == expected
@@ -344,6 +348,11 @@ def test_a_model_that_places_images_otherwise_is_refused_for_images(patched):
     ids = [5, 6, 7, 251] + [250] * 4 + [252, 8, 9, 10]
     for _ in range(2):  # the verdict is kept
         with pytest.raises(ValueError, match="does not place images the way hybridkv does"):
-            llm.add_request({"prompt_token_ids": ids, "multi_modal_data": data})
+            llm.add_request(new_request_id(), {"prompt_token_ids": ids, "multi_modal_data": data})
     assert llm.images.num_encoded == 1 and not llm.has_unfinished_requests()  # refused at once the second time
     assert llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)[0].error is None
+
+
+async def _last(outputs):
+    """The last of an async iterator's items (AsyncLLMEngine.generate's finished output)."""
+    return [output async for output in outputs][-1]

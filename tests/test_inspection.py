@@ -14,7 +14,7 @@ from hybridkv import SamplingParams
 from hybridkv.patches.inspection import inspect_model
 from hybridkv.patches.visibility import visibility_of_function, visibility_of_tensor
 
-from tiny_models import COMMON, FAMILIES, WINDOW, hf_greedy, prompts
+from tiny_models import COMMON, FAMILIES, WINDOW, hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -219,7 +219,7 @@ def test_a_multimodal_wrapper_serves_text_and_leaves_its_vision_tower_as_it_was(
     assert torch.equal(before, after)
     placeholder = r"holds token 200, the model's image placeholder \(config.image_token_index\), with no image given"
     with pytest.raises(ValueError, match=placeholder):
-        llm.add_request([5, 200, 7])
+        llm.add_request(new_request_id(), [5, 200, 7])
     batch = [[token for token in prompt if token != 200] for prompt in prompts((30, 120))]
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [
         hf_greedy(model, p, 12)[0] for p in batch

@@ -18,7 +18,7 @@ import hybridkv
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
 
-from tiny_models import FAMILIES, hf_greedy, prompts
+from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
 
 MAX_NEW = 8
 BLOCK = 8
@@ -61,7 +61,7 @@ def first_generation(patched, model, mode="default"):
 def generate_in_steps(llm, batch=BATCH):
     """`llm.generate(batch)` as a loop of steps: the outputs, and how many steps had requests waiting while others
     ran (a pool too small for all of them at once)."""
-    ids = [llm.add_request(prompt, GREEDY) for prompt in batch]
+    ids = [llm.add_request(new_request_id(), prompt, GREEDY) for prompt in batch]
     done, num_waited = {}, 0
     while llm.has_unfinished_requests():
         for output in llm.step():
@@ -262,11 +262,11 @@ def test_a_request_admitted_after_a_change_never_reuses_blocks_computed_before(p
     model = FAMILIES["llama"]()
     llm = patched(model, **settings_for(model, "default"))
     before = references(model, BATCH[:1])
-    old = llm.add_request(BATCH[0], GREEDY)
+    old = llm.add_request(new_request_id(), BATCH[0], GREEDY)
     for _ in range(3):  # the prompt is computed and cached, and decoding has begun
         llm.step()
     UPDATES["no_grad_edit"](model)
-    new = llm.add_request(BATCH[0], GREEDY)
+    new = llm.add_request(new_request_id(), BATCH[0], GREEDY)
     done = {}
     while llm.has_unfinished_requests():
         for output in llm.step():
@@ -284,7 +284,7 @@ def test_a_request_preempted_by_recompute_recomputes_under_the_new_weights(patch
     new weights: its next tokens are transformers' greedy continuation of them under the new model."""
     model = FAMILIES["llama"]()
     llm = patched(model, **settings_for(model, "tiny_pool"))
-    ids = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=16)) for prompt in BATCH]
+    ids = [llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=16)) for prompt in BATCH]
     preempted = None
     while preempted is None:
         llm.step()
@@ -356,8 +356,8 @@ def test_reset_prefix_cache_covers_a_change_no_check_sees(patched):
 
 def test_reset_prefix_cache_with_running_requests_recomputes_them(patched):
     model = FAMILIES["llama"]()
-    llm = patched(model, **settings_for(model, "default"), preemption_mode="swap", swap_space=1 << 20)
-    ids = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12)) for prompt in BATCH]
+    llm = patched(model, **settings_for(model, "default"), preemption_mode="swap", swap_space=1 / 1024)
+    ids = [llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=12)) for prompt in BATCH]
     for _ in range(3):
         llm.step()
     contexts = {r.request_id: list(r.token_ids) for r in llm.scheduler.running}

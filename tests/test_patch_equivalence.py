@@ -19,7 +19,7 @@ from hybridkv.scheduler import ScheduledRequest, SchedulerOutput
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from model_zoo import ZOO
-from tiny_models import hf_greedy, prompts
+from tiny_models import hf_greedy, new_request_id, prompts
 
 
 @pytest.fixture(params=sorted(ZOO))
@@ -65,7 +65,7 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
     # cross a block boundary must preempt.
     for extra in (0, 1, 2, 4):
         llm = patched(model, **settings, num_blocks=min_blocks + extra)
-        ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for p in batch]
+        ids = [llm.add_request(new_request_id(), p, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for p in batch]
         done = {}
         while llm.has_unfinished_requests():
             for output in llm.step():

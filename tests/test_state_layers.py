@@ -17,7 +17,7 @@ from hybridkv import BeamSearchParams, SamplingParams
 
 from greedy_reference import MAX_NEW, family
 from model_zoo import STATE, ZOO
-from tiny_models import hf_greedy, prompts
+from tiny_models import hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -48,7 +48,7 @@ def test_every_state_slot_comes_back_on_finish_abort_fork_and_failure(patched, m
     _all_returned(llm)
 
     # An abort in the middle of decoding.
-    ids = [llm.add_request(p, GREEDY) for p in batch[:3]]
+    ids = [llm.add_request(new_request_id(), p, GREEDY) for p in batch[:3]]
     for _ in range(3):
         llm.step()
     assert len(slots.held) == 3
@@ -106,7 +106,7 @@ def test_the_pool_carries_the_state_between_steps(name, patched):
     llm = patched(model, block_size=8, max_model_len=256)
     (clean,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
 
-    llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
+    llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=12))
     llm.step()  # the prompt: the slot now holds its state
     (slot,) = llm.coordinator.state_slots.held.values()
     _noise(llm.runner.state_pool, [slot], torch.Generator().manual_seed(0))
@@ -246,7 +246,9 @@ def test_preemption_by_swap_carries_the_state_out_and_back(name, patched):
     tokens stay generate's, and every device and CPU slot comes back."""
     model, batch, references = family(name)
     probe = patched(model, block_size=8, max_model_len=176)
-    swap_space = 64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]
+    swap_space = (64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]) / (
+        1 << 30
+    )
     llm = _swapping(model, patched, swap_space=swap_space)
     assert llm.stats()["state_swap_slots"] >= len(batch)
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
@@ -266,9 +268,11 @@ def test_a_swapped_state_is_the_one_that_comes_back(patched):
     greedy = SamplingParams(temperature=0, max_tokens=60)
     references = [hf_greedy(model, p, 60)[0] for p in batch]
     probe = patched(model, block_size=8, max_model_len=176)
-    swap_space = 64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]
+    swap_space = (64 * probe.stats()["kv_bytes_per_token"] * 8 + 8 * probe.stats()["state_bytes_per_request"]) / (
+        1 << 30
+    )
     llm = _swapping(model, patched, swap_space=swap_space)
-    ids = [llm.add_request(p, greedy) for p in batch]
+    ids = [llm.add_request(new_request_id(), p, greedy) for p in batch]
     done, noised = {}, set()
     generator = torch.Generator().manual_seed(0)
     cpu = llm.runner._swap_states
@@ -294,7 +298,7 @@ def test_without_room_for_states_a_swap_falls_back_to_recompute(patched):
     """swap_space too small for a state: nothing is swapped, preemption recomputes, the tokens are the same."""
     model, batch, references = family("bamba")
     probe = patched(model, block_size=8, max_model_len=176)
-    llm = _swapping(model, patched, swap_space=probe.stats()["state_bytes_per_request"])  # blocks only
+    llm = _swapping(model, patched, swap_space=probe.stats()["state_bytes_per_request"] / (1 << 30))  # blocks only
     assert llm.stats()["state_swap_slots"] == 0
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]

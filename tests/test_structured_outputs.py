@@ -14,6 +14,7 @@ import hybridkv
 from hybridkv import SamplingParams, StructuredOutputsParams
 from hybridkv.tiny import tiny_model
 
+from tiny_models import new_request_id
 from tiny_tokenizer import tiny_tokenizer
 
 SCHEMA = {
@@ -137,7 +138,7 @@ def test_preempted_and_chunked_requests_keep_their_grammar(model_and_tokenizer, 
         num_blocks=num_blocks,
         max_num_batched_tokens=16,
         preemption_mode=mode,
-        swap_space=64 * probe_bytes,
+        swap_space=64 * probe_bytes / (1 << 30),
     )
     assert texts(tight.generate(long_prompts, params, use_tqdm=False)) == expected
     assert tight.stats()["num_preemptions"] > 0
@@ -145,9 +146,9 @@ def test_preempted_and_chunked_requests_keep_their_grammar(model_and_tokenizer, 
 
 def test_bad_constraints_are_refused_before_anything_is_queued(llm, model_and_tokenizer, patched):
     with pytest.raises(ValueError, match="regex cannot be used"):
-        llm.add_request("x", constrained(regex="("))
+        llm.add_request(new_request_id(), "x", constrained(regex="("))
     with pytest.raises(ValueError, match="json cannot be used"):
-        llm.add_request("x", constrained(json={"type": "nope"}))
+        llm.add_request(new_request_id(), "x", constrained(json={"type": "nope"}))
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="exactly one of"):
@@ -161,7 +162,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm, model_and_to
     hybridkv.unpatch(model)
     no_tokenizer = patched(model, max_model_len=256, block_size=8)
     with pytest.raises(ValueError, match="need a tokenizer"):
-        no_tokenizer.add_request([1, 2, 3], constrained(regex=REGEX))
+        no_tokenizer.add_request(new_request_id(), [1, 2, 3], constrained(regex=REGEX))
 
 
 def test_a_grammar_the_vocabulary_cannot_write_fails_its_request_alone(patched):

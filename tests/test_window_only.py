@@ -12,7 +12,7 @@ from hybridkv.coordinator import blocks_for_request
 from hybridkv.window_managers import WindowedManager
 
 from greedy_reference import assert_same_greedy, family
-from tiny_models import hf_greedy, prompts
+from tiny_models import hf_greedy, new_request_id, prompts
 
 MAX_NEW = 8
 SETTINGS = dict(block_size=8, max_model_len=256)
@@ -21,7 +21,9 @@ SETTINGS = dict(block_size=8, max_model_len=256)
 def run_stepwise(llm, batch):
     """Generate step by step, checking the memory manager after every step; returns the outputs and the
     most blocks in use (pool-wide) and running requests seen."""
-    ids = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for prompt in batch]
+    ids = [
+        llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW)) for prompt in batch
+    ]
     done, peak_blocks = {}, 0
     while llm.has_unfinished_requests():
         for output in llm.step():
@@ -54,7 +56,7 @@ def test_a_pool_sized_for_three_windows_runs_three_long_prompts_at_once_at_any_c
 def test_sliding_groups_hold_no_more_than_their_window_while_a_chunk_is_computed(patched):
     model, _, _ = family("gemma3_text")
     llm = patched(model, **SETTINGS, max_num_batched_tokens=128, enable_prefix_caching=False)
-    llm.add_request(prompts((250,), seed=6)[0], SamplingParams(temperature=0, max_tokens=2))
+    llm.add_request(new_request_id(), prompts((250,), seed=6)[0], SamplingParams(temperature=0, max_tokens=2))
     plan = llm.scheduler.schedule()  # the first 128 tokens in one chunk
     windowed = [m for m in llm.coordinator.managers if isinstance(m, WindowedManager)]
     request_id = plan.scheduled[0].request.request_id

@@ -8,6 +8,7 @@ the exception: at its 0.03 a 150-token prompt's first token has no effect, so it
 
 from __future__ import annotations
 
+import itertools
 import os
 from functools import partial
 
@@ -15,7 +16,7 @@ import torch
 
 from hybridkv.tiny import COMMON, VOCAB, WINDOW, tiny_model
 
-__all__ = ["COMMON", "DEVICE", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "prompts"]
+__all__ = ["COMMON", "DEVICE", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "new_request_id", "prompts"]
 
 # benchmarks/gpu_check.sh sets HYBRIDKV_TEST_ON_GPU=1: the kernel tests' batches and the zoo's models are
 # then on the GPU (conftest.py leaves Triton compiled there rather than interpreted).
@@ -33,6 +34,15 @@ FAMILIES = {
     "cohere2": partial(tiny_model, "cohere2"),
     "phi3": partial(tiny_model, "phi3"),
 }
+
+
+_request_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    """A request id no other request of the test session has (`add_request` takes vLLM's (request_id, prompt,
+    params))."""
+    return f"request-{next(_request_ids)}"
 
 
 def prompts(lengths, seed=1, shared_prefix=0):

@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 
+from tiny_models import new_request_id
+
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 BASE = dict(block_size=8, max_model_len=256)
@@ -62,7 +64,7 @@ def main() -> None:
 
     def fault(llm):
         """Rank 1 fails to prepare its third step: the step's requests fail on rank 0, the rest do not."""
-        ids = [llm.add_request(p, GREEDY) for p in prompts]
+        ids = [llm.add_request(new_request_id(), p, GREEDY) for p in prompts]
         done = {}
         while llm.has_unfinished_requests():
             for output in llm.step():
@@ -76,7 +78,7 @@ def main() -> None:
         ("default", default, {}),
         ("chunked_cached", chunked_and_cached, dict(max_num_batched_tokens=24)),
         ("tiny_pool", tiny_pool, dict(tiny, num_blocks=tiny_blocks)),
-        ("tiny_pool_swap", tiny_pool, dict(tiny, num_blocks=tiny_blocks, preemption_mode="swap", swap_space=1 << 20)),
+        ("tiny_pool_swap", tiny_pool, dict(tiny, num_blocks=tiny_blocks, preemption_mode="swap", swap_space=1 / 1024)),
         ("beams", beams, {}),
         ("fault", fault, {}),
     ]
