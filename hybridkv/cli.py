@@ -1,5 +1,5 @@
 """The `hybridkv` command line: `hybridkv demo`, `hybridkv generate --model PATH --prompt ...` and
-`hybridkv serve --model PATH` (an OpenAI-compatible server)."""
+`hybridkv serve PATH` (an OpenAI-compatible server, with vLLM's flags where hybridkv has the feature)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,15 @@ PATCH_FLAGS: dict[str, Any] = {
     "num_blocks": int,
     "kv_cache_memory": int,
     "gpu_memory_utilization": float,
-    "kv_cache_dtype": ["float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    "kv_cache_dtype": ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
     "max_model_len": int,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "long_prefill_token_threshold": int,
     "enable_prefix_caching": bool,
     "preemption_mode": ["recompute", "swap"],
-    "swap_space": int,
+    "swap_space": float,
+    "generation_config": ["auto", "vllm"],
     "attention_backend": ["torch", "triton"],
     "cpu_threads": cpu_threads_flag,
     "enforce_eager": bool,
@@ -144,15 +145,31 @@ def generate(args: argparse.Namespace) -> None:
     hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
 
 
+# vLLM's `--dtype` values: "auto" keeps the checkpoint's dtype.
+DTYPES = {"auto": "auto", "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES.update(float=torch.float32, float32=torch.float32)
+
+
 def load_checkpoint(path: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    """A local transformers checkpoint and its tokenizer; under torchrun with several processes, sharded
-    across them with transformers' tensor parallelism (`tp_plan="auto"`)."""
+    """A local transformers checkpoint and its tokenizer, in `dtype` ("auto": the checkpoint's own, vLLM's default);
+    under torchrun with several processes, sharded across them with transformers' tensor parallelism
+    (`tp_plan="auto"`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     tensor_parallel = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **tensor_parallel).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **tensor_parallel).eval()
     return model, tokenizer
+
+
+def chat_template_text(value: str) -> str:
+    """`--chat-template`: a Jinja template, or the path of a file holding one (vLLM's flag)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{" not in value:
+        raise argparse.ArgumentTypeError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def worked_as_rank(model: torch.nn.Module, llm: hybridkv.LLMEngine) -> bool:
@@ -193,6 +210,8 @@ def serve(args: argparse.Namespace) -> None:
     # core measured 2.6x fewer requests/s on 2 cores (benchmarks/serving.py, 1 vs 2 threads).
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     model, tokenizer = load_checkpoint(args.model, args.dtype)
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template
     llm = hybridkv.patch(model, tokenizer=tokenizer, **patch_settings(args))
     if worked_as_rank(model, llm):
         return
@@ -208,6 +227,25 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+            parser.error(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag or args.model
+        if args.model is None:
+            parser.error("serve needs a model: hybridkv serve PATH")
+    if args.command == "demo":
+        demo(args.max_tokens)
+    elif args.command == "generate":
+        generate(args)
+    else:
+        serve(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: `demo`, `generate` and `serve` (vLLM's flags where hybridkv has the feature)."""
     parser = argparse.ArgumentParser(prog="hybridkv", description="Serve Hugging Face models through hybridkv")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="generate on a tiny random hybrid model, with stats")
@@ -219,15 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the checkpoint's dtype")
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     srv = commands.add_parser("serve", help="serve a local checkpoint with OpenAI's API (needs the serve extra)")
-    srv.add_argument("--model", required=True, help="a local folder with a transformers model and tokenizer")
+    srv.add_argument(
+        "model_tag", nargs="?", default=None, help="a local folder with a transformers model and tokenizer"
+    )
+    srv.add_argument("--model", default=None, help="the same folder, as a flag (vLLM's older form)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: --model)")
-    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    srv.add_argument("--dtype", default="auto", choices=list(DTYPES), help="auto: the checkpoint's dtype (vLLM's)")
     srv.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = one fewer than the CPU cores)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument(
@@ -242,16 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's tool-call format, parsed for tool_choice 'auto' (default: the one its chat template shows)",
     )
     srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag for tool_choice 'auto' (hybridkv parses tool calls whenever the model's format is known)",
+    )
+    srv.add_argument(
+        "--chat-template",
+        type=chat_template_text,
+        default=None,
+        help="a Jinja chat template, or a file holding one, instead of the tokenizer's",
+    )
+    srv.add_argument(
         "--fetch-images",
         action="store_true",
         help="fetch http(s) image URLs in chat messages (default: only data URLs are taken; a remote URL is a 400)",
     )
     add_patch_flags(srv)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo(args.max_tokens)
-    elif args.command == "generate":
-        generate(args)
-    else:
-        serve(args)
-    return 0
+    return parser

@@ -8,8 +8,8 @@ model writes back is parsed by one small parser per output format:
 - `llama3_json` (Llama 3.1-3.3): the whole answer one JSON object `{"name": ..., "parameters": {...}}` (or
   several separated by `;`), after an optional `<|python_tag|>`;
 - `pythonic` (Gemma 3's and Llama 4's examples): `[name(arg=value, ...), ...]`, in a ```tool_code block or not;
-- `harmony` (gpt-oss): messages to `functions.NAME` (`... to=functions.NAME ...<|message|>{...}<|call|>`), the
-  content being the `final` channel's text.
+- `openai` (gpt-oss's harmony format; vLLM's name): messages to `functions.NAME`
+  (`... to=functions.NAME ...<|message|>{...}<|call|>`), the content being the `final` channel's text.
 
 The parser is named (`--tool-call-parser`) or found in the template (the first whose marker it holds).
 `tool_choice="required"` and a named function do not depend on the format: the output is constrained with
@@ -26,12 +26,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-PARSER_NAMES = ("hermes", "mistral", "llama3_json", "pythonic", "harmony")
+PARSER_NAMES = ("hermes", "mistral", "llama3_json", "pythonic", "openai")
 # How a template that writes or reads each format shows it (first match wins).
 _TEMPLATE_MARKERS = (
     ("hermes", "<tool_call>"),
     ("mistral", "[TOOL_CALLS]"),
-    ("harmony", "<|channel|>"),
+    ("openai", "<|channel|>"),
     ("llama3_json", "<|python_tag|>"),
 )
 _HARMONY_CALL = re.compile(
@@ -87,7 +87,7 @@ def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     if not calls:
         return text, []
-    if parser == "harmony":  # the content is the final channel's text, wherever it is
+    if parser == "openai":  # the content is the final channel's text, wherever it is
         final = _HARMONY_FINAL.search(text)
         return (final.group(1).strip() or None) if final else None, calls
     content = text[:start].strip()
@@ -167,7 +167,7 @@ _PARSERS = {
     "mistral": _mistral,
     "llama3_json": _llama3_json,
     "pythonic": _pythonic,
-    "harmony": _harmony,
+    "openai": _harmony,
 }
 
 

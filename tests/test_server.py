@@ -249,7 +249,7 @@ def test_tokenize_and_detokenize_give_the_ids_the_server_runs(server, offline):
 
 def test_several_prompts_in_one_completion_and_echo(server, client, offline):
     """A list of prompts (text or token ids) runs them concurrently: prompt i's samples are choices i x n ..,
-    streamed or not; echo puts the prompt before each choice's text; echo with logprobs is a 400."""
+    streamed or not; echo puts the prompt before each choice's text, and with logprobs its tokens' logprobs."""
     prompts = ["The quick", "Once upon a time", "A tiny model"]
     expected = [o.outputs[0].text for o in offline.generate(prompts, GREEDY, use_tqdm=False)]
     whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
@@ -271,8 +271,22 @@ def test_several_prompts_in_one_completion_and_echo(server, client, offline):
         model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0, echo=True, stream=True
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == rendered[0] + expected[0]
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model=MODEL, prompt="The quick", max_tokens=2, echo=True, logprobs=1)
+    # echo with logprobs (OpenAI's): the prompt's tokens lead, the first without a logprob; not streamed.
+    scored = client.completions.create(
+        model=MODEL, prompt="The quick", max_tokens=2, temperature=0, echo=True, logprobs=1
+    )
+    logprobs = scored.choices[0].logprobs
+    prompt_params = SamplingParams(temperature=0, max_tokens=2, logprobs=1, prompt_logprobs=1)
+    (reference,) = offline.generate("The quick", prompt_params, use_tqdm=False)
+    prompt_ids = reference.prompt_token_ids
+    assert len(logprobs.tokens) == len(prompt_ids) + 2 and logprobs.token_logprobs[0] is None
+    expected_logprobs = [reference.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt_ids) if i]
+    sample = reference.outputs[0]
+    expected_logprobs += [e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs, strict=True)]
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected_logprobs, abs=1e-5)
+    assert "".join(logprobs.tokens) == scored.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs is not streamed"):
+        client.completions.create(model=MODEL, prompt="The quick", max_tokens=2, echo=True, logprobs=1, stream=True)
     with pytest.raises(openai.BadRequestError, match="a prompt is empty"):
         client.completions.create(model=MODEL, prompt=["The quick", ""], max_tokens=2)
     assert wait_until_idle(server)["blocks_in_use"] == 0
@@ -335,7 +349,7 @@ BAD_REQUESTS = [
         id="invalid-temperature",
     ),
     pytest.param({"top_p": 2}, 400, "top_p must be in (0, 1], got 2.0", "top_p", id="invalid-top-p"),
-    pytest.param({"top_k": -5}, 400, "top_k must be -1 or 0 (off) or >= 1, got -5", "top_k", id="invalid-top-k"),
+    pytest.param({"top_k": -5}, 400, "top_k must be 0 or -1 (off) or >= 1, got -5", "top_k", id="invalid-top-k"),
     pytest.param(
         {"model": "gpt-4"},
         404,

@@ -42,9 +42,9 @@ def test_each_format_parses_its_calls_and_keeps_the_content_before_them():
         "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>'
     )
-    assert calls("harmony", harmony) == (None, [("get_weather", {"city": "Oslo"})])
+    assert calls("openai", harmony) == (None, [("get_weather", {"city": "Oslo"})])
     recipient_first = "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>"
-    assert calls("harmony", recipient_first) == (None, [("get_time", {})])
+    assert calls("openai", recipient_first) == (None, [("get_time", {})])
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ def test_each_format_parses_its_calls_and_keeps_the_content_before_them():
         ("llama3_json", "The answer is {42}"),
         ("pythonic", "[1, 2, 3]"),
         ("pythonic", "[get_weather('Oslo')]"),
-        ("harmony", "<|channel|>final<|message|>It is sunny.<|return|>"),
+        ("openai", "<|channel|>final<|message|>It is sunny.<|return|>"),
     ],
 )
 def test_text_that_is_not_calls_is_content(parser, text):
@@ -66,7 +66,7 @@ def test_text_that_is_not_calls_is_content(parser, text):
 def test_the_parser_is_found_in_the_template_or_named():
     assert tool_calls.parser_for_template("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert tool_calls.parser_for_template("[TOOL_CALLS] {{ x }}") == "mistral"
-    assert tool_calls.parser_for_template("<|start|>assistant<|channel|>final") == "harmony"
+    assert tool_calls.parser_for_template("<|start|>assistant<|channel|>final") == "openai"
     assert tool_calls.parser_for_template("{{ messages }}") is None
     with pytest.raises(ValueError, match="is not one of"):
         tool_calls.check_parser("json")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hybridkv import tool_calls
-from hybridkv.chat import chat_prompt, image_chat_prompt
-from hybridkv.outputs import RequestOutput, StreamDelta, TokenLogprobs
+from hybridkv.chat import ChatOptions, chat_prompt, image_chat_prompt
+from hybridkv.outputs import Logprob, RequestOutput, StreamDelta
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.serving.images import decode_image
 from hybridkv.serving.metrics import ServerMetrics
@@ -32,6 +32,7 @@ from hybridkv.serving.protocol import (
     TokenText,
     error_body,
     now,
+    prompt_logprobs_body,
     request_id,
     usage,
 )
@@ -94,22 +95,29 @@ class OpenAIServing:
         """`/v1/completions`: the response body, or the server-sent events of a stream. Several prompts run as
         concurrent requests; prompt i's samples are choices i x n .. i x n + n - 1, as OpenAI numbers them."""
         self._check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            message = "echo with logprobs needs the prompt tokens' logprobs, which are not computed; ask for one"
-            raise APIError(400, message, param="echo")
+        echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's logprobs lead the choice's
+        if echo_logprobs and body.stream:
+            raise APIError(400, "echo with logprobs is not streamed; set stream=false", param="echo")
         # Off the event loop: a long prompt's tokenization must not stall every other client (and /health).
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.llm.default_sampling.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         params = [self._params(body, prompt_ids, max_tokens, body.logprobs) for prompt_ids in prompts]
+        if echo_logprobs:
+            params = [dataclasses.replace(p, prompt_logprobs=body.logprobs) for p in params]
         await self._compile_grammar(params[0])
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
-        handles = self._submit_all(prompts, params, "cmpl")
+        handles = self._submit_all(prompts, params, "cmpl", body.request_id)
         request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
         header = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
         n = params[0].n
+        num_top = body.logprobs or 0
         if body.stream:
             num_prompt_tokens = sum(map(len, prompts))
-            choice = functools.partial(self._completion_choice, echoes=echoes, n=n)
+            choice = functools.partial(
+                self._completion_choice, echoes=echoes, n=n, num_top=num_top, token_ids=body.return_token_ids
+            )
             return self._events(handles, header, num_prompt_tokens, n, body, choice)
         try:
             outputs = [await self._wait(handle, request) for handle in handles]
@@ -117,16 +125,24 @@ class OpenAIServing:
             for handle in handles:
                 handle.abort()
             raise
-        choices = [
-            {
-                "index": prompt_index * n + sample.index,
-                "text": echoes[prompt_index] + sample.text,
-                "logprobs": self.token_text.completion_logprobs(sample),
-                "finish_reason": sample.finish_reason,
-            }
-            for prompt_index, output in enumerate(outputs)
-            for sample in output.outputs
-        ]
+        choices = []
+        for prompt_index, output in enumerate(outputs):
+            for sample in output.outputs:
+                logprobs = self.token_text.completion_logprobs(sample, num_top)
+                if echo_logprobs:
+                    logprobs = self.token_text.echoed_logprobs(output, sample, num_top)
+                choice = {
+                    "index": prompt_index * n + sample.index,
+                    "text": echoes[prompt_index] + sample.text,
+                    "logprobs": logprobs,
+                    "finish_reason": sample.finish_reason,
+                    "stop_reason": sample.stop_reason,
+                }
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+                if body.return_token_ids:
+                    choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=list(sample.token_ids))
+                choices.append(choice)
         counts = [_output_usage(output) for output in outputs]
         total = usage(sum(c["prompt_tokens"] for c in counts), sum(c["completion_tokens"] for c in counts))
         return {**header, "choices": choices, "usage": total}
@@ -134,12 +150,16 @@ class OpenAIServing:
     def _text(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
-    def _submit_all(self, prompts: list[list[int]], params: list[SamplingParams], prefix: str) -> list[RequestHandle]:
-        """Submit every prompt, or none: a refusal aborts those submitted before it."""
+    def _submit_all(
+        self, prompts: list[list[int]], params: list[SamplingParams], prefix: str, given_id: str | None = None
+    ) -> list[RequestHandle]:
+        """Submit every prompt, or none: a refusal aborts those submitted before it. A body's `request_id` names the
+        first request (vLLM's), the others `ID-1`, `ID-2`, ..."""
         handles: list[RequestHandle] = []
         try:
-            for prompt_ids, prompt_params in zip(prompts, params, strict=True):
-                handles.append(self._submit(prompt_ids, prompt_params, prefix))
+            for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
+                own = None if given_id is None else (given_id if index == 0 else f"{given_id}-{index}")
+                handles.append(self._submit(prompt_ids, prompt_params, prefix, own))
         except BaseException:
             for handle in handles:
                 handle.abort()
@@ -153,19 +173,24 @@ class OpenAIServing:
         image_urls = [url for message in body.messages for url in message.image_urls()]
         prompt: list[int] | dict[str, Any]
         try:
+            options = ChatOptions(
+                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )
             messages = [message.as_dict() for message in body.messages]
             if image_urls:
-                prompt = await asyncio.to_thread(self._image_prompt, messages, image_urls, body.tools)
+                prompt = await asyncio.to_thread(self._image_prompt, messages, image_urls, body.tools, options)
                 prompt_ids = prompt["prompt_token_ids"]
             else:
-                _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools)
+                _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools, options)
                 prompt = prompt_ids
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
+        if max_tokens is None:  # vLLM's: what fits, or less by the model's generation config
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
+            max_tokens = min(max_tokens, self.engine.llm.default_sampling.get("max_tokens", max_tokens))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        num_top = body.top_logprobs or 0
         params = self._params(body, prompt_ids, max_tokens, logprobs)
         if tools.forced_schema is not None:
             if params.structured_outputs is not None:
@@ -173,14 +198,14 @@ class OpenAIServing:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
         if image_urls:  # the vision tower runs when the request is checked: off the event loop
-            handle = await self._submit_off_loop(prompt, params, "chatcmpl")
+            handle = await self._submit_off_loop(prompt, params, "chatcmpl", body.request_id)
         else:
-            handle = self._submit(prompt_ids, params, "chatcmpl")
+            handle = self._submit(prompt_ids, params, "chatcmpl", body.request_id)
         created = now()
         header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             header["object"] = "chat.completion.chunk"
-            choice = functools.partial(self._chat_choice, tools=tools)
+            choice = functools.partial(self._chat_choice, tools=tools, num_top=num_top, token_ids=body.return_token_ids)
             return self._events([handle], header, len(prompt_ids), params.n, body, choice)
         output = await self._wait(handle, request)
         choices = []
@@ -190,11 +215,18 @@ class OpenAIServing:
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             finish_reason = "tool_calls" if calls and sample.finish_reason == "stop" else sample.finish_reason
-            logprobs = self.token_text.chat_logprobs(sample)
-            choices.append(
-                {"index": sample.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-            )
-        return {**header, "choices": choices, "usage": _output_usage(output)}
+            logprobs = self.token_text.chat_logprobs(sample, num_top)
+            choice = {"index": sample.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice["stop_reason"] = sample.stop_reason
+            if body.return_token_ids:
+                choice["token_ids"] = list(sample.token_ids)
+            choices.append(choice)
+        response = {**header, "choices": choices, "usage": _output_usage(output)}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = output.prompt_token_ids
+        return response
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the body's tools and tool_choice ask of the output (400s for what cannot be done)."""
@@ -269,8 +301,8 @@ class OpenAIServing:
             raise APIError(400, "this server has no tokenizer: it takes and gives token ids only", param="model")
         return self.tokenizer
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
             raise APIError(
                 404, f"model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
             )
@@ -304,7 +336,7 @@ class OpenAIServing:
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
             )
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs, self.engine.llm.default_sampling)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param=_setting_named(str(error))) from error
 
@@ -319,7 +351,11 @@ class OpenAIServing:
             raise APIError(400, str(error), param="response_format") from error
 
     def _image_prompt(
-        self, messages: list[dict[str, Any]], urls: list[str], tools: list[dict[str, Any]] | None
+        self,
+        messages: list[dict[str, Any]],
+        urls: list[str],
+        tools: list[dict[str, Any]] | None,
+        options: ChatOptions,
     ) -> dict[str, Any]:
         """A chat with images as the model's processor renders and processes it (in a worker thread)."""
         llm = self.engine.llm
@@ -329,20 +365,24 @@ class OpenAIServing:
                 refused or f"this model ({type(llm.model).__name__}) takes no images: send text parts only"
             )
         images = [decode_image(url, self.fetch_images) for url in urls]
-        _, prompt = image_chat_prompt(llm.processor, messages, images, tools)
+        _, prompt = image_chat_prompt(llm.processor, messages, images, tools, options)
         return prompt
 
-    async def _submit_off_loop(self, prompt: dict[str, Any], params: SamplingParams, prefix: str) -> RequestHandle:
+    async def _submit_off_loop(
+        self, prompt: dict[str, Any], params: SamplingParams, prefix: str, given_id: str | None = None
+    ) -> RequestHandle:
         try:
-            handle = await asyncio.to_thread(self.engine.submit, prompt, params, request_id(prefix))
+            handle = await asyncio.to_thread(self.engine.submit, prompt, params, given_id or request_id(prefix))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
         self._track(handle)
         return handle
 
-    def _submit(self, prompt_ids: list[int], params: SamplingParams, prefix: str) -> RequestHandle:
+    def _submit(
+        self, prompt_ids: list[int], params: SamplingParams, prefix: str, given_id: str | None = None
+    ) -> RequestHandle:
         try:
-            handle = self.engine.submit(prompt_ids, params, request_id=request_id(prefix))
+            handle = self.engine.submit(prompt_ids, params, request_id=given_id or request_id(prefix))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt") from error
         self._track(handle)
@@ -402,6 +442,7 @@ class OpenAIServing:
                 first = (prompt_index, delta.index) not in pending
                 held = pending.setdefault((prompt_index, delta.index), _Pending())
                 held.all_token_ids += delta.token_ids
+                held.unsent_token_ids += delta.token_ids
                 if delta.logprobs is not None:
                     held.token_ids += delta.token_ids
                     held.logprobs += delta.logprobs
@@ -422,24 +463,42 @@ class OpenAIServing:
                     handle.abort()
 
     def _completion_choice(
-        self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending, echoes: list[str], n: int
+        self,
+        prompt_index: int,
+        delta: StreamDelta,
+        first: bool,
+        held: _Pending,
+        echoes: list[str],
+        n: int,
+        num_top: int,
+        token_ids: bool,
     ) -> dict[str, Any]:
         logprobs = None
         if delta.logprobs is not None:
-            logprobs, held.text_offset = self.token_text.completion_logprobs_of(*held.take(), held.text_offset)
+            logprobs, held.text_offset = self.token_text.completion_logprobs_of(*held.take(), num_top, held.text_offset)
         text = echoes[prompt_index] + delta.text if first else delta.text
         index = prompt_index * n + delta.index
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if token_ids:
+            choice["token_ids"] = held.take_token_ids()
+        return choice
 
     def _chat_choice(
-        self, prompt_index: int, delta: StreamDelta, first: bool, held: _Pending, tools: ToolPlan
+        self,
+        prompt_index: int,
+        delta: StreamDelta,
+        first: bool,
+        held: _Pending,
+        tools: ToolPlan,
+        num_top: int,
+        token_ids: bool,
     ) -> dict[str, Any]:
         """A chat chunk. A named tool_choice streams its one call's arguments as they come, as OpenAI does (the
         first chunk names the function). With other tools, text from where the calls start is held back; the
         calls come with the finishing chunk, one entry each (complete arguments), or the held text if they did
         not parse."""
         if tools.named is not None:
-            return self._named_call_chunk(delta, first, held, tools.named)
+            return self._named_call_chunk(delta, first, held, tools.named, num_top)
         text, finish_reason, calls = delta.text, delta.finish_reason, []
         if tools.parses:
             held.text += delta.text
@@ -462,10 +521,15 @@ class OpenAIServing:
             message["tool_calls"] = [call.as_openai(index) for index, call in enumerate(calls)]
         logprobs = None
         if delta.logprobs is not None:
-            logprobs = self.token_text.chat_logprobs_of(*held.take())
-        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            logprobs = self.token_text.chat_logprobs_of(*held.take(), num_top)
+        choice = {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids:
+            choice["token_ids"] = held.take_token_ids()
+        return choice
 
-    def _named_call_chunk(self, delta: StreamDelta, first: bool, held: _Pending, name: str) -> dict[str, Any]:
+    def _named_call_chunk(
+        self, delta: StreamDelta, first: bool, held: _Pending, name: str, num_top: int
+    ) -> dict[str, Any]:
         """A chunk of a named tool_choice's stream: the whole output is the function's arguments (held to its
         schema), so each delta's text is the next piece of them."""
         call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
@@ -475,7 +539,7 @@ class OpenAIServing:
             call["function"]["name"] = name
             message = {"role": "assistant", "content": None, **message}
         finish_reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
-        logprobs = self.token_text.chat_logprobs_of(*held.take()) if delta.logprobs is not None else None
+        logprobs = self.token_text.chat_logprobs_of(*held.take(), num_top) if delta.logprobs is not None else None
         return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -515,8 +579,10 @@ class _Pending:
     """A streamed choice's tokens and logprobs not yet sent, and where its next token's text starts."""
 
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     text_offset: int = 0
+    # `return_token_ids`: the tokens not yet sent in a chunk's token_ids.
+    unsent_token_ids: list[int] = field(default_factory=list)
     # With tools: every token and the text so far, how much of it was sent, and whether calls have begun.
     all_token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -524,10 +590,15 @@ class _Pending:
     in_calls: bool = False
     content_end: int = 0  # where the content ends once the calls have begun
 
-    def take(self) -> tuple[list[int], list[TokenLogprobs]]:
+    def take(self) -> tuple[list[int], list[dict[int, Logprob]]]:
         """The tokens and logprobs not yet sent, now sent."""
         taken = self.token_ids, self.logprobs
         self.token_ids, self.logprobs = [], []
+        return taken
+
+    def take_token_ids(self) -> list[int]:
+        """The tokens no chunk's token_ids has shown yet, now shown."""
+        taken, self.unsent_token_ids = self.unsent_token_ids, []
         return taken
 
 

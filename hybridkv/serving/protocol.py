@@ -1,9 +1,13 @@
 """OpenAI's request bodies as pydantic models, their `SamplingParams`, and the response bodies.
 
 Only the fields hybridkv honours are accepted: an unknown field is a 400 naming it, so a typo never
-passes silently. Beyond OpenAI's fields a body may carry hybridkv's (vLLM's) extra sampling settings:
-top_k, min_p, min_tokens, ignore_eos, stop_token_ids, repetition_penalty, cache_salt, and
-structured_outputs (vLLM's: one of json, regex, choice, grammar, json_object) beside OpenAI's response_format.
+passes silently. Beyond OpenAI's fields a body may carry vLLM's extra settings: top_k, min_p, min_tokens,
+ignore_eos, stop_token_ids, repetition_penalty, cache_salt, skip_special_tokens, include_stop_str_in_output,
+prompt_logprobs, return_token_ids, structured_outputs (one of json, regex, choice, grammar, json_object; beside
+OpenAI's response_format), and for a chat chat_template, chat_template_kwargs, add_generation_prompt and
+continue_final_message; `model` may be left out, and `request_id` and `priority` are accepted (they change no
+output). A sampling field a body leaves out takes the model's default (its generation config's, as vLLM's
+`--generation-config auto`), else vLLM's.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hybridkv.outputs import CompletionOutput, TokenLogprobs
+from hybridkv.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.structured_outputs import StructuredOutputsParams
 
@@ -57,11 +61,11 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both endpoints share: OpenAI's sampling settings and hybridkv's extras."""
+    """The fields both endpoints share: OpenAI's sampling settings and vLLM's extras."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -82,6 +86,13 @@ class SamplingFields(BaseModel):
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    request_id: str | None = None
+    priority: int = 0
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The body's constraint: OpenAI's `response_format` or vLLM's `structured_outputs` (not both)."""
@@ -98,9 +109,11 @@ class SamplingFields(BaseModel):
             )
         return StructuredOutputsParams(**self.structured_outputs)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
         """The body's settings as `SamplingParams` (which checks them: its ValueError or TypeError is
-        the 400's message); fields the body leaves out keep hybridkv's defaults."""
+        the 400's message); a field the body leaves out takes `defaults` (the model's), else SamplingParams'."""
         names = (
             "temperature",
             "top_p",
@@ -117,12 +130,19 @@ class SamplingFields(BaseModel):
             "repetition_penalty",
             "cache_salt",
             "best_of",
+            "logit_bias",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+            "prompt_logprobs",
         )
-        settings = {name: getattr(self, name, None) for name in names if getattr(self, name, None) is not None}
+        settings = {key: value for key, value in (defaults or {}).items() if key != "max_tokens"}
+        settings.update({name: getattr(self, name) for name in names if getattr(self, name, None) is not None})
         structured = self.structured_outputs_params()
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, **settings)
         if self.stream and params.num_samples > params.n:
             raise ValueError(f"best_of={params.best_of} > n={params.n} cannot be streamed; set stream=false")
+        if self.stream and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not streamed; set stream=false to get them")
         return params
 
 
@@ -211,6 +231,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(BaseModel):
@@ -219,7 +243,7 @@ class TokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -230,7 +254,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: str | None = None
     tokens: list[int]
 
 
@@ -263,14 +287,14 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, sample: CompletionOutput) -> dict[str, Any] | None:
-        """`/v1/completions`' logprobs: tokens, their logprobs, the top tokens' and text offsets."""
+    def completion_logprobs(self, sample: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+        """`/v1/completions`' logprobs: tokens, their logprobs, the `num_top` top tokens' and text offsets."""
         if sample.logprobs is None:
             return None
-        return self.completion_logprobs_of(sample.token_ids, sample.logprobs)[0]
+        return self.completion_logprobs_of(sample.token_ids, sample.logprobs, num_top)[0]
 
     def completion_logprobs_of(
-        self, token_ids: list[int], entries: list[TokenLogprobs], offset: int = 0
+        self, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, offset: int = 0
     ) -> tuple[dict[str, Any], int]:
         """Those of some tokens whose text starts at `offset` (a stream's next chunk), and the offset after them."""
         tokens = [self(token_id) for token_id in token_ids]
@@ -278,24 +302,64 @@ class TokenText:
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
+        pairs = list(zip(token_ids, entries, strict=True))
         body = {
             "tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{self(top_id): lp for top_id, lp in entry.top} for entry in entries],
+            "token_logprobs": [entry[token].logprob for token, entry in pairs],
+            "top_logprobs": [{self(top_id): lp for top_id, lp in _top(entry, num_top)} for _, entry in pairs],
             "text_offset": offsets,
         }
         return body, offset
 
-    def chat_logprobs(self, sample: CompletionOutput) -> dict[str, Any] | None:
-        """`/v1/chat/completions`' logprobs: one entry per token with its top alternatives."""
+    def echoed_logprobs(self, output: RequestOutput, sample: CompletionOutput, num_top: int) -> dict[str, Any]:
+        """`/v1/completions`' logprobs with `echo`: the prompt's tokens first (the first with no logprob, as OpenAI
+        gives it), then the sample's."""
+        prompt_ids, prompt_entries = output.prompt_token_ids, output.prompt_logprobs or []
+        body, offset = self.completion_logprobs_of(
+            prompt_ids[1:], prompt_entries[1:], num_top, len(self(prompt_ids[0]))
+        )
+        generated, _ = self.completion_logprobs_of(list(sample.token_ids), sample.logprobs or [], num_top, offset)
+        return {
+            "tokens": [self(prompt_ids[0]), *body["tokens"], *generated["tokens"]],
+            "token_logprobs": [None, *body["token_logprobs"], *generated["token_logprobs"]],
+            "top_logprobs": [None, *body["top_logprobs"], *generated["top_logprobs"]],
+            "text_offset": [0, *body["text_offset"], *generated["text_offset"]],
+        }
+
+    def chat_logprobs(self, sample: CompletionOutput, num_top: int) -> dict[str, Any] | None:
+        """`/v1/chat/completions`' logprobs: one entry per token with its `num_top` top alternatives."""
         if sample.logprobs is None:
             return None
-        return self.chat_logprobs_of(sample.token_ids, sample.logprobs)
+        return self.chat_logprobs_of(sample.token_ids, sample.logprobs, num_top)
 
-    def chat_logprobs_of(self, token_ids: list[int], entries: list[TokenLogprobs]) -> dict[str, Any]:
-        return {"content": [self._chat_entry(t, entry) for t, entry in zip(token_ids, entries, strict=True)]}
+    def chat_logprobs_of(self, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict[str, Any]:
+        pairs = zip(token_ids, entries, strict=True)
+        return {"content": [self._chat_entry(token, entry, num_top) for token, entry in pairs]}
 
-    def _chat_entry(self, token_id: int, entry: TokenLogprobs) -> dict[str, Any]:
+    def _chat_entry(self, token_id: int, entry: dict[int, Logprob], num_top: int) -> dict[str, Any]:
         token = self(token_id)
-        top = [{"token": self(i), "logprob": lp, "bytes": list(self(i).encode())} for i, lp in entry.top]
-        return {"token": token, "logprob": entry.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+        top = [{"token": self(i), "logprob": lp, "bytes": list(self(i).encode())} for i, lp in _top(entry, num_top)]
+        return {"token": token, "logprob": entry[token_id].logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, float]]:
+    """The `num_top` most likely tokens of one position's logprobs (vLLM's dict: the sampled token with its rank,
+    then the top k), most likely first."""
+    ranked = sorted((lp.rank or 0, order, token_id, lp.logprob) for order, (token_id, lp) in enumerate(entry.items()))
+    return [(token_id, logprob) for _, _, token_id, logprob in ranked[:num_top]]
+
+
+def prompt_logprobs_body(prompt_logprobs: PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt position, token id (as a string key) -> logprob, rank and
+    decoded token; None for the first position."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
