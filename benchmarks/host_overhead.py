@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import shutil
 import statistics
 import sys
@@ -225,8 +226,13 @@ def run_steps(
     """Run the prompts to the end step by step (as `generate` does); returns the host seconds of the decode steps
     (every row one new token) and their number, read from the engine's counters around each step (and adds the
     decode steps' argmax seconds to `argmax`, given)."""
-    for prompt in prompts:
-        llm.add_request(prompt, params)
+    # vLLM's (request_id, prompt, params) since the issue 45 change; (prompt, params) in the versions before it.
+    vllm_order = next(iter(inspect.signature(llm.add_request).parameters)) == "request_id"
+    for index, prompt in enumerate(prompts):
+        if vllm_order:
+            llm.add_request(str(index), prompt, params)
+        else:
+            llm.add_request(prompt, params)
     runner = llm.runner
     decode_host, decode_steps = 0.0, 0
     while llm.has_unfinished_requests():

@@ -40,8 +40,8 @@ def run(runs: int) -> None:
     prompts, max_new = workload("mixed")
     for _ in range(runs):
         llm = hybridkv.patch(model, max_model_len=8192, enable_prefix_caching=True)
-        for prompt in prompts:
-            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_new))
+        for index, prompt in enumerate(prompts):
+            llm.add_request(str(index), prompt, SamplingParams(temperature=0, max_tokens=max_new))
         scheduler = llm.scheduler
         while llm.has_unfinished_requests():
             decode = not scheduler.waiting and all(

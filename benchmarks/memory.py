@@ -128,7 +128,7 @@ def run_hybridkv(model, prompts, new_tokens: int, budget: int, step_tokens: int,
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
-    ids = [llm.add_request(prompt, params) for prompt in prompts]
+    ids = [llm.add_request(str(i), prompt, params) for i, prompt in enumerate(prompts)]
     outputs, at_once = {}, 0
     while llm.has_unfinished_requests():
         for output in llm.step():

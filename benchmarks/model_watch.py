@@ -71,7 +71,7 @@ def main() -> None:
     params = hybridkv.SamplingParams(max_tokens=1)
 
     def add_and_abort() -> None:
-        llm.abort(llm.add_request(prompt, params))
+        llm.abort(llm.add_request("timed", prompt, params))
 
     check = timed(llm.model_watch.check, args.repeats)
     add = timed(add_and_abort, args.repeats // 4)

@@ -44,8 +44,8 @@ def main() -> None:
     prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.running)]
     llm = hybridkv.patch(model, max_model_len=args.prompt_len + 4 * args.steps + 64, max_num_seqs=args.running)
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
-    for prompt in prompts:
-        llm.add_request(prompt, params)
+    for index, prompt in enumerate(prompts):
+        llm.add_request(str(index), prompt, params)
     while llm.stats()["num_waiting"] or any(r.num_computed_tokens < r.num_prompt_tokens for r in llm.scheduler.running):
         llm.step()  # every prompt computed: what follows are decode steps
     for _ in range(3):
