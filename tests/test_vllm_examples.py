@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.outputs import Logprob
@@ -365,3 +366,45 @@ def test_request_fields_that_would_change_the_output_are_refused_or_honoured(llm
     params.max_tokens = 0
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         llm.generate(PROMPTS[0], params)  # checked again when a request takes it
+
+
+def test_the_server_gives_fields_a_request_leaves_out_the_models_defaults(checkpoint):
+    # vLLM's server with `--generation-config auto`: a request without temperature or top_k samples as the model's
+    # generation config says (top_k=1 here: the greedy tokens), where before it sampled at temperature 1, unfiltered.
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.generation_config.top_k = 1
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    with torch.inference_mode():
+        greedy = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids) :].tolist()
+    llm = hybridkv.patch(model, tokenizer, max_model_len=256, block_size=8)
+    handle = hybridkv.serve(llm, port=0, model_name="tiny")
+    try:
+        client = openai.OpenAI(base_url=handle.url + "/v1", api_key="EMPTY", max_retries=0)
+        for seed in range(3):
+            completion = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, seed=seed)
+            assert completion.choices[0].text == tokenizer.decode(greedy)
+    finally:
+        handle.stop()
+        hybridkv.unpatch(model)
+
+
+def test_special_tokens_and_stop_strings_in_the_text_as_vllm_options_say(llm):
+    tokenizer = llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    forced = dict(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={eos: 100.0})
+    (skipped,) = llm.generate(PROMPTS[0], SamplingParams(**forced))
+    (kept,) = llm.generate(PROMPTS[0], SamplingParams(**forced, skip_special_tokens=False))
+    assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [eos, eos]
+    assert skipped.outputs[0].text == "" and kept.outputs[0].text == tokenizer.eos_token * 2
+    (free,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16))
+    text = free.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), text  # a stop string the greedy text holds
+    cut = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, stop=[stop]))[0].outputs[0]
+    whole = llm.generate(
+        PROMPTS[1], SamplingParams(temperature=0, max_tokens=16, stop=[stop], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    start = text.index(stop)
+    assert cut.text == text[:start] and whole.text == text[: start + len(stop)]
+    assert cut.stop_reason == whole.stop_reason == stop
