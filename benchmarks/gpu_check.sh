@@ -5,20 +5,24 @@
 # steps (tests/test_cuda_graphs.py: every zoo family's replay equal to its eager step bit for bit, fp32
 # and bf16, no host sync in the replay path), the zoo's token-exact greedy tests on CUDA in fp32 (decode
 # steps as CUDA graphs, the default there), benchmarks/attention_gpu.py (with the decode kernel's
-# bandwidth against a device copy) and benchmarks/throughput_gpu.py. Logs go to OUT_DIR, one per part,
-# and a summary.
+# bandwidth against a device copy), benchmarks/compile_startup.py and benchmarks/throughput_gpu.py. Logs go
+# to OUT_DIR, one per part, and a summary.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]       (default: gpu_check/; $OUT where that is set)
 #
 # Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
 # Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
-# some of them, in the order given ("kernels graphs zoo attention throughput", and "profile": where a decode
-# step's time goes, benchmarks/profile_gpu_step.py, PROFILE_ARGS), THROUGHPUT_ARGS for
-# throughput_gpu.py's, and KERNELS_SECONDS, GRAPHS_SECONDS, ... for a part's limit.
+# some of them, in the order given. The default (issue 46, within 9 minutes on an H200): "startup"
+# (benchmarks/compile_startup.py: patch() of the Gemma-3-1B shape, compiled, cold and warm caches) and
+# "throughput" (Gemma-3-1B and Llama-3.2-1B shapes, the mixed workload: hybridkv's defaults, compile=False,
+# and transformers' static-cache compiled generate). Also: "kernels graphs zoo attention", and
+# "profile" (where a decode step's time goes, benchmarks/profile_gpu_step.py, PROFILE_ARGS); THROUGHPUT_ARGS
+# for throughput_gpu.py's arguments, and KERNELS_SECONDS, GRAPHS_SECONDS, ... for a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
-parts=${PARTS:-kernels graphs zoo attention throughput}
+parts=${PARTS:-startup throughput}
+throughput_args=${THROUGHPUT_ARGS:---models gemma3,llama --workloads mixed --requests 128 --systems hybridkv,hybridkv_nocompile,generate_static}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -49,7 +53,8 @@ for part in $parts; do
     graphs) run_part graphs "${GRAPHS_SECONDS:-240}" "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
     zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-60}" python3 benchmarks/attention_gpu.py ;;
-    throughput) run_part throughput "${THROUGHPUT_SECONDS:-300}" python3 benchmarks/throughput_gpu.py ${THROUGHPUT_ARGS:-} ;;
+    startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
+    throughput) run_part throughput "${THROUGHPUT_SECONDS:-360}" python3 benchmarks/throughput_gpu.py $throughput_args ;;
     profile) run_part profile "${PROFILE_SECONDS:-120}" python3 benchmarks/profile_gpu_step.py ${PROFILE_ARGS:-} ;;
     *) echo "unknown part $part" ;;
     esac

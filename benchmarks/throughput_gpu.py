@@ -16,9 +16,12 @@ The systems (`--systems`):
                        warmed up on a whole batch of that shape, so nothing recompiles when timed
   generate_batch       transformers' continuous batching with its defaults
   generate_batch_l1/2  ... with ContinuousBatchingConfig(use_cuda_graph=True, default_compile_level=1 or 2)
-  hybridkv             defaults (on one GPU: decode steps as CUDA graphs), max_num_seqs 128
-  hybridkv_eager       enforce_eager=True: every step launched from Python
-  hybridkv_compiled    compile=True, and CUDA graphs of the compiled decode steps
+  hybridkv             defaults (on one GPU: the compiled forward, hybridkv/compilation.py, and decode steps as
+                       CUDA graphs over it), max_num_seqs 128; its warm-up compiles unless the disk cache has the
+                       program (`HYBRIDKV_CACHE_DIR`)
+  hybridkv_nocompile   compile=False: eager kernels, decode steps as CUDA graphs
+  hybridkv_eager       enforce_eager=True, compile=False: every step launched from Python
+  hybridkv_compiled    compile=True (what the defaults do on one GPU)
 bf16 greedy tokens can differ between systems after a near tie; for every pair of systems the share of
 requests whose tokens are equal, and the mean first differing position, are printed.
 
@@ -165,7 +168,8 @@ def main() -> None:
                 "generate_batch_l1": functools.partial(run_generate_batch, level=1),
                 "generate_batch_l2": functools.partial(run_generate_batch, level=2),
                 "hybridkv": run_hybridkv,
-                "hybridkv_eager": functools.partial(run_hybridkv, enforce_eager=True),
+                "hybridkv_nocompile": functools.partial(run_hybridkv, compile=False),
+                "hybridkv_eager": functools.partial(run_hybridkv, enforce_eager=True, compile=False),
                 "hybridkv_compiled": functools.partial(run_hybridkv, compile=True),
             }
             results = {}
@@ -181,7 +185,7 @@ def main() -> None:
                     hybridkv.unpatch(model)  # frees the pool: the next system sizes its own from a free device
                 results[name] = result
                 line = (
-                    f"{model_name} {workload_name} {name:<17} {result[0]:8.2f} s {generated / result[0]:10.0f} tok/s"
+                    f"{model_name} {workload_name} {name:<18} {result[0]:8.2f} s {generated / result[0]:10.0f} tok/s"
                     f"  (warm-up {warm_seconds:.1f} s)"
                 )
                 if name.startswith("hybridkv"):

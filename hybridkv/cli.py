@@ -48,6 +48,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "cpu_threads": cpu_threads_flag,
     "enforce_eager": bool,
     "compile": bool,
+    "use_tqdm": bool,
     "num_state_checkpoints": int,
     "state_checkpoint_interval": int,
     "encoder_cache_bytes": int,

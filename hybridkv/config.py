@@ -33,8 +33,13 @@ class EngineConfig:
     `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a
     single GPU, replayed as captured CUDA graphs (hybridkv/graphs.py; elsewhere run eagerly over the same
     padded buffers, which tests what a GPU captures); True runs every step eagerly, unpadded; None (default)
-    is graph mode on a single CUDA device and eager elsewhere. `compile`: the forward under
-    `torch.compile(fullgraph=True, dynamic=True)` (inductor), off by default.
+    is graph mode on a single CUDA device and eager elsewhere. `compile`: the forward traced once by
+    `torch.compile`, split at attention and its distinct pieces compiled by inductor, kept on disk for the next
+    process (hybridkv/compilation.py): True compiles (a model that cannot be compiled is an error), False never
+    does, None (default) compiles where CUDA graphs are captured, over which they are captured, and runs
+    eagerly elsewhere (on the CPU compiling costs more set-up than it saves: benchmarks/RESULTS.md); a model
+    that cannot be compiled then runs eagerly with a warning. `use_tqdm`: progress bars for set-up that takes
+    a while (compiling, capturing CUDA graphs); `logging.getLogger("hybridkv")` logs each stage either way.
 
     A model with state layers keeps, with prefix caching on, `num_state_checkpoints` states at block boundaries of
     computed prefixes (default `max_num_seqs`; 0: no hit on such a model), one every `state_checkpoint_interval`
@@ -65,7 +70,8 @@ class EngineConfig:
     attention_backend: str | None = None
     cpu_threads: int | str | None = "auto"
     enforce_eager: bool | None = None
-    compile: bool = False
+    compile: bool | None = None
+    use_tqdm: bool = True
     num_state_checkpoints: int | None = None
     state_checkpoint_interval: int | None = None
     encoder_cache_bytes: int = 256 << 20
@@ -105,7 +111,9 @@ class EngineConfig:
         set_field("gpu_memory_utilization", utilization)
         set_field("kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        check_bool("compile", self.compile)
+        if self.compile is not None:
+            check_bool("compile", self.compile)
+        check_bool("use_tqdm", self.use_tqdm)
         if self.enforce_eager is not None:
             check_bool("enforce_eager", self.enforce_eager)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

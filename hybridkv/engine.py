@@ -69,6 +69,12 @@ class CheckedRequest(NamedTuple):
     multimodal: MultiModalInputs | None = None
 
 
+def compiles_by_default(captures: bool) -> bool:
+    """compile=None: compiled where CUDA graphs are captured (one GPU), eager elsewhere: on the CPU compiling costs
+    more set-up than its steps save (benchmarks/RESULTS.md, "The compiled forward")."""
+    return captures
+
+
 class LLMEngine(RunLoops):
     """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`); `generate`,
     `chat` and `stream` come from `RunLoops` (hybridkv/loops.py)."""
@@ -92,6 +98,8 @@ class LLMEngine(RunLoops):
         # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
         graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
+        captures = bool(buckets) and captures_graphs(model)
+        compiled = config.compile if config.compile is not None else compiles_by_default(captures)
         # One state slot per request that may run at once, and the scratch slot; with prefix caching, the states
         # at block boundaries that hits restore (hybridkv/state_slots.py).
         num_state_slots = config.max_num_seqs + 1 if layout.states else 0
@@ -135,7 +143,13 @@ class LLMEngine(RunLoops):
         )
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
         limits = RunnerLimits(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, buckets, config.compile
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            buckets,
+            compile=compiled,
+            compile_required=config.compile is True,
+            use_tqdm=config.use_tqdm,
         )
         self.runner = ModelRunner(
             model,
@@ -150,9 +164,9 @@ class LLMEngine(RunLoops):
         )
         self.runner.allocate_swap_space(num_swap_blocks)
         self.runner.allocate_state_swap_space(num_swap_state_slots)
-        if config.compile or (buckets and captures_graphs(model)):
+        if compiled or captures:
             with attention_installed(model):
-                self.runner.warm_up(capture=bool(buckets) and captures_graphs(model))
+                self.runner.warm_up(capture=captures)
         on_cpu = all(device.type == "cpu" for device in self.runner.devices)
         self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
         self.inputs = InputProcessor(model, tokenizer)
@@ -432,16 +446,24 @@ class LLMEngine(RunLoops):
         change = self.model_watch.check()
         if change is not None:
             self._take_model_change(change)
+        elif self.runner.compiled is not None and self.model.training != self.runner.compiled.training:
+            self._follow_compiled(("the model switched between training and eval mode",), moved=False)
 
     def _take_model_change(self, change: ModelChange) -> None:
         self.coordinator.model_key = change.key
         if self.images is not None:
             self.images.keep_only(change.key)
-        if change.moved and self.runner.graphs is not None:
+        self._follow_compiled(change.reasons, change.moved)
+
+    def _follow_compiled(self, reasons: tuple[str, ...], moved: bool) -> None:
+        """The compiled forward for the model as it is now, then CUDA graphs captured again when what they replay
+        changed: a weight's address, or the compiled program (another adapter, another mode)."""
+        replaced = self.runner.follow_model()
+        if (moved or replaced) and self.runner.graphs is not None:
             warnings.warn(
-                f"hybridkv captures the decode steps' CUDA graphs again: {'; '.join(change.reasons)}, and the "
-                "captured graphs read the old addresses",
-                stacklevel=4,
+                f"hybridkv captures the decode steps' CUDA graphs again: {'; '.join(reasons)}, and the "
+                "captured graphs replay what the model computed before",
+                stacklevel=5,
             )
             self.runner.capture_graphs()
 

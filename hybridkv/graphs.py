@@ -17,6 +17,8 @@ captured largest first; their memory is counted before the KV pool is sized (hyb
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -24,9 +26,12 @@ import numpy as np
 import torch
 
 from hybridkv.patches.attention import running_step
+from hybridkv.progress import progress_bar
 
 if TYPE_CHECKING:
     from hybridkv.model_runner import ModelRunner
+
+logger = logging.getLogger("hybridkv")
 
 
 def captures_graphs(model: torch.nn.Module) -> bool:
@@ -79,6 +84,8 @@ class DecodeGraphs:
         """Capture every bucket, largest first, over a step of padding rows only (which writes nothing)."""
         runner = self.runner
         pool = None
+        start = time.perf_counter()
+        bar = progress_bar(len(self.buckets), runner.limits.use_tqdm, desc="hybridkv: capturing", unit="graph")
         for bucket in sorted(self.buckets, reverse=True):
             prepared = runner.padding_step(bucket)
             runner.context.metadata = prepared.metadata
@@ -102,7 +109,10 @@ class DecodeGraphs:
                 runner.context.store_deferred(list(runner.context.deferred))
             pool = graph.pool()
             self.graphs[bucket] = CapturedStep(graph, logits)
+            bar.update(1)
+        bar.close()
         torch.cuda.synchronize(runner.input_device)
+        logger.info("hybridkv: captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from hybridkv.chat import ChatOptions, Messages, chat_images, chat_prompt, conve
 from hybridkv.exclusive import exclusive
 from hybridkv.inputs import Prompt, prompt_list, refuse_lora_request
 from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.progress import progress_bar
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.stream import RequestStream
 
@@ -119,7 +120,7 @@ class RunLoops:
         """Queue checked requests and step until all finish; if that fails or is interrupted, abort them."""
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        progress = _progress(len(checked), use_tqdm)
+        progress = progress_bar(len(checked), use_tqdm)
         try:
             ids.extend(self._enqueue(*request) for request in checked)
             wanted = set(ids)
@@ -182,19 +183,3 @@ def _params_for(
     if len(params) != count:
         raise ValueError(f"got {count} {what} but {len(params)} SamplingParams; give one or one each")
     return params
-
-
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return _NoProgress()
-    from tqdm.auto import tqdm  # only when asked: in Jupyter without ipywidgets tqdm.auto warns on import
-
-    return tqdm(total=total, desc="hybridkv", unit="req")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hybridkv.compilation import CannotCompile
+from hybridkv.compiled_forward import CompiledForward
 from hybridkv.coordinator import TableUpdates
 from hybridkv.graphs import DecodeGraphs, padding_arrays
 from hybridkv.grouping import KVCacheConfig
@@ -45,6 +47,9 @@ class RunnerLimits:
     max_model_len: int
     decode_buckets: tuple[int, ...] = ()
     compile: bool = False
+    # compile=True was asked for (a model that cannot be compiled is then an error, not a warning)
+    compile_required: bool = False
+    use_tqdm: bool = False
 
 
 class ModelRunner:
@@ -150,7 +155,10 @@ class ModelRunner:
         self._groups_in_order = [self.batch.group_slots[group.group_id] for group in kv_config.groups]
         self._all_rows = np.arange(max_num_tokens, dtype=np.int64)
         self._ones = np.ones(max(max_num_tokens, limits.max_num_seqs), dtype=np.int64)
-        self._forward_fn = self._compiled_forward() if limits.compile else self._forward
+        self._forward_fn = self._forward
+        # The compiled forward (hybridkv/compiled_forward.py), found at warm-up; why not, if it cannot be.
+        self.compiled = CompiledForward(model, self.input_device, limits.use_tqdm) if limits.compile else None
+        self.compile_error: str | None = None
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
         # State layers: their states' pool, the cache a step gives the model, and each layer's module run per
@@ -178,27 +186,47 @@ class ModelRunner:
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
 
     def warm_up(self, capture: bool) -> None:
-        """At patch time, not in a user's first step: compile the forward (`compile`), which raises a ValueError
-        naming the fix when it cannot be traced whole, then capture a CUDA graph of a decode step at every
-        decode bucket (`capture`: graph mode on one GPU). A graph that cannot be captured (a model whose own
-        code syncs with the host, e.g. to loop over the experts a router picked) leaves every decode step
-        eager, with a warning; `graph_error` says why."""
-        if self.limits.compile:
-            prepared = self.padding_step(3)
-            self.context.metadata = prepared.metadata
-            # Rows != logits rows, both > 1: the first trace is general in both (no specialised graph).
-            inputs = self.buffers[self.input_device].model_inputs(3, 2)
-            try:
-                with torch.inference_mode(), running_step(self.context):
-                    self._forward_fn(*inputs)
-            except Exception as exc:
-                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                raise ValueError(
-                    f"compile=True: torch.compile(fullgraph=True) cannot trace {type(self.model).__name__}'s forward "
-                    f"({type(exc).__name__}: {first_line}); patch it with compile=False"
-                ) from exc
+        """At patch time, not in a user's first step: find the compiled forward (`compile`: loaded from the
+        disk cache, else traced and compiled), then capture a CUDA graph of a decode step at every decode bucket
+        (`capture`: graph mode on one GPU). A model that cannot be compiled runs eagerly with a warning naming
+        the cause (a ValueError when compile=True was asked for). A graph that cannot be captured (a model
+        whose own code syncs with the host, e.g. to loop over the experts a router picked) leaves every decode
+        step eager, with a warning; `graph_error` says why."""
+        if self.compiled is not None:
+            self._take_program(self.compiled.prepare, at_patch=True)
         if capture:
             self.capture_graphs()
+
+    def follow_model(self) -> bool:
+        """After the engine saw the model change: the compiled forward for the model as it is now. Whether what
+        a captured graph replays changed (the program, or compiling stopped)."""
+        if self.compiled is None:
+            return False
+        before = self._forward_fn
+        self._take_program(self.compiled.prepare, at_patch=False)
+        return self._forward_fn is not before
+
+    def _take_program(self, prepare, at_patch: bool) -> None:
+        try:
+            with torch.inference_mode(), running_step(self.context):
+                self._forward_fn = prepare(self._padding_example)
+                self.context.store_deferred(list(self.context.deferred))
+        except CannotCompile as exc:
+            self._forward_fn, self.compiled = self._forward, None
+            self.compile_error = str(exc)
+            message = f"{type(self.model).__name__}'s forward cannot be compiled: {exc}"
+            if self.limits.compile_required and at_patch:
+                raise ValueError(f"compile=True: {message}; patch it with compile=False") from exc
+            warnings.warn(f"hybridkv: {message}; it runs eagerly", stacklevel=4)
+
+    def _padding_example(self) -> tuple[StepContext, tuple[torch.Tensor, ...]]:
+        """A step of 3 padding rows keeping 2 logits rows (both sizes > 1 and unequal: a trace over it is
+        general in both) to trace and check a compiled forward over; the deferred stores of the last one run
+        first."""
+        self.context.store_deferred(list(self.context.deferred))
+        prepared = self.padding_step(3)
+        self.context.metadata = prepared.metadata
+        return self.context, self.buffers[self.input_device].model_inputs(3, 2)
 
     def capture_graphs(self) -> None:
         """Capture a decode step's CUDA graph at every decode bucket, dropping any captured before (a weight moved
@@ -544,9 +572,6 @@ class ModelRunner:
             **{STEP_KWARG: self.context},
         )
         return output.logits[0]
-
-    def _compiled_forward(self):
-        return torch.compile(self._forward, fullgraph=True, dynamic=True)
 
 
 @dataclass(slots=True)

@@ -225,15 +225,7 @@ class ModelWatch:
         return tuple(tuple(layer.merged_adapters) for layer in self._tuner_layers)
 
     def _adapter_state(self) -> tuple[Any, ...]:
-        """Per PEFT tuner layer: its active adapters, whether adapters are disabled, and each active adapter's
-        scaling (LoRA's `set_scale`)."""
-        state = []
-        for layer in self._tuner_layers:
-            active = tuple(layer.active_adapters)
-            scaling = getattr(layer, "scaling", None)
-            scales = tuple(scaling.get(name) for name in active) if isinstance(scaling, dict) else ()
-            state.append((active, bool(layer.disable_adapters), scales))
-        return tuple(state)
+        return adapter_state(self._tuner_layers)
 
     # ---- hooks ---------------------------------------------------------------------------------------------
 
@@ -245,6 +237,24 @@ class ModelWatch:
         ids = self._parameter_ids
         if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
             self._optimizer_stepped = True
+
+
+def adapter_state(tuner_layers: Iterable[torch.nn.Module]) -> tuple[Any, ...]:
+    """Per PEFT tuner layer: its active adapters, whether adapters are disabled, and each active adapter's scaling
+    (LoRA's `set_scale`)."""
+    state = []
+    for layer in tuner_layers:
+        active = tuple(layer.active_adapters)
+        scaling = getattr(layer, "scaling", None)
+        scales = tuple(scaling.get(name) for name in active) if isinstance(scaling, dict) else ()
+        state.append((active, bool(layer.disable_adapters), scales))
+    return tuple(state)
+
+
+def model_adapter_state(model: torch.nn.Module) -> tuple[Any, ...]:
+    """`adapter_state` of every tuner layer of the model, with which adapters each has merged."""
+    layers = [module for module in model.modules() if _is_tuner_layer(module)]
+    return adapter_state(layers), tuple(tuple(layer.merged_adapters) for layer in layers)
 
 
 def _is_tuner_layer(module: torch.nn.Module) -> bool:

@@ -94,10 +94,24 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         # "fp32", "fp32 copy" (a 16-bit model) or "bfloat16/float16, gross errors only" (too large for a copy).
         "step_check": engine.step_check.mode,
         # Decode steps padded to these sizes (graph mode; empty: eager), those captured as CUDA graphs, why none
-        # could be (None: none failed), and whether the forward is compiled (hybridkv/graphs.py).
+        # could be (None: none failed) (hybridkv/graphs.py); whether the forward is compiled, why not when
+        # compiling was wanted, and how its program was found ("traced", "disk", "memory") in how many seconds
+        # (hybridkv/compiled_forward.py).
         "decode_buckets": list(engine.runner.limits.decode_buckets),
         "cuda_graphs": sorted(engine.runner.graphs.graphs) if engine.runner.graphs is not None else [],
         "cuda_graph_error": engine.runner.graph_error,
-        "compiled": engine.runner.limits.compile,
+        **compile_stats(engine.runner),
         "cpu_decode_kernel": all(device.type == "cpu" for device in engine.runner.devices) and cpu_decode.available(),
+    }
+
+
+def compile_stats(runner: Any) -> dict[str, Any]:
+    compiled = runner.compiled
+    return {
+        "compiled": compiled is not None,
+        "compile_error": runner.compile_error,
+        "compiled_from": compiled.origin if compiled is not None else None,
+        "compile_trace_seconds": compiled.trace_seconds if compiled is not None else 0.0,
+        "compile_seconds": compiled.compile_seconds if compiled is not None else 0.0,
+        "compile_load_seconds": compiled.load_seconds if compiled is not None else 0.0,
     }

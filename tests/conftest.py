@@ -1,10 +1,14 @@
 import os
+import tempfile
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when the kernel module is
 # imported: it must be set before anything imports hybridkv.kernels. Without a GPU the interpreter
 # is the only way to run the Triton kernels.
 if os.environ.get("HYBRIDKV_TEST_ON_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Compiled programs go to a cache of this test process's own, never the user's (~/.cache/hybridkv).
+os.environ["HYBRIDKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridkv-test-cache-")
 
 import pytest
 import torch
@@ -29,6 +33,10 @@ def patched():
             # The CPU's default budget: 0.9 of an H200 is ~15 million blocks of a tiny model (seconds of block
             # objects), and a fraction of the device is shared with the other test workers' processes.
             settings["kv_cache_memory"] = 1 << 30
+        if DEVICE.type == "cuda":
+            # On one GPU the default compiles (minutes for the zoo): tests of the compiled forward there pass
+            # `compile` themselves (tests/test_cuda_graphs.py).
+            settings.setdefault("compile", False)
         llm = hybridkv.patch(model, tokenizer, **settings)
         # Every step checks that the runner's persistent block tables equal the managers' lists.
         llm.runner.verify_tables = llm.coordinator.block_tables
@@ -39,3 +47,15 @@ def patched():
     for model in reversed(models):
         if hybridkv.is_patched(model):
             hybridkv.unpatch(model)
+
+
+@pytest.fixture
+def eager_pieces(monkeypatch):
+    """compile=True with every distinct piece run as its traced graph, not compiled by inductor (seconds, not
+    minutes a family): what the test checks is the trace, the split and the program (hybridkv/compilation.py).
+    Nothing is saved to or loaded from the disk cache."""
+    from hybridkv import compiled_forward
+
+    monkeypatch.setattr(compiled_forward, "compile_piece", lambda module, fake_args: module)
+    monkeypatch.setattr(compiled_forward.ProgramCache, "save", lambda self, key, spec, pieces: None)
+    monkeypatch.setattr(compiled_forward.ProgramCache, "load", lambda self, key: None)

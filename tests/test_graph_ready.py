@@ -54,12 +54,8 @@ def test_the_attention_op_passes_torch_librarys_opcheck(patched):
     llm.abort(request_id)
 
 
-def compiled_to_dynamo_graphs(llm):
-    """The runner's forward under torch.compile(fullgraph=True), its graphs run as traced (no inductor): any
-    graph break is an error, and the tokens are the traced operations' own."""
-    torch._dynamo.reset()
-    llm.runner._forward_fn = torch.compile(llm.runner._forward, fullgraph=True, dynamic=True, backend="eager")
-    return llm
+def unique_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 # transformers' own code of these loops in Python over what a tensor holds: no graph can hold their forward.
@@ -67,26 +63,29 @@ UNTRACEABLE = {"step3p7": "Step3p7Experts loops over the experts its router pick
 
 
 @pytest.mark.parametrize("name", sorted(ZOO.keys() - UNTRACEABLE.keys() - STATE.keys()))
-def test_every_served_family_compiles_a_mixed_and_a_decode_step_with_no_graph_break(name, patched):
-    """One trace per family: the prompts' step (rows of several lengths) compiles, the decode steps after it
-    reuse its graph (set_stance fail_on_recompile), and the tokens are eager mode's."""
+def test_every_served_family_runs_its_compiled_program_with_eager_tokens(name, patched, eager_pieces):
+    """One trace per family at patch time (no graph break), split at attention into the program that then serves
+    every step: the prompts' step (rows of several lengths) and the decode steps after it run with no trace
+    again (set_stance fail_on_recompile, dynamo's graph count unchanged), and the tokens are eager mode's.
+    The pieces run as traced here (`eager_pieces`); inductor's code: the tests below and
+    benchmarks/compile_sweep.py."""
     model = ZOO[name]()
     batch = prompts((7, 33, 70))
     params = SamplingParams(temperature=0, max_tokens=3)
     expected = tokens(patched(model, block_size=8, max_model_len=256).generate(batch, params, use_tqdm=False))
-    llm = compiled_to_dynamo_graphs(patched(model, block_size=8, max_model_len=256))
-    ids = [llm.add_request(new_request_id(), prompt, params) for prompt in batch]
-    outputs = {output.request_id: output for output in llm.step()}
+    llm = patched(model, block_size=8, max_model_len=256, compile=True)
+    assert llm.stats()["compiled"] and llm.stats()["compiled_from"] == "traced"
+    graphs = unique_graphs()
     with torch.compiler.set_stance("fail_on_recompile"):
-        while llm.has_unfinished_requests():
-            outputs.update((output.request_id, output) for output in llm.step())
-    assert tokens(outputs[i] for i in ids) == expected
+        assert tokens(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert unique_graphs() == graphs
 
 
 @pytest.mark.parametrize("name", sorted(UNTRACEABLE))
 def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the_fix(name, patched):
     model = ZOO[name]()
-    with pytest.raises(ValueError, match=r"compile=True: torch.compile\(fullgraph=True\) cannot trace .*compile=False"):
+    cannot_trace = r"compile=True: .*cannot be compiled: torch.compile\(fullgraph=True\) cannot trace.*compile=False"
+    with pytest.raises(ValueError, match=cannot_trace):
         hybridkv.patch(model, block_size=8, max_model_len=256, compile=True)
     assert not hybridkv.is_patched(model)
     llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False)  # graph mode still serves it
@@ -104,17 +103,20 @@ def test_compile_and_graphs_leave_state_layer_models_eager_with_a_clear_error(pa
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gemma4"])
-def test_compiled_steps_of_any_size_never_recompile_after_warm_up(name, patched):
-    """Warm-up: one request alone (a single row and a single logits row specialise), then a batch; after it,
-    no step size recompiles, whatever the prompts, chunks and decode batch sizes."""
+def test_compiled_steps_of_any_size_never_recompile_after_warm_up(name, patched, eager_pieces):
+    """Traced once at patch time; after it no step size traces again, whatever the prompts, chunks and decode
+    batch sizes: a lone request (one row, one logits row), chunked prompts, decode buckets (graph mode)."""
     model = ZOO[name]()
-    llm = compiled_to_dynamo_graphs(patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32))
-    llm.generate(prompts((9,)), GREEDY, use_tqdm=False)
-    llm.generate(prompts((7, 33, 70)), GREEDY, use_tqdm=False)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32, compile=True, enforce_eager=False)
+    graphs = unique_graphs()
     with torch.compiler.set_stance("fail_on_recompile"):
+        assert tokens(llm.generate(prompts((9,)), GREEDY, use_tqdm=False)) == [
+            hf_greedy(model, prompts((9,))[0], 12)[0]
+        ]
         again = prompts((5, 21, 90, 40, 3), seed=3)
         references = [hf_greedy(model, p, 12)[0] for p in again]
         assert tokens(llm.generate(again, GREEDY, use_tqdm=False)) == references
+    assert unique_graphs() == graphs
 
 
 def test_the_compile_setting_runs_inductors_code_and_gives_eager_tokens_or_a_tie(patched):
@@ -124,7 +126,6 @@ def test_the_compile_setting_runs_inductors_code_and_gives_eager_tokens_or_a_tie
     batch = prompts((7, 33))
     references = [hf_greedy(model, p, 8) for p in batch]
     llm = patched(model, block_size=8, max_model_len=256, compile=True)
-    torch._dynamo.reset()
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for output, (expected, logits) in zip(outputs, references, strict=True):
         got = output.outputs[0].token_ids

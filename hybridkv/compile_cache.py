@@ -1,0 +1,185 @@
+"""Compiled programs on disk (hybridkv/compilation.py): where they live, their key, and rebuilding a bad entry.
+
+The cache lives under `$HYBRIDKV_CACHE_DIR`, else `$XDG_CACHE_HOME/hybridkv`, else `~/.cache/hybridkv`; each
+program is a folder `compiled/<key>/` holding `program.json` (the program's spec) and one file per distinct
+piece (inductor's saved artifact). The key covers everything the compiled code depends on:
+
+- the model as traced: its class and the source of its module, its config, every tensor's name, shape and dtype,
+  its adapters' state and whether it is in training mode (`model_key`);
+- where it runs: the device (a GPU's name and capability, a CPU's instruction sets), and the versions of Python,
+  torch, triton, transformers and peft, and hybridkv's own source;
+
+so a different config, dtype, device or version never loads another's code. An entry that cannot be read (a
+truncated file, another format) is deleted and compiled again, with a warning, never an error. Entries are
+written to a temporary folder and renamed into place, so that a process reading beside one writing sees a whole
+entry or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1  # program.json's layout; an entry of another is compiled again
+
+
+def cache_dir() -> Path:
+    """Where hybridkv keeps what it builds once and reuses (compiled programs)."""
+    explicit = os.environ.get("HYBRIDKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "hybridkv"
+
+
+def model_key(model: torch.nn.Module, adapters: Any) -> str:
+    """What a trace read of the model besides its tensors' values: its class and module source, its config, its
+    tensors' names, shapes and dtypes, its adapters' state (`ModelWatch.adapter_state`) and train/eval."""
+    digest = hashlib.sha256()
+    cls = type(model)
+    digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
+    digest.update(_file_digest(getattr(sys.modules.get(cls.__module__), "__file__", None)))
+    config = getattr(model, "config", None)
+    if config is not None:
+        fields = json.loads(config.to_json_string(use_diff=False))
+        fields.pop("_name_or_path", None)
+        digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{tensor.device}\n".encode())
+    digest.update(repr((adapters, model.training)).encode())
+    return digest.hexdigest()
+
+
+def program_key(model_digest: str, device: torch.device) -> str:
+    """The cache key of a program: the model's key (`model_key`) where it runs (device and versions)."""
+    parts = [
+        f"format={FORMAT}",
+        model_digest,
+        _device_description(device),
+        f"python={sys.version_info[:3]}",
+        *(f"{name}={_version(name)}" for name in ("torch", "triton", "transformers", "peft")),
+        f"hybridkv={_hybridkv_digest()}",
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
+
+
+class ProgramCache:
+    """The compiled programs under one cache directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / "compiled"
+
+    def entry(self, key: str) -> Path:
+        return self.root / key
+
+    def load(self, key: str) -> tuple[dict[str, Any], list[Any]] | None:
+        """The entry's spec (as saved) and its pieces, loaded; None when there is none, or (with a warning, after
+        deleting it) when it cannot be read."""
+        entry = self.entry(key)
+        if not entry.is_dir():
+            return None
+        try:
+            data = json.loads((entry / "program.json").read_text())
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format {data.get('format')!r}, not {FORMAT}")
+            pieces = [
+                torch._inductor.CompiledArtifact.load(path=str(entry / f"{piece}.bin"), format="binary")
+                for piece in data["spec"]["piece_keys"]
+            ]
+        except Exception as exc:
+            self.discard(key, f"{type(exc).__name__}: {exc}")
+            return None
+        return data["spec"], pieces
+
+    def save(self, key: str, spec: dict[str, Any], pieces: list[Any]) -> None:
+        """Write an entry (a warning, not an error, when the disk refuses)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=self.root))
+            for piece_key, piece in zip(spec["piece_keys"], pieces, strict=True):
+                piece.save(path=str(staging / f"{piece_key}.bin"), format="binary")
+            (staging / "program.json").write_text(json.dumps({"format": FORMAT, "spec": spec}))
+            try:
+                staging.rename(self.entry(key))
+            except OSError:  # another process wrote it first
+                shutil.rmtree(staging, ignore_errors=True)
+        except Exception as exc:
+            warnings.warn(
+                f"hybridkv could not save the compiled program under {self.root} ({type(exc).__name__}: {exc}); "
+                "the next process compiles it again",
+                stacklevel=2,
+            )
+
+    def discard(self, key: str, why: str) -> None:
+        """Delete an entry that cannot be used, with a warning saying it is compiled again."""
+        warnings.warn(
+            f"hybridkv's compile cache entry {self.entry(key)} cannot be used ({why}); it is compiled again",
+            stacklevel=3,
+        )
+        shutil.rmtree(self.entry(key), ignore_errors=True)
+
+
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device}|{props.name}|{props.major}.{props.minor}|cuda {torch.version.cuda}"
+    return f"{device}|{platform.machine()}|{_cpu_flags()}"
+
+
+def _cpu_flags() -> str:
+    """The CPU's instruction sets (inductor's C++ is built for the CPU that compiles it)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return hashlib.sha256(line.split(":", 1)[1].strip().encode()).hexdigest()[:16]
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def _file_digest(path: str | None) -> bytes:
+    if path is None:
+        return b""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).digest()
+    except OSError:
+        return b""
+
+
+_HYBRIDKV_DIGEST: str | None = None
+
+
+def _hybridkv_digest() -> str:
+    """A digest of hybridkv's own source (the code a trace runs through)."""
+    global _HYBRIDKV_DIGEST
+    if _HYBRIDKV_DIGEST is None:
+        import hybridkv
+        import hybridkv.kernels
+        import hybridkv.patches
+
+        digest = hashlib.sha256()
+        for package in (hybridkv, hybridkv.kernels, hybridkv.patches):
+            folder = Path(package.__file__).parent
+            for path in sorted(folder.glob("*.py")):
+                digest.update(path.name.encode() + path.read_bytes())
+        _HYBRIDKV_DIGEST = digest.hexdigest()
+    return _HYBRIDKV_DIGEST
