@@ -4,8 +4,9 @@ The cache lives under `$HYBRIDKV_CACHE_DIR`, else `$XDG_CACHE_HOME/hybridkv`, el
 program is a folder `compiled/<key>/` holding `program.json` (the program's spec) and one file per distinct
 piece (inductor's saved artifact). The key covers everything the compiled code depends on:
 
-- the model as traced: its class and the source of its module, its config, every tensor's name, shape and dtype,
-  its adapters' state and whether it is in training mode (`model_key`);
+- the model as traced: its modules' classes and code (source files, methods, forwards set on an instance, hooks)
+  and plain attributes, its config, every tensor's name, shape and dtype, its adapters' state and whether it
+  is in training mode (`model_key`);
 - where it runs: the device (a GPU's name and capability, a CPU's instruction sets), and the versions of Python,
   torch, triton, transformers and peft, and hybridkv's own source;
 
@@ -24,6 +25,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import types
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -44,12 +46,11 @@ def cache_dir() -> Path:
 
 
 def model_key(model: torch.nn.Module, adapters: Any) -> str:
-    """What a trace read of the model besides its tensors' values: its class and module source, its config, its
-    tensors' names, shapes and dtypes, its adapters' state (`ModelWatch.adapter_state`) and train/eval."""
+    """What a trace read of the model besides its tensors' values: its modules' code (`_code_digest`) and plain
+    attributes, its config, its tensors' names, shapes and dtypes, its adapters' state
+    (`model_watch.model_adapter_state`) and train/eval."""
     digest = hashlib.sha256()
-    cls = type(model)
-    digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
-    digest.update(_file_digest(getattr(sys.modules.get(cls.__module__), "__file__", None)))
+    digest.update(_code_digest(model))
     config = getattr(model, "config", None)
     if config is not None:
         fields = json.loads(config.to_json_string(use_diff=False))
@@ -128,6 +129,63 @@ class ProgramCache:
             stacklevel=3,
         )
         shutil.rmtree(self.entry(key), ignore_errors=True)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _code_digest(model: torch.nn.Module) -> bytes:
+    """Per module: its class (the source file it comes from, and the code of the methods it defines, for a class
+    without a file, one defined in a notebook), a forward set on the instance, its hooks' code, and its plain
+    attributes (numbers, strings, tuples of them: `scaling`, `is_causal`, ...), which the trace baked in."""
+    digest = hashlib.sha256()
+    classes: dict[type, None] = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        classes.setdefault(cls)
+        digest.update(f"{name}:{cls.__module__}.{cls.__qualname__}\n".encode())
+        state = vars(module)
+        plain = sorted(
+            (key, value)
+            for key, value in state.items()
+            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+        )
+        digest.update(repr(plain).encode())
+        for key in ("forward", "_forward_hooks", "_forward_pre_hooks"):
+            value = state.get(key)
+            functions = value.values() if isinstance(value, dict) else () if value is None else (value,)
+            for function in functions:
+                digest.update(key.encode() + _function_digest(function))
+    for cls in classes:
+        digest.update(_file_digest(getattr(sys.modules.get(cls.__module__), "__file__", None)))
+        for value in vars(cls).values():
+            if callable(value) and hasattr(value, "__code__"):
+                digest.update(_function_digest(value))
+    return digest.digest()
+
+
+def _function_digest(function: Any) -> bytes:
+    """A function's code (a bound method's, a partial's), or its type's name for a callable without code."""
+    function = getattr(function, "func", function)
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return type(function).__qualname__.encode()
+    return hashlib.sha256(_code_bytes(code)).digest()
+
+
+def _code_bytes(code: types.CodeType) -> bytes:
+    """A code object's bytecode, names and constants, nested functions' code included: the same in every process
+    (marshal's output is not: it marks objects by reference count)."""
+    return code.co_code + repr(code.co_names).encode() + b"".join(map(_const_bytes, code.co_consts))
+
+
+def _const_bytes(const: Any) -> bytes:
+    if isinstance(const, types.CodeType):
+        return _code_bytes(const)
+    if isinstance(const, frozenset):  # `x in {...}`: its order follows string hashes, salted per process
+        return repr(sorted(map(repr, const))).encode()
+    return repr(const).encode()
 
 
 def _device_description(device: torch.device) -> str:

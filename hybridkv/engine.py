@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import threading
 import time
@@ -69,6 +70,9 @@ class CheckedRequest(NamedTuple):
     multimodal: MultiModalInputs | None = None
 
 
+logger = logging.getLogger("hybridkv")
+
+
 def compiles_by_default(captures: bool) -> bool:
     """compile=None: compiled where CUDA graphs are captured (one GPU), eager elsewhere: on the CPU compiling costs
     more set-up than its steps save (benchmarks/RESULTS.md, "The compiled forward")."""
@@ -87,8 +91,16 @@ class LLMEngine(RunLoops):
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = config
+        start = time.perf_counter()
         self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
+        probed = time.perf_counter()
         self.step_check = check_step_exactness(model, layout)
+        logger.info(
+            "hybridkv: %s probed in %.1f s, its steps checked against its forward in %.1f s",
+            type(model).__name__,
+            probed - start,
+            time.perf_counter() - probed,
+        )
         self.bytes_per_block = self.kv_config.block_bytes
         if layout.states and config.compile:
             raise ValueError(
@@ -111,7 +123,9 @@ class LLMEngine(RunLoops):
             named = dict(model.named_modules())
             chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
             checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
+        start = time.perf_counter()
         num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
+        logger.info("hybridkv: %d KV blocks sized in %.1f s", num_blocks, time.perf_counter() - start)
         # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
         # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
         swap_space, num_swap_state_slots = config.swap_space_bytes, 0

@@ -75,6 +75,22 @@ def test_the_key_ignores_weight_values_and_follows_config_dtype_device_and_mode(
     assert key_of(first) != key_of(first.train())
 
 
+def test_the_key_follows_what_the_trace_bakes_in_besides_the_config():
+    """A module's plain attribute, a forward hook, a forward replaced on an instance: each changes what a trace
+    computes, so each changes the key (a process whose model has none never loads the program of one that has)."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    plain = key_of(model)
+    model.model.layers[1].self_attn.scaling = 0.5
+    assert key_of(model) != plain
+    model.model.layers[1].self_attn.scaling = tiny_model("llama", num_hidden_layers=2).model.layers[1].self_attn.scaling
+    assert key_of(model) == plain
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
+    assert key_of(model) != plain
+    handle.remove()
+    model.model.norm.forward = lambda hidden_states: hidden_states
+    assert key_of(model) != plain
+
+
 def test_the_key_follows_the_active_adapter():
     model = get_peft_model(tiny_model("llama", num_hidden_layers=2), LoraConfig(r=4, target_modules=["q_proj"]), "a")
     model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
