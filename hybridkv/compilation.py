@@ -40,13 +40,17 @@ class CannotCompile(Exception):
     """The forward cannot be compiled into a program (a graph break, an input the program cannot find)."""
 
 
-def step_forward(model: torch.nn.Module, step: Any, input_ids, position_ids, logits_to_keep) -> torch.Tensor:
-    """The traced function: a step's logits `[rows of logits_to_keep, vocab]` (as `ModelRunner._forward`)."""
+def step_forward(
+    model: torch.nn.Module, step: Any, input_ids, position_ids, logits_to_keep, **extra: Any
+) -> torch.Tensor:
+    """The model's forward over a step's buffers (what is traced, and what `ModelRunner._forward` runs): logits
+    `[rows of logits_to_keep, vocab]`; `extra`: more keyword arguments (a state layer model's cache)."""
     output = model(
         input_ids=input_ids,
         position_ids=position_ids,
         logits_to_keep=logits_to_keep,
         use_cache=False,
+        **extra,
         **{STEP_KWARG: step},
     )
     return output.logits[0]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hybridkv.compilation import CannotCompile
+from hybridkv.compilation import CannotCompile, step_forward
 from hybridkv.compiled_forward import CompiledForward
 from hybridkv.coordinator import TableUpdates
 from hybridkv.graphs import DecodeGraphs, padding_arrays
@@ -28,7 +28,7 @@ from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kv_dtypes import LayerDtypes
 from hybridkv.kv_spec import StateSpec
 from hybridkv.multimodal import MultiModalInputs, image_embeddings_placed
-from hybridkv.patches.attention import STEP_KWARG, LayerKV, StepContext, running_step
+from hybridkv.patches.attention import LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.patches.layer_kinds import text_config
 from hybridkv.scheduler import SchedulerOutput
@@ -560,18 +560,9 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor
     ) -> torch.Tensor:
-        """The model's forward over a step's buffers: logits `[rows of logits_to_keep, vocab]` (what a CUDA graph
-        captures and `torch.compile` compiles)."""
+        """The model's forward over a step's buffers, eagerly (what a CUDA graph captures when not compiled)."""
         state_cache = {} if self.state_cache is None else {"cache": self.state_cache}
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            logits_to_keep=logits_to_keep,
-            use_cache=False,
-            **state_cache,
-            **{STEP_KWARG: self.context},
-        )
-        return output.logits[0]
+        return step_forward(self.model, self.context, input_ids, position_ids, logits_to_keep, **state_cache)
 
 
 @dataclass(slots=True)

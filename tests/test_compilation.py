@@ -310,3 +310,18 @@ def test_set_up_shows_its_progress_unless_asked_not_to(patched, eager_pieces, ca
     hybridkv.unpatch(model)
     patched(model, block_size=8, max_model_len=128, compile=True, use_tqdm=False)
     assert "hybridkv: compiling" not in capsys.readouterr().err
+
+
+def test_an_attribute_edit_is_followed_after_reset_prefix_cache(patched, eager_pieces):
+    """A plain attribute the forward reads is seen by no check (README, "Models that change"): after
+    reset_prefix_cache() the compiled forward is the one traced with the model as it now is."""
+    model = FAMILIES["llama"]()
+    llm = patched(model, block_size=8, max_model_len=128, compile=True)
+    before = references(model)
+    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == before
+    for layer in model.model.layers:
+        layer.self_attn.scaling *= 4
+    after = references(model)
+    assert after != before
+    llm.reset_prefix_cache()
+    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == after

@@ -27,6 +27,25 @@ def _has_experts(model) -> bool:
     return any(type(module).__name__.endswith("Experts") for module in model.modules())
 
 
+def assert_replays_equal_steps(llm, num_steps: int, bucket: int) -> None:
+    """`num_steps` decode steps (padded to `bucket`), each replayed as its graph and run again without it (the
+    forward as it is, compiled or not): bit-identical logits; the step's greedy tokens go on."""
+    runner, scheduler = llm.runner, llm.scheduler
+    for _ in range(num_steps):
+        plan = scheduler.schedule()
+        with sync_is_an_error():
+            prepared = runner.prepare(runner.step_inputs(plan))
+            assert prepared.bucket == bucket
+            replayed = runner.forward(prepared).clone()
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            stepped = runner.forward(prepared)
+        finally:
+            runner.graphs = graphs
+        assert torch.equal(replayed, stepped), f"replay differs by {(replayed - stepped).abs().max().item()}"
+        scheduler.update(plan, stepped.argmax(-1).tolist())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE)))
 def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patched):
@@ -46,20 +65,7 @@ def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patc
     for prompt in prompts((7, 33, 70)):
         llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=5))
     llm.step()  # the prompts, eagerly
-    runner, scheduler = llm.runner, llm.scheduler
-    for _ in range(4):
-        plan = scheduler.schedule()
-        with sync_is_an_error():
-            prepared = runner.prepare(runner.step_inputs(plan))
-            assert prepared.bucket == 4
-            replayed = runner.forward(prepared).clone()
-        graphs, runner.graphs = runner.graphs, None
-        try:
-            eager = runner.forward(prepared)
-        finally:
-            runner.graphs = graphs
-        assert torch.equal(replayed, eager), f"replay differs by {(replayed - eager).abs().max().item()}"
-        scheduler.update(plan, eager.argmax(-1).tolist())
+    assert_replays_equal_steps(llm, 4, bucket=4)
     llm.abort_all()
     assert llm.stats()["blocks_in_use"] == 0
 
@@ -137,18 +143,7 @@ def test_the_default_on_one_gpu_compiles_and_captures_its_graphs_over_the_compil
     for prompt in batch:
         llm.add_request(new_request_id(), prompt, params)
     llm.step()
-    runner, scheduler = llm.runner, llm.scheduler
-    for _ in range(3):
-        plan = scheduler.schedule()
-        prepared = runner.prepare(runner.step_inputs(plan))
-        replayed = runner.forward(prepared).clone()
-        graphs, runner.graphs = runner.graphs, None
-        try:
-            stepped = runner.forward(prepared)
-        finally:
-            runner.graphs = graphs
-        assert torch.equal(replayed, stepped), f"replay differs by {(replayed - stepped).abs().max().item()}"
-        scheduler.update(plan, stepped.argmax(-1).tolist())
+    assert_replays_equal_steps(llm, 3, bucket=4)
     llm.abort_all()
     outputs = llm.generate(batch, params, use_tqdm=False)
     for prompt, output in zip(batch, outputs, strict=True):
