@@ -49,6 +49,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "enforce_eager": bool,
     "compile": bool,
     "use_tqdm": bool,
+    "async_scheduling": bool,
     "num_state_checkpoints": int,
     "state_checkpoint_interval": int,
     "encoder_cache_bytes": int,

@@ -40,6 +40,10 @@ class EngineConfig:
     eagerly elsewhere (on the CPU compiling costs more set-up than it saves: benchmarks/RESULTS.md); a model
     that cannot be compiled then runs eagerly with a warning. `use_tqdm`: progress bars for set-up that takes
     a while (compiling, capturing CUDA graphs); `logging.getLogger("hybridkv")` logs each stage either way.
+    `async_scheduling` (vLLM's name): the next step is planned and launched while the device runs this one, whose
+    tokens are read after (hybridkv/async_steps.py): True, False, or None (default) on where the model runs on
+    one CUDA device (the host's work then hides behind the GPU's) and off elsewhere (on the CPU the host and the
+    forward share the cores: nothing runs beside the step). A tensor-parallel model never schedules ahead.
 
     A model with state layers keeps, with prefix caching on, `num_state_checkpoints` states at block boundaries of
     computed prefixes (default `max_num_seqs`; 0: no hit on such a model), one every `state_checkpoint_interval`
@@ -72,6 +76,7 @@ class EngineConfig:
     enforce_eager: bool | None = None
     compile: bool | None = None
     use_tqdm: bool = True
+    async_scheduling: bool | None = None
     num_state_checkpoints: int | None = None
     state_checkpoint_interval: int | None = None
     encoder_cache_bytes: int = 256 << 20
@@ -114,6 +119,8 @@ class EngineConfig:
         if self.compile is not None:
             check_bool("compile", self.compile)
         check_bool("use_tqdm", self.use_tqdm)
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
         if self.enforce_eager is not None:
             check_bool("enforce_eager", self.enforce_eager)
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

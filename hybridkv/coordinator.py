@@ -297,7 +297,7 @@ class KVCacheCoordinator:
         needs = []
         for request in requests:
             num_tokens = request.num_computed_tokens + 1
-            if num_tokens != len(request.token_ids):
+            if num_tokens != len(request.token_ids) + request.num_pending_tokens:
                 return None
             request_id = request.request_id
             blocks = lists.get(request_id)
@@ -504,7 +504,9 @@ class KVCacheCoordinator:
         returns = num_computed >= moves_at or any(steps and request_id in steps for steps in self._window_steps)
         if not (caches or returns):  # most decode steps
             return
-        self._next_change[request_id] = self._next_change_after(num_computed)
+        # Counted from the known tokens: a token still on the device (async scheduling) is computed, but the block
+        # it fills is cached at the next update, once the token (and so the block's hash) is known.
+        self._next_change[request_id] = self._next_change_after(min(num_computed, len(request.token_ids)))
         hashes = request.block_hashes
         if (
             caches

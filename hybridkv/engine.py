@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hybridkv import sampler
+from hybridkv.async_steps import AsyncSteps
 from hybridkv.beam_search import BeamSearch, BeamSearchParams
 from hybridkv.config import EngineConfig
 from hybridkv.coordinator import KVCacheCoordinator
@@ -182,6 +183,13 @@ class LLMEngine(RunLoops):
             with attention_installed(model):
                 self.runner.warm_up(capture=captures)
         on_cpu = all(device.type == "cpu" for device in self.runner.devices)
+        if config.async_scheduling and self.tp is not None:
+            raise ValueError(
+                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
+                "rank 0 plans it); patch with async_scheduling=False"
+            )
+        async_default = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
+        scheduling_ahead = config.async_scheduling if config.async_scheduling is not None else async_default
         self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
         self.inputs = InputProcessor(model, tokenizer)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
@@ -217,6 +225,7 @@ class LLMEngine(RunLoops):
         # The model as the caches know it: checked at most once per engine call (`_follow_model`).
         self.model_watch = ModelWatch(model)
         self._model_checked = True
+        self.async_steps = AsyncSteps(self) if scheduling_ahead else None
 
     def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
         """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
@@ -456,6 +465,8 @@ class LLMEngine(RunLoops):
         are hashed under its new key, the encoder cache drops other models' embeddings, and CUDA graphs are
         captured again when a weight moved (they would read its old address). A dtype or device change raises
         `ModelMoved`, naming the fix."""
+        if self.async_steps is not None:  # a model change acts on nothing in flight
+            self.async_steps.drain()
         self._model_checked = True
         change = self.model_watch.check()
         if change is not None:
@@ -488,6 +499,8 @@ class LLMEngine(RunLoops):
         it). With `reset_running_requests`, running and swapped-out requests are also sent back to compute their
         tokens again (their blocks were computed before). Returns True: the reset never waits for requests."""
         check_bool("reset_running_requests", reset_running_requests)
+        if self.async_steps is not None:
+            self.async_steps.drain()
         if reset_running_requests:
             self.scheduler.recompute_all()
         self._take_model_change(self.model_watch.invalidate("reset_prefix_cache() was called"))
@@ -496,6 +509,8 @@ class LLMEngine(RunLoops):
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
         free them otherwise, in a pause of its own choosing (measured 250 ms for ~24k blocks)."""
+        if self.async_steps is not None:
+            self.async_steps.in_flight = None  # its tokens would go to no one
         if self.tp is not None:
             self.tp.stop()
         self.coordinator.pool.close()
@@ -527,27 +542,45 @@ class LLMEngine(RunLoops):
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self.async_steps is not None:  # step N+1 launched before step N's tokens are read (hybridkv/async_steps.py)
+            reports = self.async_steps.step()
+        else:
+            if self._model_check_due():
+                self._follow_model()
+            touched = self._take_touched()
+            plan = self.scheduler.schedule()
+            self.schedule_seconds += time.perf_counter() - start
+            reports = self._run(plan, touched)
+        self.step_seconds += time.perf_counter() - start
+        unclaimed, self._unclaimed = self._unclaimed, []
+        return unclaimed + reports
+
+    def _model_check_due(self) -> bool:
+        """Whether the step about to be planned must check the model first (`_follow_model`): a request may be
+        admitted (and hit the prefix cache), or a graph replayed, and the model was not checked in this call."""
         scheduler = self.scheduler
-        if not self._model_checked and (
+        return not self._model_checked and bool(
             scheduler.waiting or (self.runner.graphs is not None and (scheduler.running or scheduler.swapped))
-        ):  # a request may be admitted (and hit the prefix cache), or a graph replayed: the model as it is now
-            self._follow_model()
+        )
+
+    def _take_touched(self) -> dict[str, RequestState]:
+        """The requests that ended outside a step (`_unreported`), by id: the next step's update reports them."""
         touched = {state.group.request_id: state for state in self._unreported}
         self._unreported = []
-        plan = self.scheduler.schedule()
-        self.schedule_seconds += time.perf_counter() - start
+        return touched
+
+    def _run(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """Run a plan and update its requests (the synchronous step, after scheduling): the step's reports."""
         alone = plan.greedy_alone and not touched
         try:
             sampling, tokens, logprobs = self._execute(plan, alone)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
-            self._discard_checkpoints()
-            self._fail(plan, self._touched_by(plan), f"the step failed: {type(exc).__name__}: {exc}")
+            self._fail_step(plan, f"the step failed: {type(exc).__name__}: {exc}")
             sampling, tokens, logprobs = [], [], []
         except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
             # so its requests fail, and so do those whose swap copies it made.
-            self._discard_checkpoints()
-            self._fail(plan, self._touched_by(plan), f"the step was interrupted ({type(exc).__name__})")
+            self._fail_step(plan, f"the step was interrupted ({type(exc).__name__})")
             self._unreported.extend(touched.values())
             self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
@@ -556,11 +589,14 @@ class LLMEngine(RunLoops):
             reports = self._update_alone(plan, tokens)
         else:
             reports = self._update(plan, sampling, tokens, logprobs, touched)
-        end = time.perf_counter()
-        self.update_seconds += end - update_start
-        self.step_seconds += end - start
-        unclaimed, self._unclaimed = self._unclaimed, []
-        return unclaimed + reports
+        self.update_seconds += time.perf_counter() - update_start
+        return reports
+
+    def _fail_step(self, plan: SchedulerOutput, error: str) -> None:
+        """A step that failed or was interrupted: its state checkpoints are dropped, and its requests fail with
+        those its swap copies touched."""
+        self._discard_checkpoints()
+        self._fail(plan, self._touched_by(plan), error)
 
     def _update(
         self,
@@ -630,21 +666,9 @@ class LLMEngine(RunLoops):
         the requests that sampled (`plan.sampling` after the step: a request whose sampling fails is failed and
         leaves the plan), their tokens and logprobs. With `greedy_alone` (every request of the plan is), only the
         tokens: each logits row's argmax, in `plan.scheduled`'s order of the requests that sample."""
-        if not (plan.scheduled or plan.swap_out or plan.swap_in):
+        logits = self._compute(plan)
+        if logits is None:
             return [], [], []
-        prompt_rows = self._prompt_logprob_rows(plan) if self._prompt_logprobs_pending else []
-        extra_rows = [row for _, _, rows in prompt_rows for row in rows]
-        if self.tp is None:
-            logits = self.runner.execute(plan, extra_rows=extra_rows)
-        else:
-            logits = self.tp.execute(self.runner, plan, extra_rows)
-        if not plan.scheduled:
-            return [], [], []
-        if extra_rows:  # after the sampling rows
-            self._record_prompt_logprobs(prompt_rows, logits[len(logits) - len(extra_rows) :])
-            logits = logits[: len(logits) - len(extra_rows)]
-        self.num_steps += 1
-        self.num_forward_tokens += plan.num_tokens
         if greedy_alone:  # the sampler's greedy_tokens, looked up there (benchmarks/host_overhead.py times it)
             tokens = sampler.greedy_tokens(logits).tolist()
             self.num_generated_tokens += len(tokens)
@@ -655,6 +679,26 @@ class LLMEngine(RunLoops):
         sampling, tokens, logprobs = self._sample(logits, plan, sampling)
         self.num_generated_tokens += len(tokens)
         return sampling, tokens, logprobs
+
+    def _compute(self, plan: SchedulerOutput) -> torch.Tensor | None:
+        """A plan's copies and forward, with the prompt logprobs it gives recorded: the logits of the rows that
+        sample (`plan.sampling`'s), or None where it computes no token."""
+        if not (plan.scheduled or plan.swap_out or plan.swap_in):
+            return None
+        prompt_rows = self._prompt_logprob_rows(plan) if self._prompt_logprobs_pending else []
+        extra_rows = [row for _, _, rows in prompt_rows for row in rows]
+        if self.tp is None:
+            logits = self.runner.execute(plan, extra_rows=extra_rows)
+        else:
+            logits = self.tp.execute(self.runner, plan, extra_rows)
+        if not plan.scheduled:
+            return None
+        if extra_rows:  # after the sampling rows
+            self._record_prompt_logprobs(prompt_rows, logits[len(logits) - len(extra_rows) :])
+            logits = logits[: len(logits) - len(extra_rows)]
+        self.num_steps += 1
+        self.num_forward_tokens += plan.num_tokens
+        return logits
 
     def _prompt_logprob_rows(self, plan: SchedulerOutput) -> list[tuple[Request, int, range]]:
         """For each request of the step that asks for prompt logprobs and computes prompt tokens: (the request, the

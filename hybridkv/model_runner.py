@@ -36,6 +36,16 @@ from hybridkv.state_layers import StatePlan, StatePool, StepStateCache, segmente
 from hybridkv.utils import cdiv
 
 
+class _Zeros:
+    """A pending row's input ids until the forward writes the sampled one (`ModelRunner._place_pending_tokens`)."""
+
+    def __getitem__(self, index: int) -> int:
+        return 0
+
+
+_PLACEHOLDER = _Zeros()
+
+
 @dataclass(frozen=True)
 class RunnerLimits:
     """The largest step a runner serves (its step buffers' sizes), and how it runs decode steps: padded to
@@ -179,6 +189,11 @@ class ModelRunner:
         self._plain_decode = len(self.devices) == 1 and not self.limits.decode_buckets and not self.states
         # Tests set it to the coordinator's `block_tables`: every step then checks the persistent rows.
         self.verify_tables = None
+        # Async scheduling: the tokens the step in flight sampled, on the device (hybridkv/async_steps.py).
+        self.pending_tokens = None
+        # On a GPU: recorded once a step's copies from the host's step buffers are queued. The next step writes
+        # those buffers only after it (a step may be prepared while the one before still runs: async scheduling).
+        self._inputs_sent: torch.cuda.Event | None = None
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
@@ -352,10 +367,14 @@ class ModelRunner:
             end = start + num_new
             token_ids = request.token_ids
             if num_new < 1 or end > len(token_ids):
-                raise ValueError(
-                    f"request {request.request_id!r}: a step must compute 1 to {request.num_tokens - start} of its "
-                    f"tokens, not {num_new}"
-                )
+                if not (num_new == 1 and end == len(token_ids) + request.num_pending_tokens):
+                    raise ValueError(
+                        f"request {request.request_id!r}: a step must compute 1 to {request.num_tokens - start} of "
+                        f"its tokens, not {num_new}"
+                    )
+                # Its token is still on the device (async scheduling): the forward reads it there.
+                inputs.pending_rows.append((num_rows, request.request_id))
+                token_ids = _PLACEHOLDER
             add_id(request.request_id)
             if request.multimodal is not None and start < request.num_prompt_tokens:
                 _image_rows(inputs, request.multimodal, start, end, num_rows)
@@ -382,6 +401,8 @@ class ModelRunner:
         and return its metadata (None when it computes no token): everything that can fail before the step
         changes any KV page."""
         start_time = time.perf_counter()
+        if self._inputs_sent is not None:
+            self._inputs_sent.synchronize()
         self.batch.apply(inputs.table_updates)
         if not inputs.query_lens:
             self.prepare_seconds += time.perf_counter() - start_time
@@ -508,6 +529,8 @@ class ModelRunner:
             self.state_pool.copy(inputs.state_copies)
         if prepared.metadata is None:
             return None
+        if inputs.pending_rows:
+            self._place_pending_tokens(inputs.pending_rows)
         forward_time = time.perf_counter()
         step = self.context
         step.metadata = prepared.metadata
@@ -516,8 +539,10 @@ class ModelRunner:
             logits = self._forward_with_images(prepared)
         elif graph is not None:
             self.buffers[self.input_device].write_all_tiles(prepared.metadata[0].step)
+            self._mark_inputs_sent()
             logits = graph.replay()
         else:
+            self._mark_inputs_sent()
             buffers = self.buffers[self.input_device]
             if self.state_cache is not None:
                 self.state_cache.plan = prepared.state_plan
@@ -537,11 +562,30 @@ class ModelRunner:
         self.forward_seconds += time.perf_counter() - forward_time
         return logits
 
+    def _mark_inputs_sent(self) -> None:
+        """On a GPU, mark the end of the step's copies from the host's step buffers (`prepare` waits for it)."""
+        if self.input_device.type == "cuda":
+            self._inputs_sent = torch.cuda.Event()
+            self._inputs_sent.record()
+
+    def _place_pending_tokens(self, pending_rows: list[tuple[int, str]]) -> None:
+        """Write the tokens the step before sampled on the device into their rows of the step's input ids, on the
+        device (async scheduling: the host never waited for them)."""
+        source = self.pending_tokens
+        if source is None:
+            raise RuntimeError("a step reads tokens sampled on the device, but no earlier step left any")
+        device = self.input_device
+        rows = torch.tensor([row for row, _ in pending_rows], dtype=torch.long).to(device, non_blocking=True)
+        index = torch.tensor([source.index[request_id] for _, request_id in pending_rows], dtype=torch.long)
+        tokens = source.tokens.index_select(0, index.to(source.tokens.device, non_blocking=True))
+        self.buffers[device].input_ids.device.index_copy_(0, rows, tokens.to(device))
+
     def _forward_with_images(self, prepared: PreparedStep) -> torch.Tensor:
         """A step that computes image placeholders: eager (never a graph or compiled code), their rows' input
         embeddings replaced by the images' (hybridkv/multimodal.py), and image rows that attend both ways
         seeing on to their image's end in the layers that let them."""
         step, inputs = self.context, prepared.inputs
+        self._mark_inputs_sent()
         features = torch.stack(inputs.image_features).to(self.input_device)
         buffers = self.buffers[self.input_device]
         step.key_limits = prepared.key_limits
@@ -598,6 +642,9 @@ class StepInputs:
     image_rows: list[int] = field(default_factory=list)
     image_features: list[torch.Tensor] = field(default_factory=list)
     key_limit_rows: list[tuple[int, int]] = field(default_factory=list)
+    # Async scheduling: (row, request id) of each row whose token the step before sampled on the device and the
+    # host has not read yet; the forward takes it from there (`ModelRunner.pending_tokens`).
+    pending_rows: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -81,6 +81,13 @@ class OutputProcessor:
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
             request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
+            request.overlaps = (
+                len(group.members) == 1
+                and matcher is None
+                and not params.has_penalties
+                and not params.needs_logprob
+                and params.prompt_logprobs is None
+            )
             request.sample_state = SampleState(
                 request=request,
                 detokenizer=detokenizer,

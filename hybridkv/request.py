@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 class KVRequest:
     """Token state that the memory manager needs for one request.
 
-    `num_computed_tokens` is the only progress state: tokens whose K/V are in the cache.
+    `num_computed_tokens` is the only progress state: tokens whose K/V are in the cache (or, with async
+    scheduling, being computed). `num_pending_tokens` (0 or 1, async scheduling): a token sampled on the device
+    and not yet appended to `token_ids`; a step scheduled meanwhile reads it there (hybridkv/async_steps.py).
     `block_hashes[i]` is the chained hash of full block i of `token_ids`; it is kept up to date as
     tokens are appended (only when `block_size` is given, i.e. prefix caching is on). Its chain starts from
     the cache salt and `model_key`, the model the request computes with (b"": as patched; `rekey`).
@@ -33,6 +35,7 @@ class KVRequest:
         "model_key",
         "multimodal",
         "num_computed_tokens",
+        "num_pending_tokens",
         "num_prompt_tokens",
         "reads_prefix_cache",
         "request_id",
@@ -54,6 +57,7 @@ class KVRequest:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0
         self.cache_salt = cache_salt
         self.multimodal = multimodal  # the prompt's images (hybridkv/multimodal.py), None for text
         self.block_size = block_size
@@ -149,6 +153,7 @@ class Request(KVRequest):
         "group",
         "num_cached_tokens",
         "num_preemptions",
+        "overlaps",
         "params",
         "sample_index",
         "sample_state",
@@ -183,6 +188,9 @@ class Request(KVRequest):
         # Plainly greedy (its sampling row's argmax is its token) and alone in its group: set with the sampling
         # row. A step of such requests only takes the engine's one-pass update (`LLMEngine._update_alone`).
         self.greedy_alone = False
+        # Its next step may be scheduled before its sampled token reaches the host (async scheduling): nothing in
+        # its sampling or output reads that token first (no grammar, penalty, logprobs, beam or other sample).
+        self.overlaps = False
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -70,8 +70,23 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
     constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
     if constrained:
         logits = apply_bitmasks(logits, constrained, [rows[i].matcher for i in constrained])
+    token_list = draw_tokens(logits, rows).tolist()
+    logprobs: list[SampledLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            if row.params.needs_logprob:
+                logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
+    return token_list, logprobs
+
+
+def draw_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """One token per row, on the logits' device, with nothing read back to the host (what async scheduling takes
+    for rows without a grammar, penalty or logprobs: `sample` applies those): logit biases, penalties, then each
+    row's argmax or draw."""
     logits = _apply_logit_bias(logits, rows)
     logits = _apply_penalties(logits, rows)
+    if all(r.params.greedy for r in rows):
+        return torch.as_tensor(greedy_tokens(logits), device=logits.device)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
@@ -82,13 +97,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
         index = torch.tensor(random_rows, device=logits.device)
         probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
         tokens[index] = _race(probs, [rows[i].generator for i in random_rows])
-    token_list = tokens.tolist()
-    logprobs: list[SampledLogprobs | None] = [None] * len(rows)
-    if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            if row.params.needs_logprob:
-                logprobs[i] = token_logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
-    return token_list, logprobs
+    return tokens
 
 
 def token_logprobs(raw: torch.Tensor, token: int, num_top: int | None) -> SampledLogprobs:
@@ -199,8 +208,8 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):  # read from the params: a device tensor's would wait for the device
+        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

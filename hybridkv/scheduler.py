@@ -118,7 +118,7 @@ class SchedulerOutput:
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         samples: tuple[Request, ...] = ()
-        if request.num_computed_tokens + num_new_tokens == len(request.token_ids):
+        if request.num_computed_tokens + num_new_tokens == len(request.token_ids) + request.num_pending_tokens:
             members = request.group.members
             samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
         if not request.greedy_alone:
@@ -274,7 +274,8 @@ class Scheduler:
             budget = max_tokens - out.num_tokens
             if budget <= 0:
                 break
-            num_new = min(len(request.token_ids) - request.num_computed_tokens, cap, budget)
+            num_known = len(request.token_ids) + request.num_pending_tokens  # a pending token: async scheduling
+            num_new = min(num_known - request.num_computed_tokens, cap, budget)
             if request.multimodal is not None:
                 num_new = _fit(request, request.num_computed_tokens, num_new)
             if num_new == 0:

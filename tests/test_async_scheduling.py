@@ -1,0 +1,192 @@
+"""Async scheduling (hybridkv/async_steps.py) changes when the host works, never a token. Two engines on two copies
+of one model, one with `async_scheduling=True`, take the same seeded random requests (greedy and seeded sampled
+rows, stop tokens, stop strings, min_tokens, logit biases, penalties, logprobs, n > 1, beam searches, grammars,
+requests arriving mid-run, aborts at a token count, a pool small enough to preempt in both modes, chunked prefill,
+prefix caching, a model with state layers) and must give every request the same tokens, text, logprobs and finish;
+both keep their memory accounting whole after every step and hold nothing at the end, and the async engine must
+have planned steps ahead of their tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import hybridkv
+from hybridkv import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from hybridkv.integrity import check_coordinator
+from hybridkv.tiny import tiny_model
+
+from model_zoo import STATE
+from tiny_models import new_request_id
+from tiny_tokenizer import tiny_tokenizer
+
+
+def _params(rng: random.Random, grammars: bool) -> SamplingParams | BeamSearchParams:
+    max_tokens = rng.randint(1, 20)
+    kind = rng.random()
+    if kind < 0.4:  # plain greedy: every step overlaps
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=rng.random() < 0.5)
+    if kind < 0.55:  # stop rules, read one step behind
+        return SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            min_tokens=rng.randint(0, min(3, max_tokens)),
+            stop_token_ids=[rng.randrange(256) for _ in range(4)],
+            stop=[" the", "e", "o"] if rng.random() < 0.7 else None,
+        )
+    if kind < 0.7:  # seeded draws on the device, with a bias that stays
+        bias = {rng.randrange(256): 3.0} if rng.random() < 0.5 else None
+        return SamplingParams(
+            temperature=0.8, top_p=0.9, seed=rng.randrange(100), max_tokens=max_tokens, logit_bias=bias
+        )
+    if kind < 0.76:  # penalties read the tokens so far: the host samples, nothing overlaps
+        return SamplingParams(temperature=0, max_tokens=max_tokens, repetition_penalty=1.3, presence_penalty=0.5)
+    if kind < 0.82:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2)
+    if kind < 0.88:
+        return SamplingParams(n=2, temperature=1.0, seed=rng.randrange(100), max_tokens=max_tokens)
+    if kind < 0.93 or not grammars:
+        return BeamSearchParams(beam_width=2, max_tokens=min(max_tokens, 6))
+    return SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    )
+
+
+def _final(output) -> tuple:
+    return (
+        output.finished,
+        output.error,
+        [
+            (
+                list(c.token_ids),
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+                None if c.logprobs is None else [sorted(p) for p in c.logprobs],
+            )
+            for c in output.outputs
+        ],
+    )
+
+
+def _run(engine, script: list[tuple], abort_at: dict[str, int]) -> dict[str, tuple]:
+    """Play the script (("add", id, prompt, params) or ("step",)) and step until done; a request whose first
+    sample reached its `abort_at` token count is aborted right after the step that reported it."""
+    finals = {}
+
+    def take(reports):
+        for output in reports:
+            finals[output.request_id] = output
+            limit = abort_at.get(output.request_id)
+            if limit is not None and not output.finished and len(output.outputs[0].token_ids) >= limit:
+                finals[output.request_id] = engine.abort(output.request_id)
+
+    def check():
+        scheduler = engine.scheduler
+        live = {r.request_id: r for r in (*scheduler.running, *scheduler.waiting)}
+        check_coordinator(engine.coordinator, live)
+
+    for action in script:
+        if action[0] == "add":
+            engine.add_request(*action[1:])
+        else:
+            take(engine.step())
+            check()
+    while engine.has_unfinished_requests():
+        take(engine.step())
+        check()
+    take(engine.step())  # a step launched ahead, every token of it taken back, finishes with nothing to report
+    assert engine.coordinator.pool.num_free_blocks == engine.coordinator.pool.num_blocks - 1, "blocks held at the end"
+    if engine.coordinator.state_slots is not None:
+        assert not engine.coordinator.state_slots.held, "state slots held at the end"
+    return {request_id: _final(output) for request_id, output in finals.items()}
+
+
+def _script(rng: random.Random, grammars: bool, length: int) -> tuple[list[tuple], dict[str, int]]:
+    script, abort_at = [], {}
+    prefix = [rng.randrange(1, 256) for _ in range(12)]
+    for _ in range(length):
+        if rng.random() < 0.25 or not script:
+            prompt = (prefix if rng.random() < 0.5 else [])[: rng.randint(0, 12)]
+            prompt += [rng.randrange(1, 256) for _ in range(rng.randint(1, 20))]
+            params = _params(rng, grammars)
+            request_id = new_request_id()
+            if isinstance(params, SamplingParams) and rng.random() < 0.15:
+                abort_at[request_id] = rng.randint(1, 6)
+            script.append(("add", request_id, {"prompt_token_ids": prompt}, params))
+        else:
+            script.append(("step",))
+    return script, abort_at
+
+
+@pytest.mark.parametrize(
+    ("seed", "family", "mode", "caching", "chunk", "spare"),
+    [(0, "ministral", "recompute", True, 0, 40), (1, "ministral", "swap", True, 3, 8),
+     (2, "ministral", "recompute", False, 0, 8), (3, "gemma3", "recompute", True, 5, 12),
+     (4, "qwen3_next", "recompute", True, 0, 40), (5, "qwen3_next", "swap", True, 4, 10)],
+)  # fmt: skip
+def test_async_scheduling_gives_the_synchronous_engines_tokens(
+    seed: int, family: str, mode: str, caching: bool, chunk: int, spare: int
+) -> None:
+    """`spare`: blocks over the least a request needs (few: preemptions, some of requests whose token is pending)."""
+    rng = random.Random(seed)
+    tokenizer = tiny_tokenizer()
+    state = family in STATE
+    build = STATE[family] if state else lambda: tiny_model(family, vocab_size=len(tokenizer))
+    models = [build() for _ in range(2)]
+    settings = dict(
+        block_size=4, max_model_len=96, max_num_batched_tokens=32, enable_prefix_caching=caching,
+        long_prefill_token_threshold=chunk, max_num_seqs=6,
+    )  # fmt: skip
+    if family == "gemma3":  # decode steps padded to buckets, as a GPU's graphs replay them
+        settings["enforce_eager"] = False
+    num_blocks = hybridkv.min_num_blocks(models[0], **settings) + spare
+    settings.update(num_blocks=num_blocks, preemption_mode=mode, swap_space=1 / 256)
+    sync, ahead = (
+        hybridkv.patch(model, tokenizer=tokenizer, async_scheduling=flag, **settings)
+        for model, flag in zip(models, (False, True), strict=True)
+    )
+    try:
+        assert sync.async_steps is None and ahead.async_steps is not None
+        for engine in (sync, ahead):
+            engine.runner.verify_tables = engine.coordinator.block_tables
+        script, abort_at = _script(rng, grammars=not state, length=90)
+        expected = _run(sync, script, abort_at)
+        assert _run(ahead, script, abort_at) == expected
+        assert ahead.async_steps.num_overlapped > 10, ahead.async_steps.num_overlapped
+        assert any(output[2][0][2] == "stop" for output in expected.values()), "no request stopped on a rule"
+    finally:
+        for model in models:
+            hybridkv.unpatch(model)
+
+
+@pytest.mark.parametrize("family", ["ministral", "qwen3_next"])
+def test_blocks_filled_by_a_pending_token_are_hit_as_the_synchronous_engines_are(family: str) -> None:
+    """A decode fills blocks (and, on a model with state layers, reaches checkpoints) with tokens the host has not
+    read yet: the next turn of a conversation hits the same prefix with async scheduling as without."""
+    tokenizer = tiny_tokenizer()
+    state = family in STATE
+    build = STATE[family] if state else lambda: tiny_model(family, vocab_size=len(tokenizer))
+    settings = dict(block_size=4, max_model_len=128, num_state_checkpoints=8, state_checkpoint_interval=8)
+    if not state:
+        del settings["num_state_checkpoints"], settings["state_checkpoint_interval"]
+    hits = []
+    for flag in (False, True):
+        model = build()
+        llm = hybridkv.patch(model, tokenizer=tokenizer, async_scheduling=flag, **settings)
+        try:
+            prompt = list(range(5, 16))
+            turns = []
+            for turn in range(3):
+                params = SamplingParams(temperature=0, max_tokens=13 + turn, ignore_eos=True)
+                (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+                turns.append((output.num_cached_tokens, list(output.outputs[0].token_ids)))
+                prompt = prompt + list(output.outputs[0].token_ids) + [7, 8, 9]
+            hits.append(turns)
+            if flag:
+                assert llm.async_steps.num_overlapped > 20
+        finally:
+            hybridkv.unpatch(model)
+    assert hits[0] == hits[1]
+    assert hits[0][2][0] > 11 + 13 + 3, hits  # past the first turn's prompt: blocks its decode filled
