@@ -2,7 +2,7 @@
 
 The same steps as benchmarks/attention_cpu.py (decode of 32 sequences over 100..2,000 tokens, a
 long-tail decode, 4 prefill chunks of 256 + 28 decodes), in bf16 by default, timed with CUDA events;
-also the cache write. Exits with a message when no CUDA GPU is present. ``--smoke`` runs tiny
+also the cache write, and split-KV decode at 64 x 2,048 tokens (kernel time against a device copy). Exits with a message when no CUDA GPU is present. ``--smoke`` runs tiny
 shapes once, and works on CPU under TRITON_INTERPRET=1 (to check this script without a GPU).
 
     .venv/bin/python benchmarks/attention_gpu.py [--dtype float16] [--repeats 50]
@@ -90,6 +90,54 @@ def bandwidth(dtype: torch.dtype, repeats: int, device: torch.device) -> None:
     print(f"  kernel / copy bandwidth         {kernel_gbs / copy_gbs:8.2f}")
 
 
+def split_decode(dtype: torch.dtype, repeats: int, device: torch.device) -> None:
+    """Decode of 64 sequences of 2,048 tokens in the Gemma-3-1B and Llama-3.2-1B heads' shapes (4 q / 1 KV head of
+    256; 32 q / 8 KV heads of 64): kernel time from the profiler (the attention kernel and the split's reduce, not
+    the launch-bound wall) unsplit and split as `split_segments` chooses, as a share of a device copy's bandwidth
+    (issue 47: at least 0.6)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridkv.kernels import PagedAttentionMetadata
+    from hybridkv.kernels.triton_attention import _num_sms, split_segments, triton_paged_attention
+
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_gbs = 2 * source.numel() / time_ms(lambda: target.copy_(source), repeats, device) / 1e6
+    num_seqs, seq_len, block_size = 64, 2048, 16
+    for name, q_heads, kv_heads, head_dim in (("Gemma-3-1B heads", 4, 1, 256), ("Llama-3.2-1B heads", 32, 8, 64)):
+        blocks_per_seq = seq_len // block_size
+        num_blocks = num_seqs * blocks_per_seq + 1
+        ids = torch.randperm(num_blocks - 1).add(1).view(num_seqs, blocks_per_seq).tolist()
+        key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+        value_cache = torch.randn_like(key_cache)
+        query = torch.randn(num_seqs, q_heads, head_dim, device=device).to(dtype)
+        metadata = PagedAttentionMetadata.build([1] * num_seqs, [seq_len] * num_seqs, ids, block_size, device)
+        kv_bytes = 2 * num_seqs * seq_len * kv_heads * head_dim * dtype.itemsize
+        chosen = split_segments(num_seqs, num_seqs, kv_heads, _num_sms(device.index or 0))
+        print(f"\n{name}: decode 64 x 2,048 tokens, {kv_bytes / 1e6:.0f} MB of K/V; device copy {copy_gbs:.0f} GB/s")
+        for segments in sorted({1, chosen}):
+            call = lambda: triton_paged_attention(  # noqa: E731
+                query, key_cache, value_cache, metadata, head_dim**-0.5, None, None, None, num_segments=segments
+            )
+            wall = time_ms(call, repeats, device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(repeats):
+                    call()
+                torch.cuda.synchronize()
+            kernel_us = sum(
+                e.self_device_time_total
+                for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+                and ("paged_attention_kernel" in e.name or "reduce_segments_kernel" in e.name)
+            )
+            kernel_ms = kernel_us / 1e3 / repeats
+            share = kv_bytes / kernel_ms / 1e6 / copy_gbs
+            print(
+                f"  {segments:2d} segment(s): kernels {kernel_ms * 1e3:7.1f} us (wall {wall * 1e3:7.1f} us), "
+                f"{kv_bytes / kernel_ms / 1e6:6.0f} GB/s = {share:.2f} of the copy's"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -127,6 +175,7 @@ def main() -> None:
         run_step(name, step, query_rows, repeats, device)
     if not args.smoke:
         bandwidth(dtype, repeats, device)
+        split_decode(dtype, repeats, device)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ hold key / k_scale and value / v_scale, so the K scale joins the logit scale and
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -32,6 +33,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def paged_attention_kernel(
     out_ptr,
+    partial_ptr,
+    stats_ptr,
     query_ptr,
     key_ptr,
     value_ptr,
@@ -85,9 +88,11 @@ def paged_attention_kernel(
     FP8_MIN_EXPONENT: tl.constexpr,
     ROUND_TO_BF16: tl.constexpr,
     UPCAST: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
     seq = tl.load(tile_seq_ids_ptr + tile)
     tile_start = tl.load(tile_starts_ptr + tile)
     query_begin = tl.load(cu_seqlens_q_ptr + seq)
@@ -120,10 +125,11 @@ def paged_attention_kernel(
         q = q.to(tl.float32)
 
     if USE_SINKS:
-        # The sink joins the denominator as one more logit with no value: start from it.
+        # The sink joins the denominator as one more logit with no value: start from it (split: in the first
+        # segment only).
         sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0).to(tl.float32)
-        running_max = sink * 1.4426950408889634
-        running_sum = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        running_max = tl.where(segment == 0, sink * 1.4426950408889634, float("-inf"))
+        running_sum = tl.where(segment == 0, tl.full([BLOCK_M], 1.0, dtype=tl.float32), 0.0)
     else:
         running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -140,6 +146,10 @@ def paged_attention_kernel(
     if USE_CHUNK:
         # The tile's first query sits in the earliest chunk of the tile: nothing before it is visible.
         key_start = (context_len + tile_start) // chunk_size * chunk_size
+    if NUM_SEGMENTS > 1:  # split-KV: this program's segment of the keys, whole key tiles long
+        segment_len = tl.cdiv(tl.cdiv(key_end - key_start, NUM_SEGMENTS), TILE_N) * TILE_N
+        key_start = key_start + segment * segment_len
+        key_end = tl.minimum(key_start + segment_len, key_end)
     # In flight, the step's own keys come from its K/V rows; only earlier ones from the pages.
     cache_end = key_end
     if IN_FLIGHT:
@@ -194,15 +204,55 @@ def paged_attention_kernel(
                 q, k, v, visible, acc, running_max, running_sum, scale, softcap, USE_SOFTCAP
             )
 
-    running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
-    out = acc / running_sum[:, None] * v_scale
-    out_offsets = (
-        (query_begin + row_token).to(tl.int64)[:, None] * stride_out_token
-        + row_head[:, None] * stride_out_head
-        + value_dims[None, :]
-    )
-    out_mask = row_valid[:, None] & value_dim_valid[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if NUM_SEGMENTS > 1:  # the segment's running max, sum and unnormalised values: reduce_segments_kernel
+        # Layout: [query token, q head, segment] (x HEAD_DIM_V_PADDED for the values, x 2 for max and sum).
+        entry = ((query_begin + row_token).to(tl.int64) * tl.num_programs(1) * QUERIES_PER_KV + row_head) * (
+            NUM_SEGMENTS
+        ) + segment
+        tl.store(stats_ptr + entry * 2, running_max, mask=row_valid)
+        tl.store(stats_ptr + entry * 2 + 1, running_sum, mask=row_valid)
+        partial_offsets = entry[:, None] * HEAD_DIM_V_PADDED + value_dims[None, :]
+        tl.store(partial_ptr + partial_offsets, acc, mask=row_valid[:, None])
+    else:
+        running_sum = tl.where(running_sum > 0.0, running_sum, 1.0)
+        out = acc / running_sum[:, None] * v_scale
+        out_offsets = (
+            (query_begin + row_token).to(tl.int64)[:, None] * stride_out_token
+            + row_head[:, None] * stride_out_head
+            + value_dims[None, :]
+        )
+        out_mask = row_valid[:, None] & value_dim_valid[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def reduce_segments_kernel(
+    out_ptr,
+    partial_ptr,
+    stats_ptr,
+    v_scale,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM_V: tl.constexpr,
+    HEAD_DIM_V_PADDED: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+):
+    """One (query token, q head): its segments' partial softmaxes combined, rescaled to their common max."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    entry = (token.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+    maxima = tl.load(stats_ptr + entry * 2)
+    sums = tl.load(stats_ptr + entry * 2 + 1)
+    overall = tl.max(maxima, axis=0)
+    overall = tl.where(overall > float("-inf"), overall, 0.0)
+    weights = tl.exp2(maxima - overall)
+    total = tl.sum(sums * weights, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    value_dims = tl.arange(0, HEAD_DIM_V_PADDED)
+    partial = tl.load(partial_ptr + entry[:, None] * HEAD_DIM_V_PADDED + value_dims[None, :])
+    out = tl.sum(partial * weights[:, None], axis=0) / total * v_scale
+    out_offsets = token.to(tl.int64) * stride_out_token + head * stride_out_head + value_dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=value_dims < HEAD_DIM_V)
 
 
 class LaunchConfig(NamedTuple):
@@ -229,6 +279,25 @@ def launch_config(queries_per_kv: int, head_dim: int, element_size: int, interpr
     return LaunchConfig(block_m, block_m // queries_per_kv, tile_n, 4, 3 if element_size == 2 else 2)
 
 
+MAX_SEGMENTS = 16
+
+
+def split_segments(num_seqs: int, num_query_tokens: int, num_kv_heads: int, num_sms: int) -> int:
+    """Key segments per (sequence, KV head) of a decode step: 1 (unsplit) where its programs fill the device,
+    else a power of two up to `MAX_SEGMENTS` that gives about two programs per SM (FlashAttention splits below
+    0.8 x SMs, vLLM's Triton decode below 128 sequences per KV head). A function of the step's shape only, so a
+    decode bucket's CUDA graph always replays the split it captured. Prefill chunks are not split."""
+    programs = num_seqs * num_kv_heads
+    if num_query_tokens != num_seqs or programs >= num_sms:
+        return 1
+    return min(MAX_SEGMENTS, triton.next_power_of_2(triton.cdiv(2 * num_sms, programs)))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def triton_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -244,8 +313,11 @@ def triton_paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     key_limits: KeyLimits | None = None,
+    num_segments: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``."""
+    """Paged attention of ``query`` rows over the cache; see ``hybridkv.kernels.paged_attention``. A decode step
+    that leaves SMs idle splits each sequence's keys into `num_segments` (default `split_segments`'s; 1 under
+    the interpreter and on a step with keys past a row's position) and combines them after."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     value_head_dim = value_cache.shape[-1]
@@ -269,8 +341,25 @@ def triton_paged_attention(
     use_limits = key_limits is not None and bool(key_limits.rows)
     if use_limits and attention_chunk_size is not None:
         raise ValueError("keys past a query's position are not served with chunked local attention")
-    paged_attention_kernel[(tiles.num_tiles, num_kv_heads)](
+    if num_segments is None:
+        num_segments = 1
+        if query.device.type == "cuda" and not INTERPRETED and not use_limits:
+            num_segments = split_segments(
+                metadata.num_seqs, metadata.num_query_tokens, num_kv_heads, _num_sms(query.device.index or 0)
+            )
+    if num_segments < 1 or num_segments & (num_segments - 1):
+        raise ValueError(f"num_segments must be a power of two, got {num_segments}")
+    partial = stats = out
+    if num_segments > 1:
+        rows = metadata.num_query_tokens
+        partial = torch.empty(
+            (rows, num_q_heads, num_segments, value_head_dim_padded), dtype=torch.float32, device=query.device
+        )
+        stats = torch.empty((rows, num_q_heads, num_segments, 2), dtype=torch.float32, device=query.device)
+    paged_attention_kernel[(tiles.num_tiles, num_kv_heads, num_segments)](
         out,
+        partial,
+        stats,
         query,
         key,
         value,
@@ -324,9 +413,22 @@ def triton_paged_attention(
         # differ (a bf16 page is exact in fp32, not in fp16); fp8 pages are exact in any query dtype.
         UPCAST=(INTERPRETED and query.dtype == torch.bfloat16)
         or (not is_fp8(key_cache.dtype) and key_cache.dtype != query.dtype),
+        NUM_SEGMENTS=num_segments,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if num_segments > 1:
+        reduce_segments_kernel[(metadata.num_query_tokens, num_q_heads)](
+            out,
+            partial,
+            stats,
+            v_scale,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM_V=value_head_dim,
+            HEAD_DIM_V_PADDED=value_head_dim_padded,
+            NUM_SEGMENTS=num_segments,
+        )
     return out
 
 
