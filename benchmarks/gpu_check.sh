@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, on a machine with a CUDA GPU and torch, triton and transformers
-# installed (nothing is downloaded): the kernel tests with Triton compiled for the device (fp32, fp16,
-# bf16, fp8 pages, windows, softcap, sinks, GQA, chunked local, in-flight rows), CUDA graphs of decode
-# steps (tests/test_cuda_graphs.py: every zoo family's replay equal to its eager step bit for bit, fp32
-# and bf16, no host sync in the replay path), the zoo's token-exact greedy tests on CUDA in fp32 (decode
-# steps as CUDA graphs, the default there), benchmarks/attention_gpu.py (with the decode kernel's
-# bandwidth against a device copy), benchmarks/compile_startup.py and benchmarks/throughput_gpu.py. Logs go
-# to OUT_DIR, one per part, and a summary.
+# installed (nothing is downloaded). Logs go to OUT_DIR, one per part, and a summary.
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]       (default: gpu_check/; $OUT where that is set)
 #
-# Wheels in .whl/ (say, a newer transformers than the machine has) are installed to /tmp/site first.
-# Each part has a time limit, so that one slow part cannot take the others' time; set PARTS to run
-# some of them, in the order given. The default (issue 46, within 9 minutes on an H200): "startup"
-# (benchmarks/compile_startup.py: patch() of the Gemma-3-1B shape, compiled, cold and warm caches) and
-# "throughput" (Gemma-3-1B and Llama-3.2-1B shapes, the mixed workload: hybridkv's defaults, compile=False,
-# and transformers' static-cache compiled generate). Also: "kernels graphs zoo attention", and
-# "profile" (where a decode step's time goes, benchmarks/profile_gpu_step.py, PROFILE_ARGS); THROUGHPUT_ARGS
-# for throughput_gpu.py's arguments, and KERNELS_SECONDS, GRAPHS_SECONDS, ... for a part's limit.
+# Wheels in .whl/ are installed to /tmp/site first: py-spy for the "hoststacks" part (get it with
+# `pip download py-spy --no-deps --only-binary=:all: -d .whl`; .whl/ is ignored by git, so the device tool
+# must carry it), or a newer transformers than the machine has. Each part has a time limit, so that one slow
+# part cannot take the others' time; set PARTS to run some of them, in the order given.
+#
+# The default (issue 47, meant for one call of at most 9 minutes on an H200; no GPU has run it yet, so the
+# limits are estimates):
+#   tests47     the split-KV decode kernel compiled for the device (tests/test_kernels_split.py) and the
+#               async-scheduling twin-engine test on CUDA (graphs, pinned copies; tests/test_async_scheduling.py)
+#   attention   benchmarks/attention_gpu.py: the kernels against SDPA, the decode kernel's bandwidth, and split-KV
+#               decode at 64 x 2,048 tokens by the profiler's kernel time against a device copy
+#   profile     benchmarks/profile_gpu_step.py (PROFILE_ARGS, default the Gemma-3-1B shape at 64 running): a
+#               decode step's wall time, the GPU's busy share of it, host time by part
+#   hoststacks  py-spy over the same steps without the torch profiler, summarised by benchmarks/host_stacks.py
+#   throughput  benchmarks/throughput_gpu.py (THROUGHPUT_ARGS): Gemma-3-1B and Llama-3.2-1B shapes, 128 mixed
+#               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
+#               generate and its plain generate (the two baselines' bf16 agreement is the yardstick)
+# Other parts: "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
+# (benchmarks/compile_startup.py, issue 46). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
-parts=${PARTS:-startup throughput}
-throughput_args=${THROUGHPUT_ARGS:---models gemma3,llama --workloads mixed --requests 128 --systems hybridkv,hybridkv_nocompile,generate_static}
+parts=${PARTS:-tests47 attention profile hoststacks throughput}
+throughput_args=${THROUGHPUT_ARGS:---models gemma3,llama --workloads mixed --requests 128 --systems hybridkv,hybridkv_sync,generate_static,generate}
+profile_args=${PROFILE_ARGS:---model gemma3 --running 64}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -48,14 +54,18 @@ run_part() { # name, seconds, command...
 gpu_tests=(env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider -n 8)
 for part in $parts; do
     case $part in
+    tests47) run_part tests47 "${TESTS47_SECONDS:-90}" "${gpu_tests[@]}" tests/test_kernels_split.py tests/test_async_scheduling.py ;;
     kernels) run_part kernels "${KERNELS_SECONDS:-180}" "${gpu_tests[@]}" tests/test_kernels_attention.py tests/test_kernels_in_flight.py \
         tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
     graphs) run_part graphs "${GRAPHS_SECONDS:-240}" "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
     zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
-    attention) run_part attention "${ATTENTION_SECONDS:-60}" python3 benchmarks/attention_gpu.py ;;
+    attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
-    throughput) run_part throughput "${THROUGHPUT_SECONDS:-360}" python3 benchmarks/throughput_gpu.py $throughput_args ;;
-    profile) run_part profile "${PROFILE_SECONDS:-120}" python3 benchmarks/profile_gpu_step.py ${PROFILE_ARGS:-} ;;
+    throughput) run_part throughput "${THROUGHPUT_SECONDS:-240}" python3 benchmarks/throughput_gpu.py $throughput_args ;;
+    profile) run_part profile "${PROFILE_SECONDS:-70}" python3 benchmarks/profile_gpu_step.py $profile_args ;;
+    hoststacks) run_part hoststacks "${HOSTSTACKS_SECONDS:-60}" bash -c "/tmp/site/bin/py-spy record --rate 500 \
+        --format raw -o '$out/host_stacks.txt' -- python3 benchmarks/profile_gpu_step.py $profile_args --steps-only \
+        --steps 200 && python3 benchmarks/host_stacks.py '$out/host_stacks.txt'" ;;
     *) echo "unknown part $part" ;;
     esac
 done

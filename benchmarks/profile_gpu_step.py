@@ -7,11 +7,13 @@ GPU's busy time in it, the share of the step that is the forward call, the sampl
 kernels by GPU time. With `--tiny` it runs a tiny Gemma 3 on the CPU (what the CPU tests can check of it).
 
     python benchmarks/profile_gpu_step.py [--model gemma3|llama] [--running 64] [--prompt-len 512] [--steps 20]
+                                          [--async-scheduling default|on|off]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -30,6 +32,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a tiny Gemma 3 on the CPU")
+    parser.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default")
+    parser.add_argument(
+        "--steps-only", action="store_true", help="no torch profiler: the steps alone (for py-spy, host_stacks.py)"
+    )
     args = parser.parse_args()
     if args.tiny:
         model, activities = tiny_model("gemma3"), [ProfilerActivity.CPU]
@@ -42,7 +48,13 @@ def main() -> None:
     rng = random.Random(0)
     vocab = model.config.get_text_config().vocab_size
     prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.running)]
-    llm = hybridkv.patch(model, max_model_len=args.prompt_len + 4 * args.steps + 64, max_num_seqs=args.running)
+    scheduling = {"default": None, "on": True, "off": False}[args.async_scheduling]
+    llm = hybridkv.patch(
+        model,
+        max_model_len=args.prompt_len + 4 * args.steps + 64,
+        max_num_seqs=args.running,
+        async_scheduling=scheduling,
+    )
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         llm.add_request(str(index), prompt, params)
@@ -51,18 +63,36 @@ def main() -> None:
     for _ in range(3):
         llm.step()  # warm: graphs replayed, kernels compiled
     synchronize = torch.cuda.synchronize if not args.tiny else (lambda: None)
-    walls = []
-    with profile(activities=activities) as prof:
+    before = llm.stats()
+    # Steps back to back, synchronised only around them all: with async scheduling a step's host work runs while
+    # the step before it is on the GPU, which a synchronisation per step would serialise.
+    with contextlib.nullcontext() if args.steps_only else profile(activities=activities) as prof:
+        synchronize()
+        start = time.perf_counter()
         for _ in range(args.steps):
-            synchronize()
-            start = time.perf_counter()
             llm.step()
-            synchronize()
-            walls.append(time.perf_counter() - start)
+        synchronize()
+        wall_ms = (time.perf_counter() - start) / args.steps * 1e3
     stats = llm.stats()
-    wall_ms = sum(walls) / len(walls) * 1e3
-    print(f"{args.model}: {args.running} running, {args.prompt_len}-token prompts; graphs {stats['cuda_graphs']}")
-    if args.tiny:
+    ahead = stats["num_overlapped_steps"] - before["num_overlapped_steps"]
+    print(
+        f"{args.model}: {args.running} running, {args.prompt_len}-token prompts; graphs {stats['cuda_graphs']}; "
+        f"async scheduling {stats['async_scheduling']} ({ahead} of {args.steps} steps planned ahead)"
+    )
+    parts = {
+        "schedule": "schedule_seconds",
+        "prepare inputs": "prepare_seconds",
+        "forward launch": "forward_seconds",
+        "update": "update_seconds",
+        "waiting for tokens": "token_wait_seconds",
+    }
+    host = ", ".join(
+        f"{name} {(stats[key] - before[key]) / args.steps * 1e3:.2f} ms" for name, key in parts.items() if key in stats
+    )
+    print(f"host per step{'' if args.steps_only else ' (profiled, so slower than unprofiled)'}: {host}")
+    if args.steps_only:
+        print(f"step wall {wall_ms:.2f} ms")
+    elif args.tiny:
         print(f"step wall {wall_ms:.2f} ms (CPU)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     else:

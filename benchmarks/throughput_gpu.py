@@ -20,6 +20,7 @@ The systems (`--systems`):
                        CUDA graphs over it), max_num_seqs 128; its warm-up compiles unless the disk cache has the
                        program (`HYBRIDKV_CACHE_DIR`)
   hybridkv_nocompile   compile=False: eager kernels, decode steps as CUDA graphs
+  hybridkv_sync        async_scheduling=False: the host waits for each step's tokens before planning the next
   hybridkv_eager       enforce_eager=True, compile=False: every step launched from Python
   hybridkv_compiled    compile=True (what the defaults do on one GPU)
 bf16 greedy tokens can differ between systems after a near tie; for every pair of systems the share of
@@ -169,6 +170,7 @@ def main() -> None:
                 "generate_batch_l2": functools.partial(run_generate_batch, level=2),
                 "hybridkv": run_hybridkv,
                 "hybridkv_nocompile": functools.partial(run_hybridkv, compile=False),
+                "hybridkv_sync": functools.partial(run_hybridkv, async_scheduling=False),
                 "hybridkv_eager": functools.partial(run_hybridkv, enforce_eager=True, compile=False),
                 "hybridkv_compiled": functools.partial(run_hybridkv, compile=True),
             }
@@ -190,10 +192,12 @@ def main() -> None:
                 )
                 if name.startswith("hybridkv"):
                     stats = result[2]
-                    host_ms = stats["overhead_seconds"] / stats["num_steps"] * 1e3
+                    # Host time outside the forward call, less the wait for sampled tokens (async scheduling).
+                    host_ms = (stats["overhead_seconds"] - stats["token_wait_seconds"]) / stats["num_steps"] * 1e3
                     line += (
                         f"  (steps {stats['num_steps']}, at most {stats['max_num_running']} running, prefix hits "
-                        f"{stats['prefix_cache_hit_rate']:.0%}, host {host_ms:.2f} ms/step, graphs "
+                        f"{stats['prefix_cache_hit_rate']:.0%}, host {host_ms:.2f} ms/step, "
+                        f"{stats['num_overlapped_steps']} planned ahead, graphs "
                         f"{stats['cuda_graphs']}, step check {stats['step_check']})"
                     )
                 print(line, flush=True)

@@ -101,6 +101,7 @@ class AsyncSteps:
         self.engine = engine
         self.in_flight: InFlightStep | None = None
         self.num_overlapped = 0  # steps planned while the one before ran (`stats()`)
+        self.wait_seconds = 0.0  # the host waiting for sampled tokens
 
     def step(self) -> list[RequestOutput]:
         """Finish one step and return its reports; the next is launched before, where it may be."""
@@ -227,8 +228,10 @@ class AsyncSteps:
         """Read the step's tokens and update its requests as the synchronous engine's update does; a request that
         stops is first taken back from the step launched after this one (`in_flight`). The step's reports."""
         engine = self.engine
-        start = time.perf_counter()
+        wait_start = time.perf_counter()
         tokens = step.host_tokens()
+        start = time.perf_counter()
+        self.wait_seconds += start - wait_start
         logprobs = step.logprobs or [None] * len(tokens)
         live: list[Request] = []
         live_tokens: list[int] = []

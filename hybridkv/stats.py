@@ -101,6 +101,10 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         "cuda_graphs": sorted(engine.runner.graphs.graphs) if engine.runner.graphs is not None else [],
         "cuda_graph_error": engine.runner.graph_error,
         **compile_stats(engine.runner),
+        # Async scheduling (hybridkv/async_steps.py): on or off, and the steps planned before the one before finished.
+        "async_scheduling": engine.async_steps is not None,
+        "num_overlapped_steps": engine.async_steps.num_overlapped if engine.async_steps is not None else 0,
+        "token_wait_seconds": engine.async_steps.wait_seconds if engine.async_steps is not None else 0.0,
         "cpu_decode_kernel": all(device.type == "cpu" for device in engine.runner.devices) and cpu_decode.available(),
     }
 

@@ -18,7 +18,7 @@ from hybridkv.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from model_zoo import STATE
-from tiny_models import new_request_id
+from tiny_models import DEVICE, new_request_id
 from tiny_tokenizer import tiny_tokenizer
 
 
@@ -134,10 +134,10 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(
     tokenizer = tiny_tokenizer()
     state = family in STATE
     build = STATE[family] if state else lambda: tiny_model(family, vocab_size=len(tokenizer))
-    models = [build() for _ in range(2)]
+    models = [build().to(DEVICE) for _ in range(2)]  # on the GPU under benchmarks/gpu_check.sh: graphs, pinned copies
     settings = dict(
         block_size=4, max_model_len=96, max_num_batched_tokens=32, enable_prefix_caching=caching,
-        long_prefill_token_threshold=chunk, max_num_seqs=6,
+        long_prefill_token_threshold=chunk, max_num_seqs=6, compile=False,
     )  # fmt: skip
     if family == "gemma3":  # decode steps padded to buckets, as a GPU's graphs replay them
         settings["enforce_eager"] = False
@@ -168,12 +168,15 @@ def test_blocks_filled_by_a_pending_token_are_hit_as_the_synchronous_engines_are
     tokenizer = tiny_tokenizer()
     state = family in STATE
     build = STATE[family] if state else lambda: tiny_model(family, vocab_size=len(tokenizer))
-    settings = dict(block_size=4, max_model_len=128, num_state_checkpoints=8, state_checkpoint_interval=8)
+    settings = dict(
+        block_size=4, max_model_len=128, num_state_checkpoints=8, state_checkpoint_interval=8, compile=False,
+        num_blocks=512,
+    )  # fmt: skip
     if not state:
         del settings["num_state_checkpoints"], settings["state_checkpoint_interval"]
     hits = []
     for flag in (False, True):
-        model = build()
+        model = build().to(DEVICE)
         llm = hybridkv.patch(model, tokenizer=tokenizer, async_scheduling=flag, **settings)
         try:
             prompt = list(range(5, 16))
@@ -190,3 +193,12 @@ def test_blocks_filled_by_a_pending_token_are_hit_as_the_synchronous_engines_are
             hybridkv.unpatch(model)
     assert hits[0] == hits[1]
     assert hits[0][2][0] > 11 + 13 + 3, hits  # past the first turn's prompt: blocks its decode filled
+
+
+def test_async_scheduling_is_on_by_default_on_one_cuda_device_only(patched):
+    tokenizer = tiny_tokenizer()
+    llm = patched(tiny_model("llama", vocab_size=len(tokenizer)).to(DEVICE), tokenizer)
+    assert (llm.async_steps is not None) == (DEVICE.type == "cuda")
+    assert llm.stats()["async_scheduling"] == (DEVICE.type == "cuda")
+    with pytest.raises(TypeError, match="async_scheduling"):
+        patched(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, async_scheduling="yes")
