@@ -27,6 +27,10 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py --against DIR [--pairs 30] [--workloads mixed,shared]
     python benchmarks/host_overhead.py --against DIR --workloads mixed [--ready-logits] [--requests 1]
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 30 --argmax-apart
+    python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 16 --async-scheduling
+
+`--async-scheduling` runs this checkout with the next step planned before the last one's tokens are read
+(hybridkv/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
 
 `--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
 prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.
@@ -67,6 +71,11 @@ def main() -> None:
     parser.add_argument("--ready-logits", action="store_true", help="ready logits instead of the forward")
     parser.add_argument("--requests", type=int, help="the workload's first N requests only")
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="this checkout's async_scheduling (default: the engine's, off on the CPU)",
+    )
+    parser.add_argument(
         "--argmax-apart", action="store_true", help="with --against: also host per decode step without the argmax"
     )
     args = parser.parse_args()
@@ -86,7 +95,12 @@ def main() -> None:
         prompts = prompts[: args.requests]
         runs = []
         for _ in range(args.repeats):
-            llm = hybridkv.patch(model, max_model_len=8192, enable_prefix_caching=args.prefix_caching)
+            llm = hybridkv.patch(
+                model,
+                max_model_len=8192,
+                enable_prefix_caching=args.prefix_caching,
+                async_scheduling=args.async_scheduling,
+            )
             with ready_logits(model, args.ready_logits):
                 decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
             stats = llm.stats()
@@ -133,7 +147,13 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
     process (which goes first alternates too), after a warm-up run of each."""
 
     def run(package, prompts, max_new) -> tuple[float, ...]:
-        llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching)
+        # --async-scheduling sets this checkout's (versions before issue 47 have no such setting).
+        ours = (
+            {}
+            if package is not hybridkv or args.async_scheduling is None
+            else {"async_scheduling": args.async_scheduling}
+        )
+        llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching, **ours)
         with ready_logits(model, args.ready_logits), argmax_timed(package, args.argmax_apart) as argmax:
             decode_host, decode_steps = run_steps(
                 llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new), argmax

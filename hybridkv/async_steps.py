@@ -70,6 +70,8 @@ class InFlightStep:
     # Whether the next step may be planned before this one's tokens are read (every sampler `overlaps`, drew on
     # the device); the other conditions are the engine's state then (`AsyncSteps._may_overlap`).
     overlaps: bool = True
+    # Every request of the plan `overlaps` and drew on the device: its finish is one pass (`LLMEngine._record_alone`).
+    alone: bool = False
     _host: torch.Tensor | None = None
     _copied: torch.cuda.Event | None = None
 
@@ -191,8 +193,11 @@ class AsyncSteps:
         logits = engine._compute(plan)
         if logits is not None and plan.sampling:
             self._draw(step, logits)
+        alone = step.overlaps
         for request, num_new, _ in plan.scheduled:
             request.num_computed_tokens += num_new
+            alone = alone and request.overlaps
+        step.alone = alone
         for request in step.sampling:
             request.num_pending_tokens += 1
         if step.tokens is not None:
@@ -232,6 +237,18 @@ class AsyncSteps:
         tokens = step.host_tokens()
         start = time.perf_counter()
         self.wait_seconds += start - wait_start
+        following = self.in_flight
+        if step.alone and not engine._unreported and not step.plan.failed:
+            # Every request sampled alone with nothing but its token to record: one pass (`_record_alone`).
+            reports, stopped = engine._record_alone(step.plan, tokens, advance=False)
+            for request, status, state in stopped:
+                if following is not None:
+                    self._take_back(following, request)
+                engine.scheduler.finish(request, status)
+                engine.outputs.output(state)
+            self._drop_if_taken_back()
+            engine.update_seconds += time.perf_counter() - start
+            return reports
         logprobs = step.logprobs or [None] * len(tokens)
         live: list[Request] = []
         live_tokens: list[int] = []
@@ -244,13 +261,11 @@ class AsyncSteps:
             live.append(request)
             live_tokens.append(token)
             live_logprobs.append(token_logprobs)
-        following = self.in_flight
         for request, status, error in engine.outputs.process(live, live_tokens, live_logprobs):
             if following is not None:
                 self._take_back(following, request)
             engine.scheduler.finish(request, status, error)
-        if following is not None and not any(not s.request.status.is_finished for s in following.plan.scheduled):
-            self.in_flight = None  # everything it computed was taken back
+        self._drop_if_taken_back()
         touched = engine._take_touched()
         states = engine.outputs.states
         plan = step.plan
@@ -260,6 +275,13 @@ class AsyncSteps:
                 touched[request_id] = states[request_id]
         engine.update_seconds += time.perf_counter() - start
         return [engine.outputs.output(state) for state in touched.values() if not state.output.finished]
+
+    def _drop_if_taken_back(self) -> None:
+        """A step in flight whose every request finished computes nothing anyone reads: dropped, so that an engine
+        with no unfinished request has nothing in flight."""
+        following = self.in_flight
+        if following is not None and all(s.request.status.is_finished for s in following.plan.scheduled):
+            self.in_flight = None
 
     @staticmethod
     def _take_back(following: InFlightStep, request: Request) -> None:

@@ -627,21 +627,42 @@ class LLMEngine(RunLoops):
         """`_update` in one pass over the step's requests, for a step whose every request is `greedy_alone` (no
         beam, fork, grammar or logprobs to record; each is its group's only sample, so its report is its own) and
         nothing earlier waits to be reported: each request advances, takes and records its token and is checked
-        for a stop as `Scheduler.update` and `OutputProcessor.process` would; then the step's blocks are updated
-        (`Scheduler.update_blocks`) and the stopped requests finished. Most decode steps take it: one pass instead
-        of four, each of which met every request's records cold after the forward."""
+        for a stop as `Scheduler.update` and `OutputProcessor.process` would (`_record_alone`); then the step's
+        blocks are updated (`Scheduler.update_blocks`) and the stopped requests finished. Most decode steps take
+        it: one pass instead of four, each of which met every request's records cold after the forward."""
+        reports, stopped = self._record_alone(plan, tokens, advance=True)
+        self.scheduler.update_blocks(plan)
+        for request, status, state in stopped:
+            self.scheduler.finish(request, status)
+            self.outputs.output(state)
+        return reports
+
+    def _record_alone(
+        self, plan: SchedulerOutput, tokens: list[int], advance: bool
+    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus, RequestState]]]:
+        """The one pass of `_update_alone` (and of an async step's finish, `advance` False: its requests advanced
+        at launch, and each token it appends was pending): the reports (live records) and the requests that
+        stopped, with their states, not finished yet. With `advance` False a request that finished since the
+        step's launch (aborted) is passed over, its token dropped."""
         check = self.outputs.stop_rules.check
         now = time.monotonic()
         next_token = iter(tokens).__next__
         reports: list[RequestOutput] = []
         stopped: list[tuple[Request, RequestStatus, RequestState]] = []
         for request, num_new, samples in plan.scheduled:
-            request.num_computed_tokens += num_new
+            if advance:
+                request.num_computed_tokens += num_new
+            elif request.status.is_finished:
+                if samples:
+                    next_token()
+                continue
             sample = request.sample_state
             state = sample.state
-            reports.append(state.output)  # the live record: a stopped request's is finished below, in place
+            reports.append(state.output)  # the live record: a stopped request's is finished by the caller, in place
             if samples:
                 token = next_token()
+                if not advance:
+                    request.num_pending_tokens -= 1
                 request.append_token(token)
                 sample.completion.token_ids.append(token)
                 if sample.metrics.first_token_time is None:
@@ -653,11 +674,7 @@ class LLMEngine(RunLoops):
             if sample.detokenizer is not None:  # what `OutputProcessor.output` reads into an unfinished record
                 sample.completion.text = sample.detokenizer.text
             sample.metrics.num_cached_tokens = request.num_cached_tokens
-        self.scheduler.update_blocks(plan)
-        for request, status, state in stopped:
-            self.scheduler.finish(request, status)
-            self.outputs.output(state)
-        return reports
+        return reports, stopped
 
     def _execute(
         self, plan: SchedulerOutput, greedy_alone: bool = False

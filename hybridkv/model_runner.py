@@ -570,15 +570,24 @@ class ModelRunner:
 
     def _place_pending_tokens(self, pending_rows: list[tuple[int, str]]) -> None:
         """Write the tokens the step before sampled on the device into their rows of the step's input ids, on the
-        device (async scheduling: the host never waited for them)."""
+        device (async scheduling: the host never waited for them). A steady decode batch (the same requests in the
+        same order, from row 0) takes one copy; any other, a gather and a scatter."""
         source = self.pending_tokens
         if source is None:
             raise RuntimeError("a step reads tokens sampled on the device, but no earlier step left any")
+        input_ids = self.buffers[self.input_device].input_ids.device
+        index = source.index
+        count = len(pending_rows)
+        if count == len(index) and all(
+            row == i == index[request_id] for i, (row, request_id) in enumerate(pending_rows)
+        ):
+            input_ids[:count].copy_(source.tokens, non_blocking=True)
+            return
         device = self.input_device
         rows = torch.tensor([row for row, _ in pending_rows], dtype=torch.long).to(device, non_blocking=True)
-        index = torch.tensor([source.index[request_id] for _, request_id in pending_rows], dtype=torch.long)
-        tokens = source.tokens.index_select(0, index.to(source.tokens.device, non_blocking=True))
-        self.buffers[device].input_ids.device.index_copy_(0, rows, tokens.to(device))
+        picked = torch.tensor([index[request_id] for _, request_id in pending_rows], dtype=torch.long)
+        tokens = source.tokens.index_select(0, picked.to(source.tokens.device, non_blocking=True))
+        input_ids.index_copy_(0, rows, tokens.to(device))
 
     def _forward_with_images(self, prepared: PreparedStep) -> torch.Tensor:
         """A step that computes image placeholders: eager (never a graph or compiled code), their rows' input
