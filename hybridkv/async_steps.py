@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridkv import sampler
 from hybridkv.sampler import SampledLogprobs, draw_tokens
 
 if TYPE_CHECKING:
@@ -213,6 +214,11 @@ class AsyncSteps:
         samples (a row that fails fails its request alone: `LLMEngine._sample`)."""
         engine = self.engine
         sampling = step.plan.sampling
+        if step.plan.greedy_alone:  # every row its argmax (what the synchronous engine's one-pass step takes)
+            step.tokens = torch.as_tensor(sampler.greedy_tokens(logits), device=logits.device)
+            step.sampling = sampling
+            engine.num_generated_tokens += len(sampling)
+            return
         rows = [request.sampling_row for request in sampling]
         if all(request.overlaps for request in sampling):
             seeded = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]

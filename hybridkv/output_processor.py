@@ -81,12 +81,9 @@ class OutputProcessor:
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
             request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
+            # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone).
             request.overlaps = (
-                len(group.members) == 1
-                and matcher is None
-                and not params.has_penalties
-                and not params.needs_logprob
-                and params.prompt_logprobs is None
+                len(group.members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
             )
             request.sample_state = SampleState(
                 request=request,

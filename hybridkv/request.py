@@ -190,6 +190,7 @@ class Request(KVRequest):
         self.greedy_alone = False
         # Its next step may be scheduled before its sampled token reaches the host (async scheduling): nothing in
         # its sampling or output reads that token first (no grammar, penalty, logprobs, beam or other sample).
+        # Every `greedy_alone` request overlaps.
         self.overlaps = False
 
     @property
