@@ -57,6 +57,7 @@ def _attention_variant(
     chunk: bool = False,
     cache_dtype: str | None = None,
     in_flight: bool = True,
+    segments: int = 1,
 ) -> Variant:
     cache_dtype = cache_dtype or dtype
     value_head_dim = value_head_dim or head_dim
@@ -79,9 +80,20 @@ def _attention_variant(
         "IN_FLIGHT": in_flight,
         **_format(dtype, cache_dtype),
         "UPCAST": cache_dtype != dtype and not cache_dtype.startswith("fp8"),
+        "NUM_SEGMENTS": segments,
     }
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     return ("attention", dtype, cache_dtype, constexprs, capability, options)
+
+
+def _reduce_variant(dtype: str, value_head_dim: int, segments: int, capability: int = 90) -> Variant:
+    """Split-KV decode's reduce: the segments' partial softmaxes (fp32) into the output's dtype."""
+    constexprs = {
+        "HEAD_DIM_V": value_head_dim,
+        "HEAD_DIM_V_PADDED": 1 << (value_head_dim - 1).bit_length(),
+        "NUM_SEGMENTS": segments,
+    }
+    return ("reduce", dtype, dtype, constexprs, capability, {})
 
 
 def _write_variant(
@@ -130,7 +142,19 @@ def _variants() -> list[Variant]:
         _attention_variant("bf16", 128, True, False, False, cache_dtype="fp8e5", capability=80),
         _attention_variant("fp32", 64, True, False, False, cache_dtype="bf16"),
         _attention_variant("bf16", 64, False, False, False, cache_dtype="fp32"),
+        # Split-KV decode (segments per sequence), as split_segments picks them: Gemma-3-1B's heads at 64 running,
+        # Llama's with sinks, fp8 pages, the largest count, an A100.
+        _attention_variant("bf16", 256, True, True, False, segments=8),
+        _attention_variant("bf16", 64, False, False, True, segments=4),
+        _attention_variant("fp16", 128, True, False, False, cache_dtype="fp8e4nv", segments=2),
+        _attention_variant("fp32", 128, False, False, False, queries_per_kv=1, segments=16),
+        _attention_variant("bf16", 128, True, False, False, capability=80, segments=8),
     ]
+    variants += [
+        _reduce_variant(dtype, value_head_dim, segments)
+        for dtype, value_head_dim, segments in [("bf16", 256, 8), ("fp16", 128, 2), ("fp32", 96, 16), ("bf16", 64, 4)]
+    ]
+    variants.append(_reduce_variant("bf16", 128, 8, capability=80))
     variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
     variants.append(_write_variant("bf16", 192, value_head_dim=128))
@@ -149,6 +173,8 @@ def _signature(kernel, dtype: str, cache_dtype: str) -> dict[str, str]:
             signature[name] = "*i32"
         elif name == "slot_mapping_ptr":
             signature[name] = "*i64"
+        elif name in ("partial_ptr", "stats_ptr"):  # split-KV decode's fp32 scratch
+            signature[name] = "*fp32"
         elif name in _CACHE_POINTERS:
             signature[name] = f"*{cache_dtype}"
         elif name.endswith("_ptr"):
@@ -168,10 +194,10 @@ def _compile_all(variants: list[Variant]) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hybridkv.kernels.triton_attention import paged_attention_kernel
+    from hybridkv.kernels.triton_attention import paged_attention_kernel, reduce_segments_kernel
     from hybridkv.kernels.triton_cache_write import write_kv_kernel
 
-    kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel}
+    kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel, "reduce": reduce_segments_kernel}
     failures = []
     for name, dtype, cache_dtype, constexprs, capability, options in variants:
         kernel = kernels[name]
