@@ -84,7 +84,8 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
         assert driver[f"{name}_num_blocks"] == worker[f"{name}_num_blocks"]
         assert driver[f"{name}_kv_cache_bytes"] == worker[f"{name}_kv_cache_bytes"]
         assert driver[f"{name}_kv_cache_bytes"] / driver[f"{name}_num_blocks"] == one_process_bytes / 2
-    leftover = subprocess.run(["pgrep", "-f", str(SCRIPT)], capture_output=True, text=True)
+    # This test's own ranks only (their command lines hold its temporary folder), not another run's on the machine.
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout == "", "a rank outlived torchrun"
 
 
@@ -128,5 +129,6 @@ def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             raise
-    leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
+    # The server's own session (start_new_session): its ranks, not another process on the machine.
+    leftover = subprocess.run(["pgrep", "-s", str(server.pid)], capture_output=True, text=True)
     assert leftover.stdout == "", "a rank outlived the server"
