@@ -46,6 +46,10 @@ def assert_replays_equal_steps(llm, num_steps: int, bucket: int) -> None:
         scheduler.update(plan, stepped.argmax(-1).tolist())
 
 
+# MoE families whose own experts code syncs with the host in bf16 as well (README.md, "CUDA graphs").
+BF16_UNCAPTURED = {"afmoe", "beam", "phimoe", "step3p7"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE)))
 def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patched):
@@ -57,8 +61,12 @@ def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patc
     if stats["cuda_graph_error"] is not None:
         # Only a model whose own experts loop over the experts its router picked (transformers' eager experts,
         # and its grouped_mm path in fp32) syncs with the host, so that its decode steps cannot be captured:
-        # they run eagerly, with a warning that says why (test_models_without_graphs_... serves one).
+        # they run eagerly, with a warning that says why (test_models_without_graphs_... serves one). The MoE
+        # families whose capture fails in bf16 too are the ones the README names; the error must be the capture's
+        # (a host sync while the stream captures), not any other failure of an MoE model.
         assert _has_experts(model), stats["cuda_graph_error"]
+        assert dtype == torch.float32 or name in BF16_UNCAPTURED, (name, stats["cuda_graph_error"])
+        assert "captur" in stats["cuda_graph_error"].lower(), stats["cuda_graph_error"]
         assert stats["cuda_graphs"] == [] and any("could not capture" in str(w.message) for w in caught)
         return
     assert stats["cuda_graphs"] == [1, 2, 4, 8]
