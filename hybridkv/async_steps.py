@@ -51,11 +51,19 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class PendingTokens:
-    """The tokens a launched step drew, on the device (`tokens[index[request_id]]`): what the next step's rows of
-    those requests read as their input ids (`ModelRunner._place_pending_tokens`)."""
+    """The tokens a launched step drew, on the device (`tokens[i]` is `request_ids[i]`'s): what the next step's rows
+    of those requests read as their input ids (`ModelRunner._place_pending_tokens`)."""
 
     tokens: torch.Tensor
-    index: dict[str, int]
+    request_ids: list[str]
+    _index: dict[str, int] | None = None
+
+    @property
+    def index(self) -> dict[str, int]:
+        """Request id -> position in `tokens` (made on first use: a steady decode batch needs none)."""
+        if self._index is None:
+            self._index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        return self._index
 
 
 @dataclass(slots=True)
@@ -151,8 +159,10 @@ class AsyncSteps:
     @staticmethod
     def _launchable(plan: SchedulerOutput) -> bool:
         """Whether the plan's tokens can be left on the device at launch: each request samples alone (a fork's
-        followers and a beam search's choice take their tokens on the host)."""
-        return all(len(s.samples) < 2 and s.request.sampling_row is not None for s in plan.scheduled if s.samples)
+        followers and a beam search's choice take their tokens on the host); a greedy_alone plan always can."""
+        return plan.greedy_alone or all(
+            len(s.samples) < 2 and s.request.sampling_row is not None for s in plan.scheduled if s.samples
+        )
 
     def _may_overlap(self, step: InFlightStep) -> bool:
         """Whether the next step may be planned before `step` finishes (see the module docstring)."""
@@ -194,17 +204,20 @@ class AsyncSteps:
         logits = engine._compute(plan)
         if logits is not None and plan.sampling:
             self._draw(step, logits)
-        alone = step.overlaps
-        for request, num_new, _ in plan.scheduled:
-            request.num_computed_tokens += num_new
-            alone = alone and request.overlaps
-        step.alone = alone
+        if plan.greedy_alone:  # every greedy_alone request overlaps
+            for request, num_new, _ in plan.scheduled:
+                request.num_computed_tokens += num_new
+            step.alone = step.overlaps
+        else:
+            alone = step.overlaps
+            for request, num_new, _ in plan.scheduled:
+                request.num_computed_tokens += num_new
+                alone = alone and request.overlaps
+            step.alone = alone
         for request in step.sampling:
             request.num_pending_tokens += 1
         if step.tokens is not None:
-            engine.runner.pending_tokens = PendingTokens(
-                step.tokens, {request.request_id: i for i, request in enumerate(step.sampling)}
-            )
+            engine.runner.pending_tokens = PendingTokens(step.tokens, [request.request_id for request in step.sampling])
             step.start_copy()
         engine.scheduler.update_blocks(plan)
         return step

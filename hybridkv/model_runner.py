@@ -576,14 +576,13 @@ class ModelRunner:
         if source is None:
             raise RuntimeError("a step reads tokens sampled on the device, but no earlier step left any")
         input_ids = self.buffers[self.input_device].input_ids.device
-        index = source.index
         count = len(pending_rows)
-        if count == len(index) and all(
-            row == i == index[request_id] for i, (row, request_id) in enumerate(pending_rows)
-        ):
+        # Rows are increasing: rows 0..count-1 when the last is count - 1.
+        if pending_rows[-1][0] == count - 1 and [request_id for _, request_id in pending_rows] == source.request_ids:
             input_ids[:count].copy_(source.tokens, non_blocking=True)
             return
         device = self.input_device
+        index = source.index
         rows = torch.tensor([row for row, _ in pending_rows], dtype=torch.long).to(device, non_blocking=True)
         picked = torch.tensor([index[request_id] for _, request_id in pending_rows], dtype=torch.long)
         tokens = source.tokens.index_select(0, picked.to(source.tokens.device, non_blocking=True))
