@@ -17,7 +17,7 @@
 #               decode at 64 x 2,048 tokens by the profiler's kernel time against a device copy
 #   profile     benchmarks/profile_gpu_step.py (PROFILE_ARGS, default the Gemma-3-1B shape at 64 running): a
 #               decode step's wall time, the GPU's busy share of it, host time by part
-#   hoststacks  py-spy over the same steps without the torch profiler, summarised by benchmarks/host_stacks.py
+#   hoststacks  py-spy over the same steps without the torch profiler, summarised by benchmarks/host_profile.py --every-step
 #   throughput  benchmarks/throughput_gpu.py (THROUGHPUT_ARGS): Gemma-3-1B and Llama-3.2-1B shapes, 128 mixed
 #               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
 #               generate and its plain generate (the two baselines' bf16 agreement is the yardstick)
@@ -65,7 +65,7 @@ for part in $parts; do
     profile) run_part profile "${PROFILE_SECONDS:-70}" python3 benchmarks/profile_gpu_step.py $profile_args ;;
     hoststacks) run_part hoststacks "${HOSTSTACKS_SECONDS:-60}" bash -c "/tmp/site/bin/py-spy record --rate 500 \
         --format raw -o '$out/host_stacks.txt' -- python3 benchmarks/profile_gpu_step.py $profile_args --steps-only \
-        --steps 200 && python3 benchmarks/host_stacks.py '$out/host_stacks.txt'" ;;
+        --steps 200 && python3 benchmarks/host_profile.py --aggregate '$out/host_stacks.txt' --every-step" ;;
     *) echo "unknown part $part" ;;
     esac
 done

@@ -10,6 +10,9 @@ calls), inclusive (with what it calls) and own.
 
     py-spy record -r 1000 -f raw -o /tmp/stacks.txt -- python benchmarks/host_profile.py --runs 12
     python benchmarks/host_profile.py --aggregate /tmp/stacks.txt [--top 40]
+
+`--every-step` aggregates every engine step of any recorded script, the forward's launch included: on a GPU that
+is host work too (`py-spy record ... -- python benchmarks/profile_gpu_step.py --steps-only`, gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -51,17 +54,21 @@ def run(runs: int) -> None:
         hybridkv.unpatch(model)
 
 
-def aggregate(path: Path, top: int) -> None:
-    """Shares of py-spy's raw stacks (`frame;frame;... count` lines, frames as `name (file:line)`)."""
+def aggregate(path: Path, top: int, every_step: bool = False) -> None:
+    """Shares of py-spy's raw stacks (`frame;frame;... count` lines, frames as `name (file:line)`). With
+    `every_step`, every engine step's samples, the forward's launch included (a GPU step's host work, recorded
+    over benchmarks/profile_gpu_step.py by gpu_check.sh's "hoststacks" part)."""
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if "decode_step_marker" not in stack or "LLMEngine._step " not in stack:
+        if "LLMEngine._step " not in stack or not (every_step or "decode_step_marker" in stack):
             continue
         names = [frame.partition(" (")[0] for frame in stack.split(";")]
-        if any(name in ("ModelRunner._forward", "ModelRunner._forward_with_images") for name in names):
+        if not every_step and any(
+            name in ("ModelRunner._forward", "ModelRunner._forward_with_images") for name in names
+        ):
             continue
         samples = int(count)
         total += samples
@@ -69,8 +76,8 @@ def aggregate(path: Path, top: int) -> None:
         for name in dict.fromkeys(names[names.index("LLMEngine._step") :]):
             inclusive[name] += samples
     if not total:
-        raise SystemExit(f"no decode-step samples in {path}: record this script under py-spy (see the docstring)")
-    print(f"{total} samples of decode steps' host work (the forward left out)")
+        raise SystemExit(f"no step samples in {path}: record this script under py-spy (see the docstring)")
+    print(f"{total} samples of " + ("engine steps" if every_step else "decode steps' host work (the forward left out)"))
     for title, counter in (("inclusive", inclusive), ("own", own)):
         print(f"\n{title}:")
         for name, samples in counter.most_common(top):
@@ -82,9 +89,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=12)
     parser.add_argument("--aggregate", type=Path, help="py-spy's raw output of a run of this script")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--every-step", action="store_true", help="with --aggregate: every step, forward included")
     args = parser.parse_args()
     if args.aggregate is not None:
-        aggregate(args.aggregate, args.top)
+        aggregate(args.aggregate, args.top, args.every_step)
     else:
         run(args.runs)
 

@@ -34,7 +34,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny Gemma 3 on the CPU")
     parser.add_argument("--async-scheduling", choices=["default", "on", "off"], default="default")
     parser.add_argument(
-        "--steps-only", action="store_true", help="no torch profiler: the steps alone (for py-spy, host_stacks.py)"
+        "--steps-only",
+        action="store_true",
+        help="no torch profiler: the steps alone (for py-spy, host_profile.py --every-step)",
     )
     args = parser.parse_args()
     if args.tiny:
