@@ -14,6 +14,7 @@ import pytest
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
@@ -202,3 +203,50 @@ def test_async_scheduling_is_on_by_default_on_one_cuda_device_only(patched):
     assert llm.stats()["async_scheduling"] == (DEVICE.type == "cuda")
     with pytest.raises(TypeError, match="async_scheduling"):
         patched(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, async_scheduling="yes")
+
+
+def _engine(flag: bool, **settings):
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=8).to(DEVICE)
+    return hybridkv.patch(
+        model, tokenizer=tokenizer, async_scheduling=flag, block_size=4, max_model_len=128, compile=False, **settings
+    )
+
+
+def test_streams_the_async_engine_and_a_reset_see_the_synchronous_engines_tokens():
+    """Outside `generate`: a stream's deltas, the threaded AsyncLLMEngine, a reset of the prefix cache while a step
+    is in flight (it is finished first), and unpatching with one in flight."""
+    prompts = ["The quick brown fox", "Once upon a time", "Sliding windows forget"]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop=["e "])
+    seen = []
+    for flag in (False, True):
+        llm = _engine(flag)
+        model = llm.model
+        try:
+            deltas = [(d.index, d.token_ids, d.text, d.finish_reason) for d in llm.stream(prompts[0], params)]
+            llm.add_request("a", prompts[1], params)
+            llm.add_request("b", prompts[2], params)
+            for _ in range(4):
+                llm.step()
+            if flag:
+                assert llm.async_steps.in_flight is not None
+            llm.reset_prefix_cache(reset_running_requests=True)  # drains the step in flight, then recomputes
+            assert llm.async_steps is None or llm.async_steps.in_flight is None
+            finished = {}
+            while llm.has_unfinished_requests():
+                for output in llm.step():
+                    finished[output.request_id] = [list(c.token_ids) for c in output.outputs]
+            served = AsyncLLMEngine(llm)
+            try:
+                handles = [served.submit(prompt, params) for prompt in prompts]
+                threaded = [[list(c.token_ids) for c in h.result(timeout=120).outputs] for h in handles]
+            finally:
+                served.shutdown()
+            llm.add_request("c", prompts[0], params)
+            llm.step()
+            llm.step()  # with async scheduling a step is in flight now
+            seen.append((deltas, finished, threaded))
+        finally:
+            hybridkv.unpatch(model)
+        assert not hybridkv.is_patched(model)
+    assert seen[0] == seen[1]
