@@ -145,7 +145,8 @@ class AsyncSteps:
 
     def drain(self) -> None:
         """Finish the step in flight, its reports kept for the next `step()` (before the engine's state is changed
-        outside a step: a reset, a preemption of every request, closing)."""
+        outside a step: a model check, a reset of the prefix cache, a preemption of every request). `close` drops
+        it instead: its tokens would go to no one."""
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is not None:
             self.engine._unclaimed.extend(self._finish(in_flight))
