@@ -137,6 +137,11 @@ class LLMEngine(RunLoops):
         num_swap_blocks = min(swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        if config.async_scheduling and self.tp is not None:
+            raise ValueError(
+                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
+                "rank 0 plans it); patch with async_scheduling=False"
+            )
         if self.tp is not None:
             num_blocks, num_swap_blocks = self.tp.smallest(num_blocks), self.tp.smallest(num_swap_blocks)
         self.scheduler_config = SchedulerConfig(
@@ -183,11 +188,6 @@ class LLMEngine(RunLoops):
             with attention_installed(model):
                 self.runner.warm_up(capture=captures)
         on_cpu = all(device.type == "cpu" for device in self.runner.devices)
-        if config.async_scheduling and self.tp is not None:
-            raise ValueError(
-                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
-                "rank 0 plans it); patch with async_scheduling=False"
-            )
         async_default = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
         scheduling_ahead = config.async_scheduling if config.async_scheduling is not None else async_default
         self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
