@@ -38,6 +38,7 @@ from collections import deque
 
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import group_layers
+from hybridkv.integrity import check_coordinator
 from hybridkv.kv_spec import LayerSpec
 from hybridkv.request import KVRequest
 
@@ -94,7 +95,7 @@ def run(kind: str, hit_rate: float, num_chunks: int, num_requests: int) -> dict[
         elapsed += time.perf_counter() - start
     while held:
         coordinator.free(held.popleft())
-    coordinator.check_integrity()
+    check_coordinator(coordinator)
     stats = coordinator.stats()
     coordinator.pool.close()
     blocks_per_request = PROMPT_TOKENS // BLOCK_SIZE * len(coordinator.managers)
@@ -147,7 +148,7 @@ def decode_steps(fast_path: bool, num_steps: int = 800) -> tuple[float, float, l
         coordinator.update_computed_many(requests)
         update += time.perf_counter() - start
         coordinator.take_table_updates()
-    coordinator.check_integrity()
+    check_coordinator(coordinator)
     return allocate / num_steps * 1e6, update / num_steps * 1e6, [coordinator.block_ids(r.request_id) for r in requests]
 
 

@@ -19,6 +19,7 @@ entry or none.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -230,13 +231,10 @@ def _hybridkv_digest() -> str:
     """A digest of hybridkv's own source (the code a trace runs through)."""
     global _HYBRIDKV_DIGEST
     if _HYBRIDKV_DIGEST is None:
-        import hybridkv
-        import hybridkv.kernels
-        import hybridkv.patches
-
         digest = hashlib.sha256()
-        for package in (hybridkv, hybridkv.kernels, hybridkv.patches):
-            folder = Path(package.__file__).parent
+        # The package's folders found by name, not imported (this module is part of the package).
+        for package in ("hybridkv", "hybridkv.kernels", "hybridkv.patches"):
+            folder = Path(importlib.util.find_spec(package).origin).parent
             for path in sorted(folder.glob("*.py")):
                 digest.update(path.name.encode() + path.read_bytes())
         _HYBRIDKV_DIGEST = digest.hexdigest()

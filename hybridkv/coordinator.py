@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
-from hybridkv.integrity import check_coordinator
 from hybridkv.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.request import KVRequest
 from hybridkv.state_slots import StateCheckpoints, StateSlots
@@ -680,8 +679,3 @@ class KVCacheCoordinator:
                 assert block.ref_cnt == 1, (
                     f"{request_id} writes {block} at position {index} of group {manager.group_id} while it is shared"
                 )
-
-    def check_integrity(self, requests: dict[str, KVRequest] | None = None) -> None:
-        """Assert every memory-manager invariant (docs/design.md lists them); tests call it after each
-        change. With requests given, also each request's own invariants (`hybridkv/integrity.py`)."""
-        check_coordinator(self, requests)

@@ -1,6 +1,6 @@
 """Stateful property tests: random engine-like use of the coordinator on tiny pools.
 
-Besides check_integrity() after every rule, the machine keeps a shadow of what each physical
+Besides check_coordinator (hybridkv/integrity.py) after every rule, the machine keeps a shadow of what each physical
 block holds: writing token t of a request into a block records (group, cache salt, tokens[:t+1]),
 the full context that K/V at t depends on. Then, for every block a request attends to (computed
 ones, hit ones included), the shadow must be exactly that request's context, and every hashed block
@@ -15,6 +15,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from hybridkv.integrity import check_coordinator
 from hybridkv.request import KVRequest
 
 from alloc_helpers import make_coordinator
@@ -91,9 +92,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if abandon_last and scheduled:
             request, _ = scheduled.pop()
             coordinator.truncate(request.request_id, request.num_computed_tokens)
-            coordinator.check_integrity(self.requests)
+            check_coordinator(coordinator, self.requests)
         coordinator.use_slack_for_caching()
-        coordinator.check_integrity(self.requests)
+        check_coordinator(coordinator, self.requests)
         for source, destination in coordinator.take_copies():  # copy-on-write, before any row is stored
             self.written[destination] = dict(self.written[source])
         for request, num_new in scheduled:
@@ -171,7 +172,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def memory_manager_is_consistent(self):
-        self.coordinator.check_integrity(self.requests)
+        check_coordinator(self.coordinator, self.requests)
 
     @invariant()
     def hashed_blocks_hold_the_tokens_of_their_hash(self):
@@ -204,7 +205,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for request_id in list(self.requests):
             self.coordinator.free(request_id)
         assert self.coordinator.pool.num_used_blocks == 0
-        self.coordinator.check_integrity()
+        check_coordinator(self.coordinator)
 
 
 MACHINE_SETTINGS = settings(

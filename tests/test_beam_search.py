@@ -12,6 +12,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO
@@ -153,7 +154,7 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
         for output in llm.step():
             if output.finished:
                 done[output.request_id] = output
-        llm.coordinator.check_integrity({r.request_id: r for r in llm.scheduler.running})
+        check_coordinator(llm.coordinator, {r.request_id: r for r in llm.scheduler.running})
     for request_id, reference in zip(ids, expected, strict=False):
         assert_same_beams(hybridkv.BeamSearchOutput.of(done[request_id], BeamSearchParams(K)), reference)
     assert done[ids[-1]].outputs[0].token_ids == greedy

@@ -1,3 +1,4 @@
+from hybridkv.integrity import check_coordinator
 from hybridkv.request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator, run_prefill
@@ -24,7 +25,7 @@ def test_second_request_sharing_three_full_blocks_hits_exactly_three():
     shared = coordinator.block_ids("a")[0][:3]
     assert coordinator.block_ids("b")[0][:3] == shared
     assert [coordinator.pool.blocks[i].ref_cnt for i in shared] == [2, 2, 2]
-    coordinator.check_integrity({"a": a, "b": b})
+    check_coordinator(coordinator, {"a": a, "b": b})
 
 
 def test_hit_never_covers_the_last_prompt_token():
@@ -78,7 +79,7 @@ def test_failed_allocation_changes_nothing():
     assert ref_counts(coordinator) == refs
     assert free_order(coordinator) == order
     assert coordinator.block_ids("b") == [[], []]
-    coordinator.check_integrity()
+    check_coordinator(coordinator)
 
 
 def test_cache_salt_isolates_requests():
@@ -126,11 +127,11 @@ def test_sliding_group_is_charged_for_its_window_only_whatever_the_chunk():
     assert coordinator.allocate_slots(long_prompt, 32)
     assert coordinator.block_ids("a") == [[0] * 6 + [-1, -2] + [0] * 6 + [1, 2]]
     assert coordinator.pool.num_used_blocks == 2
-    coordinator.check_integrity({"a": long_prompt})
+    check_coordinator(coordinator, {"a": long_prompt})
     long_prompt.num_computed_tokens = 64
     coordinator.update_computed(long_prompt)
     assert coordinator.block_ids("a") == [[0] * 14 + [1, 2]]
-    coordinator.check_integrity({"a": long_prompt})
+    check_coordinator(coordinator, {"a": long_prompt})
 
 
 def test_with_blocks_to_spare_the_old_window_stays_cached_and_the_middle_is_stored():
@@ -144,7 +145,7 @@ def test_with_blocks_to_spare_the_old_window_stays_cached_and_the_middle_is_stor
     assert coordinator.allocate_slots(long_prompt, 32)  # the tail takes fresh blocks: 6, 7 stay cached
     assert coordinator.pool.num_used_blocks == 4
     assert coordinator.use_slack_for_caching() == 6  # positions 8..13
-    coordinator.check_integrity({"a": long_prompt})
+    check_coordinator(coordinator, {"a": long_prompt})
     long_prompt.num_computed_tokens = 64
     coordinator.update_computed(long_prompt)
     assert len(coordinator.pool.cached[0]) == 16 and coordinator.pool.num_used_blocks == 2
@@ -182,7 +183,7 @@ def test_free_returns_every_block_of_every_group():
     coordinator.free("a")
     assert coordinator.pool.num_used_blocks == 0
     assert coordinator.block_ids("a") == [[], [], []]
-    coordinator.check_integrity()
+    check_coordinator(coordinator)
 
 
 def test_free_hit_block_of_a_sliding_group_is_not_evicted_by_the_full_groups_allocation():
@@ -200,7 +201,7 @@ def test_free_hit_block_of_a_sliding_group_is_not_evicted_by_the_full_groups_all
     assert coordinator.block_ids("b") == [[1, 2, 5], [0, 6, 3]]
     assert coordinator.pool.blocks[6].block_hash == a.block_hashes[1]
     b.num_computed_tokens = hit.num_tokens
-    coordinator.check_integrity({"b": b})
+    check_coordinator(coordinator, {"b": b})
 
 
 def test_groups_of_different_block_sizes_hit_where_every_groups_blocks_end():
@@ -219,7 +220,7 @@ def test_groups_of_different_block_sizes_hit_where_every_groups_blocks_end():
     assert coordinator.allocate_slots(b, b.num_tokens - 8, hit)
     b.num_computed_tokens = b.num_tokens
     coordinator.update_computed(b)
-    coordinator.check_integrity({"a": a, "b": b})
+    check_coordinator(coordinator, {"a": a, "b": b})
     # 20 shared tokens hit 16: two full-group blocks, and the sliding window's blocks before 16.
     c = request("c", list(range(20)) + [7])
     hit = coordinator.find_longest_cache_hit(c)
@@ -240,7 +241,7 @@ def test_block_sizes_that_do_not_divide_each_other_allocate_and_hit_where_all_bl
     assert [len(blocks) for blocks in coordinator.block_ids("a")] == [4, 2, 2]
     a.num_computed_tokens = 13
     coordinator.update_computed(a)
-    coordinator.check_integrity({"a": a})
+    check_coordinator(coordinator, {"a": a})
     b = request("b", list(range(30)))
     assert run_prefill(coordinator, b)
     c = request("c", list(range(30)) + [5])

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from hybridkv.integrity import check_coordinator
 from hybridkv.request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator
@@ -121,7 +122,7 @@ def _run(seed: int, windows, block_size: int, caching: bool) -> tuple[int, int, 
             assert outcomes[0] == outcomes[1]
         num_ops += 1
         for coordinator in twins:
-            coordinator.check_integrity()
+            check_coordinator(coordinator)
         assert _state(twins[0], sorted(requests[0])) == _state(twins[1], sorted(requests[1])), f"op {index}"
     return num_fast, num_cached_fast, num_ops
 

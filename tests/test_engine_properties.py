@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from tiny_models import new_request_id
@@ -139,7 +140,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         scheduler = self.engine.scheduler
         holding = {r.request_id: r for r in scheduler.running}
-        self.engine.coordinator.check_integrity(holding)
+        check_coordinator(self.engine.coordinator, holding)
         for request in [*scheduler.waiting, *scheduler.swapped]:
             assert self.engine.coordinator.block_ids(request.request_id) == [[], []]
         in_swap = len({b for record in scheduler.swap_records.values() for b in record.cpu_block_ids})

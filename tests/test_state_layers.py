@@ -14,6 +14,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.integrity import check_coordinator
 
 from greedy_reference import MAX_NEW, family
 from model_zoo import STATE, ZOO
@@ -178,7 +179,7 @@ def test_a_hit_restores_the_state_kept_at_its_end(name, patched):
     assert warm.metrics.num_cached_tokens == 2 * interval
     assert warm.outputs[0].token_ids == expected
     _all_returned(llm)
-    llm.coordinator.check_integrity()
+    check_coordinator(llm.coordinator)
 
     _fill_kept_checkpoints_with_noise(llm)
     (noisy,) = llm.generate([second], greedy, use_tqdm=False)
@@ -224,7 +225,7 @@ def test_a_failed_step_keeps_none_of_its_checkpoints(patched, monkeypatch):
     (failed,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert failed.outputs[0].finish_reason == "error"
     assert llm.stats()["state_checkpoints_kept"] == 0
-    llm.coordinator.check_integrity()
+    check_coordinator(llm.coordinator)
     monkeypatch.setattr(llm.runner, "forward", original)
     (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert again.metrics.num_cached_tokens == 0 and again.outputs[0].token_ids == hf_greedy(model, prompt, 2)[0]

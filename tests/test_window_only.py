@@ -9,6 +9,7 @@ import pytest
 
 from hybridkv import SamplingParams
 from hybridkv.coordinator import blocks_for_request
+from hybridkv.integrity import check_coordinator
 from hybridkv.window_managers import WindowedManager
 
 from greedy_reference import assert_same_greedy, family
@@ -29,7 +30,7 @@ def run_stepwise(llm, batch):
         for output in llm.step():
             done[output.request_id] = output
         running = {r.request_id: r for r in llm.scheduler.running}
-        llm.coordinator.check_integrity(running)
+        check_coordinator(llm.coordinator, running)
         peak_blocks = max(peak_blocks, llm.stats()["blocks_in_use"])
     return [done[i] for i in ids], peak_blocks
 
