@@ -19,17 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
-from hybridkv.patches.attention import running_step
+from hybridkv.patches.attention import StepContext, running_step
 from hybridkv.progress import progress_bar
-
-if TYPE_CHECKING:
-    from hybridkv.model_runner import ModelRunner
 
 logger = logging.getLogger("hybridkv")
 
@@ -70,11 +66,20 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    """The runner's captured decode steps, one per bucket."""
+    """The runner's captured decode steps, one per bucket. `padded_step(bucket)` gives a step of `bucket` padding
+    rows (its context, with the step's metadata set, and the forward's inputs: `ModelRunner._padded_step`), which
+    `forward` runs; neither is the runner's own, so this module imports none of it."""
 
-    def __init__(self, runner: ModelRunner, buckets: tuple[int, ...]) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        buckets: tuple[int, ...],
+        padded_step: Callable[[int], tuple[StepContext, tuple[torch.Tensor, ...]]],
+        forward: Callable[..., torch.Tensor],
+        device: torch.device,
+        use_tqdm: bool,
+    ) -> None:
         self.buckets = buckets
+        self._padded_step, self._forward, self._device, self._use_tqdm = padded_step, forward, device, use_tqdm
         self.graphs: dict[int, CapturedStep] = {}
 
     def get(self, bucket: int) -> CapturedStep | None:
@@ -82,36 +87,34 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first, over a step of padding rows only (which writes nothing)."""
-        runner = self.runner
+        forward = self._forward
         pool = None
         start = time.perf_counter()
-        bar = progress_bar(len(self.buckets), runner.limits.use_tqdm, desc="hybridkv: capturing", unit="graph")
+        bar = progress_bar(len(self.buckets), self._use_tqdm, desc="hybridkv: capturing", unit="graph")
         for bucket in sorted(self.buckets, reverse=True):
-            prepared = runner.padding_step(bucket)
-            runner.context.metadata = prepared.metadata
-            inputs = runner.buffers[runner.input_device].model_inputs(bucket, bucket)
+            context, inputs = self._padded_step(bucket)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side), torch.inference_mode(), running_step(runner.context):
+            with torch.cuda.stream(side), torch.inference_mode(), running_step(context):
                 for _ in range(2):  # compiles Triton kernels (and the model, when compiled) outside the graph
-                    runner._forward_fn(*inputs)
-                    runner.context.store_deferred(list(runner.context.deferred))
+                    forward(*inputs)
+                    context.store_deferred(list(context.deferred))
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # A step's forward that synchronises with the host cannot be replayed: make any such call an error.
             with (
                 sync_is_an_error(),
                 torch.inference_mode(),
-                running_step(runner.context),
+                running_step(context),
                 torch.cuda.graph(graph, pool=pool),
             ):
-                logits = runner._forward_fn(*inputs)
-                runner.context.store_deferred(list(runner.context.deferred))
+                logits = forward(*inputs)
+                context.store_deferred(list(context.deferred))
             pool = graph.pool()
             self.graphs[bucket] = CapturedStep(graph, logits)
             bar.update(1)
         bar.close()
-        torch.cuda.synchronize(runner.input_device)
+        torch.cuda.synchronize(self._device)
         logger.info("hybridkv: captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - start)
 
 

@@ -239,16 +239,26 @@ class ModelRunner:
         general in both) to trace and check a compiled forward over; the deferred stores of the last one run
         first."""
         self.context.store_deferred(list(self.context.deferred))
-        prepared = self.padding_step(3)
+        return self._padded_step(3, num_logits_rows=2)
+
+    def _padded_step(
+        self, bucket: int, num_logits_rows: int | None = None
+    ) -> tuple[StepContext, tuple[torch.Tensor, ...]]:
+        """A step of `bucket` padding rows written into the step buffers: the context (its metadata set) and the
+        forward's inputs, every row's logits kept unless `num_logits_rows` says otherwise."""
+        prepared = self.padding_step(bucket)
         self.context.metadata = prepared.metadata
-        return self.context, self.buffers[self.input_device].model_inputs(3, 2)
+        rows = bucket if num_logits_rows is None else num_logits_rows
+        return self.context, self.buffers[self.input_device].model_inputs(bucket, rows)
 
     def capture_graphs(self) -> None:
         """Capture a decode step's CUDA graph at every decode bucket, dropping any captured before (a weight moved
         to another address since: hybridkv/model_watch.py); a capture that fails leaves decode steps eager, with
         a warning."""
         self.graphs = None  # the old graphs' memory goes back before the new ones take theirs
-        graphs = DecodeGraphs(self, self.limits.decode_buckets)
+        graphs = DecodeGraphs(
+            self.limits.decode_buckets, self._padded_step, self._forward_fn, self.input_device, self.limits.use_tqdm
+        )
         try:
             graphs.capture()
         except Exception as exc:

@@ -19,15 +19,12 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .backend import Backend, resolve_backend
 from .cache import NULL_BLOCK_ID
-
-if TYPE_CHECKING:
-    from .torch_plan import TorchAttentionPlan, TorchLayout
 
 # A torch plan's key: what a layer sees, (sliding window, attention chunk size), (None, None) for full
 # attention, and whether decode rows go to the CPU decode kernel.
@@ -76,10 +73,11 @@ class StepMetadata:
     seq_lens: torch.Tensor
     num_query_tokens: int
     backend: Backend
-    # Filled on first use. Keyed by tile height; by (block size, window, chunk size, decode batching) (torch_plan.py);
-    # by (block size, table width): each query row's flat block table index and offset in its block.
+    # Filled on first use. Keyed by tile height; by (block size, window, chunk size, decode batching): torch_plan.py's
+    # TorchLayout (its type is torch_plan's: this module, below it, does not import it); by (block size, table
+    # width): each query row's flat block table index and offset in its block.
     triton_tiles_by_height: dict[int, TritonQueryTiles] = field(default_factory=dict, repr=False)
-    torch_layouts: dict[tuple[int, int | None, int | None, bool], TorchLayout] = field(default_factory=dict, repr=False)
+    torch_layouts: dict[tuple[int, int | None, int | None, bool], Any] = field(default_factory=dict, repr=False)
     _slot_indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     # The StepBuffers the step was written into (step_buffers.py), which then hold its Triton tiles too.
     buffers: Any = field(default=None, repr=False)
@@ -243,8 +241,9 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     block_table_rows: list[list[int]] | None
-    # The torch path's gather plans, by visibility and decode batching, filled by torch_plan.py on first use.
-    torch_plans: dict[PlanKey, TorchAttentionPlan] = field(default_factory=dict, repr=False)
+    # The torch path's gather plans (torch_plan.py's TorchAttentionPlan), by visibility and decode batching, filled by
+    # torch_plan.py on first use.
+    torch_plans: dict[PlanKey, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
