@@ -34,8 +34,9 @@ torch's global generator in the order the steps make.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -43,10 +44,57 @@ from hybridkv import sampler
 from hybridkv.sampler import SampledLogprobs, draw_tokens
 
 if TYPE_CHECKING:
-    from hybridkv.engine import LLMEngine
+    from hybridkv.coordinator import KVCacheCoordinator
+    from hybridkv.model_runner import ModelRunner
+    from hybridkv.output_processor import OutputProcessor, RequestState
     from hybridkv.outputs import RequestOutput
-    from hybridkv.request import Request
-    from hybridkv.scheduler import SchedulerOutput
+    from hybridkv.request import Request, RequestStatus
+    from hybridkv.scheduler import Scheduler, SchedulerOutput
+
+
+class SteppedEngine(Protocol):
+    """What async scheduling asks of its engine (`LLMEngine`, which owns an `AsyncSteps`; named here, not imported:
+    the engine imports this module): its parts, the synchronous step's pieces it reuses, and the counters it adds
+    to."""
+
+    scheduler: Scheduler
+    coordinator: KVCacheCoordinator
+    runner: ModelRunner
+    outputs: OutputProcessor
+    num_generated_tokens: int
+    schedule_seconds: float
+    update_seconds: float
+    _unreported: list[RequestState]
+    _unclaimed: list[RequestOutput]
+
+    def _model_check_due(self) -> bool: ...
+
+    def _follow_model(self) -> None: ...
+
+    def _take_touched(self) -> dict[str, RequestState]: ...
+
+    def _run(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]: ...
+
+    def _compute(self, plan: SchedulerOutput) -> torch.Tensor | None: ...
+
+    def _sample(
+        self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
+    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]: ...
+
+    def _fail_step(self, plan: SchedulerOutput, error: str) -> None: ...
+
+    def _update(
+        self,
+        plan: SchedulerOutput,
+        sampling: list[Request],
+        tokens: list[int | None],
+        logprobs: Sequence[SampledLogprobs | None],
+        touched: dict[str, RequestState],
+    ) -> list[RequestOutput]: ...
+
+    def _record_alone(
+        self, plan: SchedulerOutput, tokens: list[int], advance: bool
+    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus, RequestState]]]: ...
 
 
 @dataclass(slots=True)
@@ -108,7 +156,7 @@ class InFlightStep:
 class AsyncSteps:
     """An engine's steps with async scheduling: at most one step in flight between calls (`in_flight`)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: SteppedEngine) -> None:
         self.engine = engine
         self.in_flight: InFlightStep | None = None
         self.num_overlapped = 0  # steps planned while the one before ran (`stats()`)

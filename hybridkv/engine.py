@@ -51,7 +51,7 @@ from hybridkv.sampling_params import SamplingParams, generation_config_defaults
 from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from hybridkv.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.state_layers import scan_chunk
-from hybridkv.stats import engine_stats
+from hybridkv.stats import EngineStats
 from hybridkv.step_check import check_step_exactness
 from hybridkv.stopping import StopRules
 from hybridkv.structured_outputs import GrammarCompiler
@@ -80,7 +80,7 @@ def compiles_by_default(captures: bool) -> bool:
     return captures
 
 
-class LLMEngine(RunLoops):
+class LLMEngine(RunLoops, EngineStats):
     """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`); `generate`,
     `chat` and `stream` come from `RunLoops` (hybridkv/loops.py)."""
 
@@ -805,7 +805,3 @@ class LLMEngine(RunLoops):
         plan.drop(failed)
 
     # ---- stats --------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        """KV usage, prefix-cache use, preemptions and throughput since the engine was built."""
-        return engine_stats(self)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.hashing import hash_full_blocks, root_hash
 from hybridkv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridkv.multimodal import MultiModalInputs
-    from hybridkv.output_processor import SampleState
     from hybridkv.sampler import SamplingRow
 
 
@@ -184,7 +183,9 @@ class Request(KVRequest):
         # What the sampler reads for this sample (hybridkv/sampler.py) and the output processor's record of it
         # (hybridkv/output_processor.py): the output processor gives both (a beam has neither).
         self.sampling_row: SamplingRow | None = None
-        self.sample_state: SampleState | None = None
+        # The output processor's record of it (output_processor.SampleState: that module builds on this one, so this
+        # one names the type without importing it), set when the request is added.
+        self.sample_state: Any = None
         # Plainly greedy (its sampling row's argmax is its token) and alone in its group: set with the sampling
         # row. A step of such requests only takes the engine's one-pass update (`LLMEngine._update_alone`).
         self.greedy_alone = False

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from hybridkv.outputs import StreamDelta
 
 if TYPE_CHECKING:
-    from hybridkv.engine import LLMEngine
     from hybridkv.output_processor import RequestState
+
+
+class StreamingEngine(Protocol):
+    """What a stream asks of its engine (`LLMEngine`; named here, not imported: the engine imports this module)."""
+
+    def _advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]: ...
+
+    def _release_stream(self, request_id: str) -> None: ...
 
 
 class RequestStream:
@@ -22,7 +29,7 @@ class RequestStream:
     nothing more. Iterating it runs engine steps: other requests progress meanwhile.
     """
 
-    def __init__(self, engine: LLMEngine, state: RequestState) -> None:
+    def __init__(self, engine: StreamingEngine, state: RequestState) -> None:
         self.request_id = state.group.request_id
         self._engine = engine
         self._state = state
