@@ -39,8 +39,8 @@ from collections import deque
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import group_layers
 from hybridkv.integrity import check_coordinator
+from hybridkv.kv_request import KVRequest
 from hybridkv.kv_spec import LayerSpec
-from hybridkv.request import KVRequest
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2048

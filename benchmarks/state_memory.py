@@ -27,7 +27,7 @@ import transformers
 
 import hybridkv
 from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.request import KVRequest
+from hybridkv.kv_request import KVRequest
 from hybridkv.sizing import blocks_for_requests
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)

@@ -7,7 +7,7 @@ from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.sizing import min_num_blocks
-from hybridkv.structured_outputs import StructuredOutputsParams
+from hybridkv.structured_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from hybridkv.block_pool import BlockPool, KVBlock
 from hybridkv.grouping import KVCacheConfig
+from hybridkv.kv_request import KVRequest
 from hybridkv.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
-from hybridkv.request import KVRequest
 from hybridkv.state_slots import StateCheckpoints, StateSlots
 from hybridkv.utils import cdiv
 from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybridkv.block_pool import KVBlock
+from hybridkv.kv_request import KVRequest
 from hybridkv.managers import SingleTypeManager
-from hybridkv.request import KVRequest
 from hybridkv.utils import cdiv
 from hybridkv.window_managers import WindowedManager
 

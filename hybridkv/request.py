@@ -1,127 +1,14 @@
-"""Requests: the memory manager's view (KVRequest), the scheduler's (Request), and the n samples of
-one prompt (SampleGroup)."""
+"""Requests: the scheduler's (Request, which extends the memory manager's KVRequest: hybridkv/kv_request.py), and
+the n samples of one prompt (SampleGroup)."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hybridkv.hashing import hash_full_blocks, root_hash
+from hybridkv.kv_request import KVRequest
 from hybridkv.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from hybridkv.multimodal import MultiModalInputs
-    from hybridkv.sampler import SamplingRow
-
-
-class KVRequest:
-    """Token state that the memory manager needs for one request.
-
-    `num_computed_tokens` is the only progress state: tokens whose K/V are in the cache (or, with async
-    scheduling, being computed). `num_pending_tokens` (0 or 1, async scheduling): a token sampled on the device
-    and not yet appended to `token_ids`; a step scheduled meanwhile reads it there (hybridkv/async_steps.py).
-    `block_hashes[i]` is the chained hash of full block i of `token_ids`; it is kept up to date as
-    tokens are appended (only when `block_size` is given, i.e. prefix caching is on). Its chain starts from
-    the cache salt and `model_key`, the model the request computes with (b"": as patched; `rekey`).
-    """
-
-    __slots__ = (
-        "_root_hash",
-        "block_hashes",
-        "block_size",
-        "cache_salt",
-        "model_key",
-        "multimodal",
-        "num_computed_tokens",
-        "num_pending_tokens",
-        "num_prompt_tokens",
-        "reads_prefix_cache",
-        "request_id",
-        "token_ids",
-    )
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        block_size: int | None,
-        cache_salt: str | None = None,
-        multimodal: MultiModalInputs | None = None,
-        model_key: bytes = b"",
-    ) -> None:
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
-        self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.token_ids)
-        self.num_computed_tokens = 0
-        self.num_pending_tokens = 0
-        self.cache_salt = cache_salt
-        self.multimodal = multimodal  # the prompt's images (hybridkv/multimodal.py), None for text
-        self.block_size = block_size
-        self.model_key = model_key
-        self._root_hash = root_hash(cache_salt, model_key)
-        self.block_hashes: list[bytes] = []
-        # False: it computes its whole prompt, taking no prefix-cache hit (it asks for the prompt's logprobs, vLLM's
-        # `skip_reading_prefix_cache`); its blocks are still cached for others.
-        self.reads_prefix_cache = True
-        self._hash_new_full_blocks()
-
-    def rekey(self, model_key: bytes) -> None:
-        """Hash the blocks again under another model key: the request computes nothing it held (it is about to be
-        admitted, `num_computed_tokens` 0), and what it computes from now on is the new model's."""
-        self.model_key = model_key
-        self._root_hash = root_hash(self.cache_salt, model_key)
-        self.block_hashes = []
-        self._hash_new_full_blocks()
-
-    def share_hashes(self, parent: KVRequest) -> None:
-        """Take `parent`'s block hashes, model key and root for the same tokens (a fork), instead of hashing again."""
-        self.block_size = parent.block_size
-        self.model_key = parent.model_key
-        self._root_hash = parent._root_hash
-        self.block_hashes = list(parent.block_hashes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def append_token_ids(self, token_ids: Sequence[int]) -> None:
-        """Append generated tokens; hashes the blocks they complete."""
-        self.token_ids.extend(token_ids)
-        self._hash_new_full_blocks()
-
-    def append_token(self, token_id: int) -> None:
-        """`append_token_ids([token_id])`, for the step loop: one token, and a hash only when it fills a block."""
-        token_ids = self.token_ids
-        token_ids.append(token_id)
-        if self.block_size is not None and len(token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
-            self._hash_new_full_blocks()
-
-    def _hash_new_full_blocks(self) -> None:
-        if self.block_size is None:
-            return
-        done = len(self.block_hashes)
-        if len(self.token_ids) < (done + 1) * self.block_size:
-            return
-        parent = self.block_hashes[-1] if done else self._root_hash
-        keys = self.multimodal.block_keys(self.block_size) if self.multimodal is not None else None
-        if not keys or done > max(keys):
-            self.block_hashes.extend(hash_full_blocks(self.token_ids, self.block_size, parent, done))
-            return
-        # A block where an image starts joins its content hash: the chain carries it to every later block.
-        size = self.block_size
-        for block in range(done, len(self.token_ids) // size):
-            tokens = self.token_ids[block * size : (block + 1) * size]
-            (parent,) = hash_full_blocks(tokens, size, parent, 0, keys.get(block, b""))
-            self.block_hashes.append(parent)
-
-    def __repr__(self) -> str:
-        return (
-            f"KVRequest({self.request_id!r}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, hashed_blocks={len(self.block_hashes)})"
-        )
 
 
 class RequestStatus(enum.Enum):
@@ -167,7 +54,7 @@ class Request(KVRequest):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         block_size: int | None,
-        multimodal: MultiModalInputs | None = None,
+        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
         model_key: bytes = b"",
     ) -> None:
         super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
@@ -182,7 +69,8 @@ class Request(KVRequest):
         self.sample_index = 0
         # What the sampler reads for this sample (hybridkv/sampler.py) and the output processor's record of it
         # (hybridkv/output_processor.py): the output processor gives both (a beam has neither).
-        self.sampling_row: SamplingRow | None = None
+        # What the sampler reads for it (sampler.SamplingRow, a layer above: named, not imported), set when added.
+        self.sampling_row: Any = None
         # The output processor's record of it (output_processor.SampleState: that module builds on this one, so this
         # one names the type without importing it), set when the request is added.
         self.sample_state: Any = None
@@ -234,7 +122,7 @@ class SampleGroup:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         block_size: int | None,
-        multimodal: MultiModalInputs | None = None,
+        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
         model_key: bytes = b"",
     ):
         """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key`."""

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.structured_outputs import StructuredOutputsParams
+from hybridkv.structured_params import StructuredOutputsParams
 from hybridkv.validation import check_bool, check_float, check_int, is_int
 
 # Temperatures below this are greedy, as vLLM's _SAMPLING_EPS: logits divided by a tinier one overflow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hybridkv.coordinator import KVCacheCoordinator
 from hybridkv.grouping import group_layers
+from hybridkv.kv_request import KVRequest
 from hybridkv.kv_spec import LayerSpec
-from hybridkv.request import KVRequest
 
 
 def specs(windows: list[int | str | None], kv_heads: list[int] | None = None) -> list[LayerSpec]:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridkv.integrity import check_coordinator
-from hybridkv.request import KVRequest
+from hybridkv.kv_request import KVRequest
 
 from alloc_helpers import make_coordinator
 

@@ -1,5 +1,5 @@
 from hybridkv.integrity import check_coordinator
-from hybridkv.request import KVRequest
+from hybridkv.kv_request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator, run_prefill
 

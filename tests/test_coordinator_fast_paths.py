@@ -13,7 +13,7 @@ import random
 import pytest
 
 from hybridkv.integrity import check_coordinator
-from hybridkv.request import KVRequest
+from hybridkv.kv_request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator
 

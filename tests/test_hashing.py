@@ -5,7 +5,7 @@ from hashlib import sha256
 import pytest
 
 from hybridkv.hashing import hash_full_blocks, root_hash, token_bytes
-from hybridkv.request import KVRequest
+from hybridkv.kv_request import KVRequest
 
 
 def test_only_full_blocks_are_hashed():

@@ -36,7 +36,7 @@ from hybridkv.serving.protocol import (
     request_id,
     usage,
 )
-from hybridkv.structured_outputs import StructuredOutputsParams
+from hybridkv.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request

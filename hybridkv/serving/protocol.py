@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hybridkv.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.structured_outputs import StructuredOutputsParams
+from hybridkv.structured_params import StructuredOutputsParams
 
 STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
 
