@@ -208,9 +208,11 @@ def test_async_scheduling_is_on_by_default_on_one_cuda_device_only(patched):
 def _engine(flag: bool, **settings):
     tokenizer = tiny_tokenizer()
     model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=8).to(DEVICE)
+    # A pool of its own size: on a GPU the default takes 0.9 of the device, which the test workers share.
     return hybridkv.patch(
-        model, tokenizer=tokenizer, async_scheduling=flag, block_size=4, max_model_len=128, compile=False, **settings
-    )
+        model, tokenizer=tokenizer, async_scheduling=flag, block_size=4, max_model_len=128, compile=False,
+        num_blocks=512, **settings,
+    )  # fmt: skip
 
 
 def test_streams_the_async_engine_and_a_reset_see_the_synchronous_engines_tokens():
