@@ -183,7 +183,7 @@ class AsyncSteps:
         if not self._launchable(plan):  # finish the step in flight, then run this plan as the synchronous engine
             reports = self._finish(in_flight)
             plan.drop([s.request for s in plan.scheduled if s.request.status.is_finished])
-            return reports + engine._run(plan, engine._take_touched())
+            return _merged(reports, engine._run(plan, engine._take_touched()))
         self.num_overlapped += 1
         following, failed = self._start(plan, in_flight)
         if following is None:  # it failed: the step in flight was finished first (`_start`)
@@ -236,15 +236,26 @@ class AsyncSteps:
         try:
             return self._launch(plan), []
         except BaseException as exc:
-            reports = self._finish(in_flight) if in_flight is not None else []
+            reports = []
+            if in_flight is not None:
+                reports = self._finish(in_flight)
+                # A request that stopped there ended with its own reason: it leaves the failed plan.
+                plan.drop([s.request for s in plan.scheduled if s.request.status.is_finished])
             interrupted = not isinstance(exc, Exception)
+            reason = (
+                f"the step was interrupted ({type(exc).__name__})"
+                if interrupted
+                else f"the step failed: {type(exc).__name__}: {exc}"
+            )
+            engine._fail_step(plan, reason)
+            # A request failed here is reported once, with its failure (not also with the step in flight's reports).
+            failed = {request.group.request_id for request in plan.failed}
+            reports = [report for report in reports if report.request_id not in failed]
             if interrupted:
-                engine._fail_step(plan, f"the step was interrupted ({type(exc).__name__})")
                 engine._unclaimed.extend(reports)
                 engine._unreported.extend(engine.outputs.state_of(request) for request in plan.failed)
                 raise
-            engine._fail_step(plan, f"the step failed: {type(exc).__name__}: {exc}")
-            return None, reports + engine._update(plan, [], [], [], engine._take_touched())
+            return None, _merged(reports, engine._update(plan, [], [], [], engine._take_touched()))
 
     def _launch(self, plan: SchedulerOutput) -> InFlightStep:
         """Queue the plan's forward and sampling, advance its requests, make the KV side of its update."""
@@ -361,3 +372,9 @@ class AsyncSteps:
                 if samples:
                     request.num_pending_tokens -= 1
                 return
+
+
+def _merged(first: list[RequestOutput], second: list[RequestOutput]) -> list[RequestOutput]:
+    """Two steps' reports as one call's: a request reported by both (its live record, updated in place) once."""
+    seen = {id(report) for report in first}
+    return first + [report for report in second if id(report) not in seen]

@@ -252,3 +252,32 @@ def test_streams_the_async_engine_and_a_reset_see_the_synchronous_engines_tokens
             hybridkv.unpatch(model)
         assert not hybridkv.is_patched(model)
     assert seen[0] == seen[1]
+
+
+def test_each_request_is_reported_once_when_a_step_in_flight_meets_a_synchronous_plan_or_an_interrupt():
+    """Found by tests/test_engine_properties.py: a plan with forks runs synchronously right after the step in
+    flight finishes, and an interrupted launch fails its plan after the step in flight finished; either way one
+    call reports a request once, and a request is reported finished once."""
+    llm = _engine(True, max_num_batched_tokens=16, enable_prefix_caching=False)
+    try:
+        prompt = [(3 * i + 17) % 64 for i in range(17)]  # a first chunk of 16, then the fork's step
+        llm.add_request("forks", {"prompt_token_ids": prompt}, SamplingParams(n=2, temperature=0, max_tokens=1))
+        reports = llm.step()
+        assert [r.request_id for r in reports] == ["forks"] and reports[0].finished
+        llm.add_request("cut", {"prompt_token_ids": [1]}, SamplingParams(temperature=0, max_tokens=3))
+        assert not llm.step()[0].finished  # its first token; the next step is in flight
+        assert llm.async_steps.in_flight is not None
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        llm.runner.execute = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.step()
+        del llm.runner.execute
+        finished = [r for r in llm.step() if r.finished]
+        assert [(r.request_id, r.outputs[0].finish_reason) for r in finished] == [("cut", "error")]
+        assert "interrupted" in finished[0].error and not llm.has_unfinished_requests()
+        assert llm.stats()["blocks_in_use"] == 0
+    finally:
+        hybridkv.unpatch(llm.model)

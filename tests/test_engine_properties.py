@@ -1,7 +1,8 @@
 """Stateful property test: random add (n samples, best_of, beam searches) / step / abort / stream and
 close / bad input / Ctrl-C inside a step against a tiny hybrid model, in both preemption modes and tiny
-pools, checking after every rule the memory manager's integrity, that no step writes a shared block,
-that no block leaks and that no output is orphaned: every request is reported finished exactly once."""
+pools, with async scheduling on and off, checking after every rule the memory manager's integrity, that no
+step writes a shared block, that no block leaks and that no output is orphaned: every request is reported
+finished exactly once."""
 
 from __future__ import annotations
 
@@ -41,12 +42,22 @@ class EngineMachine(RuleBasedStateMachine):
         self.finished: dict[str, int] = {}  # request id -> times reported finished (by step or abort)
 
     @precondition(lambda self: self.engine is None)
-    @rule(mode=st.sampled_from(["recompute", "swap"]), extra_blocks=st.integers(0, 12), caching=st.booleans())
-    def build(self, mode, extra_blocks, caching):
+    @rule(
+        mode=st.sampled_from(["recompute", "swap"]),
+        extra_blocks=st.integers(0, 12),
+        caching=st.booleans(),
+        ahead=st.booleans(),
+    )
+    def build(self, mode, extra_blocks, caching, ahead):
         settings_ = dict(block_size=4, max_model_len=48, max_num_batched_tokens=16, enable_prefix_caching=caching)
         minimum = hybridkv.min_num_blocks(MODEL, **settings_)
         self.engine = hybridkv.patch(
-            MODEL, **settings_, num_blocks=minimum + extra_blocks, preemption_mode=mode, swap_space=1 / 1024
+            MODEL,
+            **settings_,
+            num_blocks=minimum + extra_blocks,
+            preemption_mode=mode,
+            swap_space=1 / 1024,
+            async_scheduling=ahead,  # a step planned before the last one's tokens are read (hybridkv/async_steps.py)
         )
         scheduler = self.engine.scheduler
         schedule = scheduler.schedule
