@@ -74,6 +74,19 @@ class CheckedRequest(NamedTuple):
 logger = logging.getLogger("hybridkv")
 
 
+class MemoryPlan(NamedTuple):
+    """What `LLMEngine._plan_memory` gives the engine to build: the pool's blocks and swap blocks, state slots (one
+    per request that may run, and the scratch slot), state checkpoints and their interval, CPU state slots for
+    swapped requests."""
+
+    num_blocks: int
+    num_swap_blocks: int
+    num_state_slots: int
+    num_checkpoints: int
+    checkpoint_interval: int
+    num_swap_state_slots: int
+
+
 def compiles_by_default(captures: bool) -> bool:
     """compile=None: compiled where CUDA graphs are captured (one GPU), eager elsewhere: on the CPU compiling costs
     more set-up than its steps save (benchmarks/RESULTS.md, "The compiled forward")."""
@@ -113,28 +126,6 @@ class LLMEngine(RunLoops, EngineStats):
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
         captures = bool(buckets) and captures_graphs(model)
         compiled = config.compile if config.compile is not None else compiles_by_default(captures)
-        # One state slot per request that may run at once, and the scratch slot; with prefix caching, the states
-        # at block boundaries that hits restore (hybridkv/state_slots.py).
-        num_state_slots = config.max_num_seqs + 1 if layout.states else 0
-        num_checkpoints = checkpoint_interval = 0
-        if layout.states and config.enable_prefix_caching:
-            num_checkpoints = config.num_state_checkpoints
-            if num_checkpoints is None:
-                num_checkpoints = config.max_num_seqs
-            named = dict(model.named_modules())
-            chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
-            checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
-        start = time.perf_counter()
-        num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, max(buckets, default=0))
-        logger.info("hybridkv: %d KV blocks sized in %.1f s", num_blocks, time.perf_counter() - start)
-        # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
-        # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
-        swap_space, num_swap_state_slots = config.swap_space_bytes, 0
-        if layout.states and swap_space:
-            state_bytes = sum(spec.state_bytes for spec in layout.states)
-            num_swap_state_slots = min(config.max_num_seqs, swap_space // 2 // state_bytes)
-            swap_space -= num_swap_state_slots * state_bytes
-        num_swap_blocks = min(swap_space // self.bytes_per_block, num_blocks - 1)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
         if config.async_scheduling and self.tp is not None:
@@ -142,24 +133,23 @@ class LLMEngine(RunLoops, EngineStats):
                 "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
                 "rank 0 plans it); patch with async_scheduling=False"
             )
-        if self.tp is not None:
-            num_blocks, num_swap_blocks = self.tp.smallest(num_blocks), self.tp.smallest(num_swap_blocks)
+        memory = self._plan_memory(layout, max(buckets, default=0))
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             preemption_mode=config.preemption_mode,
-            num_swap_blocks=num_swap_blocks,
-            num_swap_state_slots=num_swap_state_slots,
+            num_swap_blocks=memory.num_swap_blocks,
+            num_swap_state_slots=memory.num_swap_state_slots,
         )
         self.coordinator = KVCacheCoordinator(
             self.kv_config,
-            num_blocks,
+            memory.num_blocks,
             config.enable_prefix_caching,
-            num_state_slots=num_state_slots,
-            num_state_checkpoints=num_checkpoints,
-            state_checkpoint_interval=checkpoint_interval,
+            num_state_slots=memory.num_state_slots,
+            num_state_checkpoints=memory.num_checkpoints,
+            state_checkpoint_interval=memory.checkpoint_interval,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
         limits = RunnerLimits(
@@ -175,15 +165,15 @@ class LLMEngine(RunLoops, EngineStats):
             model,
             self.kv_config,
             layout.module_names,
-            num_blocks,
+            memory.num_blocks,
             self.layer_dtypes,
             limits,
             config.attention_backend,
             states=layout.states,
-            num_state_slots=num_state_slots + num_checkpoints,
+            num_state_slots=memory.num_state_slots + memory.num_checkpoints,
         )
-        self.runner.allocate_swap_space(num_swap_blocks)
-        self.runner.allocate_state_swap_space(num_swap_state_slots)
+        self.runner.allocate_swap_space(memory.num_swap_blocks)
+        self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
         if compiled or captures:
             with attention_installed(model):
                 self.runner.warm_up(capture=captures)
@@ -226,6 +216,39 @@ class LLMEngine(RunLoops, EngineStats):
         self.model_watch = ModelWatch(model)
         self._model_checked = True
         self.async_steps = AsyncSteps(self) if scheduling_ahead else None
+
+    def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:
+        """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to
+        the budget (`num_kv_blocks`), state slots and checkpoints for state layers, the swap space's blocks and
+        state slots, the smallest counts every rank of a tensor-parallel model agrees on."""
+        model, config = self.model, self.config
+        # One state slot per request that may run at once, and the scratch slot; with prefix caching, the states
+        # at block boundaries that hits restore (hybridkv/state_slots.py).
+        num_state_slots = config.max_num_seqs + 1 if layout.states else 0
+        num_checkpoints = checkpoint_interval = 0
+        if layout.states and config.enable_prefix_caching:
+            num_checkpoints = config.num_state_checkpoints
+            if num_checkpoints is None:
+                num_checkpoints = config.max_num_seqs
+            named = dict(model.named_modules())
+            chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
+            checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
+        start = time.perf_counter()
+        num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, largest_bucket)
+        logger.info("hybridkv: %d KV blocks sized in %.1f s", num_blocks, time.perf_counter() - start)
+        # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
+        # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
+        swap_space, num_swap_state_slots = config.swap_space_bytes, 0
+        if layout.states and swap_space:
+            state_bytes = sum(spec.state_bytes for spec in layout.states)
+            num_swap_state_slots = min(config.max_num_seqs, swap_space // 2 // state_bytes)
+            swap_space -= num_swap_state_slots * state_bytes
+        num_swap_blocks = min(swap_space // self.bytes_per_block, num_blocks - 1)
+        if self.tp is not None:
+            num_blocks, num_swap_blocks = self.tp.smallest(num_blocks), self.tp.smallest(num_swap_blocks)
+        return MemoryPlan(
+            num_blocks, num_swap_blocks, num_state_slots, num_checkpoints, checkpoint_interval, num_swap_state_slots
+        )
 
     def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
         """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
