@@ -264,16 +264,10 @@ class AsyncSteps:
         logits = engine._compute(plan)
         if logits is not None and plan.sampling:
             self._draw(step, logits)
-        if plan.greedy_alone:  # every greedy_alone request overlaps
-            for request, num_new, _ in plan.scheduled:
-                request.num_computed_tokens += num_new
-            step.alone = step.overlaps
-        else:
-            alone = step.overlaps
-            for request, num_new, _ in plan.scheduled:
-                request.num_computed_tokens += num_new
-                alone = alone and request.overlaps
-            step.alone = alone
+        for request, num_new, _ in plan.scheduled:
+            request.num_computed_tokens += num_new
+        # Every greedy_alone request overlaps: such a plan (most decode steps) needs no pass to say so.
+        step.alone = step.overlaps and (plan.greedy_alone or all(s.request.overlaps for s in plan.scheduled))
         for request in step.sampling:
             request.num_pending_tokens += 1
         if step.tokens is not None:
