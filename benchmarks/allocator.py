@@ -36,11 +36,11 @@ import statistics
 import time
 from collections import deque
 
-from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.grouping import group_layers
-from hybridkv.integrity import check_coordinator
-from hybridkv.kv_request import KVRequest
-from hybridkv.kv_spec import LayerSpec
+from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.grouping import group_layers
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.memory.kv_request import KVRequest
+from hybridkv.memory.kv_spec import LayerSpec
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 2048

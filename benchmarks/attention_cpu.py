@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hybridkv.kernels import PagedAttentionMetadata, cpu_decode, paged_attention
 from hybridkv.kernels.torch_plan import torch_plan
-from hybridkv.utils import cdiv
+from hybridkv.memory.block_pool import cdiv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 4, 64, 16
 GROUP = NUM_Q_HEADS // NUM_KV_HEADS

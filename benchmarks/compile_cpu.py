@@ -1,4 +1,4 @@
-"""The `compile` setting on the CPU: hybridkv's compiled forward (hybridkv/compilation.py) against eager.
+"""The `compile` setting on the CPU: hybridkv's compiled forward (hybridkv/execution/compilation.py) against eager.
 
 On `benchmarks/throughput.py`'s models and mixed workload (greedy, fp32): for eager and compiled engines, in
 turn, the time `patch` takes (the compiled one traces and compiles its forward there, in an empty cache

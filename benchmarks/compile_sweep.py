@@ -2,7 +2,7 @@
 
 For each family without state layers: greedy tokens (fp32, 8 new tokens, prompts of 7, 33 and 70 random ids)
 with `compile=False`, then with `compile=True` (traced, split at attention, distinct pieces compiled by
-inductor; hybridkv/compilation.py) in a fresh cache directory. Each family ends as one of:
+inductor; hybridkv/execution/compilation.py) in a fresh cache directory. Each family ends as one of:
 
 * exact: every compiled token equal to eager's;
 * differ: a token differs (the first differing request, index and eager's top-2 logit gap are printed: inductor

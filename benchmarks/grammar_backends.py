@@ -73,10 +73,11 @@ def corpus(limit_bytes: int) -> list[str]:
 
 
 def bpe_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer of about vocab_size tokens (hybridkv.cli's trainer), trained once and cached."""
+    """A byte-level BPE tokenizer of about vocab_size tokens (hybridkv.serving.cli's trainer), trained once and
+    cached."""
     from transformers import PreTrainedTokenizerFast
 
-    from hybridkv.cli import tiny_tokenizer
+    from hybridkv.serving.cli import tiny_tokenizer
 
     path = CACHE / f"bpe-{vocab_size}.json"
     if not path.exists():

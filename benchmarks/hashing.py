@@ -1,6 +1,6 @@
 """Block-hash micro-benchmark: the chained hash per 16-token block, for the digests one could use.
 
-hybridkv uses SHA-256 (hybridkv.hashing). This prints what each alternative would cost on the same
+hybridkv uses SHA-256 (hybridkv.memory.hashing). This prints what each alternative would cost on the same
 chained workload (2,048-token prompts, block size 16), so the choice can be revisited by numbers.
 
 A decode step hashes one block at a time, right after a forward has evicted the caches: `--cold` times one
@@ -21,7 +21,7 @@ from array import array
 
 import numpy as np
 
-from hybridkv.hashing import _one_block_sha256, hash_full_blocks, root_hash
+from hybridkv.memory.hashing import _one_block_sha256, hash_full_blocks, root_hash
 
 TOKENS = list(range(100_000, 102_048))
 BLOCK_SIZE = 16

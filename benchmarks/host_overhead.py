@@ -30,7 +30,7 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 16 --async-scheduling
 
 `--async-scheduling` runs this checkout with the next step planned before the last one's tokens are read
-(hybridkv/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
+(hybridkv/engine/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
 
 `--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
 prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.

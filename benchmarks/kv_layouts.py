@@ -3,7 +3,7 @@
 The ideal is what the layers need: every full-attention layer keeps every token, a sliding layer the
 last W (a chunked layer at most a chunk of C), KV-sharing layers nothing. hybridkv holds whole blocks
 per group, and padding costs its bytes in every block its group holds. Compared, on the layouts of
-hybridkv/layouts.py (from published config.json values; no model is built):
+hybridkv/memory/layouts.py (from published config.json values; no model is built):
 
 - group size: hybridkv's rule (padding out of full-attention groups first) against vLLM's (the
   smallest kind's layer count);
@@ -16,10 +16,10 @@ hybridkv/layouts.py (from published config.json values; no model is built):
 
 from __future__ import annotations
 
-from hybridkv.coordinator import blocks_for_request
-from hybridkv.grouping import group_layers
-from hybridkv.kv_spec import LayerSpec
-from hybridkv.layouts import PUBLISHED
+from hybridkv.memory.coordinator import blocks_for_request
+from hybridkv.memory.grouping import group_layers
+from hybridkv.memory.kv_spec import LayerSpec
+from hybridkv.memory.layouts import PUBLISHED
 
 BLOCK_SIZE = 16
 CONTEXTS = (4096, 32768)

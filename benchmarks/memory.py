@@ -36,9 +36,9 @@ from transformers.generation.continuous_batching import scheduler as hf_schedule
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.coordinator import KVCacheCoordinator, blocks_for_request
-from hybridkv.request import Request, RequestStatus
-from hybridkv.scheduler import Scheduler, SchedulerConfig
+from hybridkv.memory.coordinator import KVCacheCoordinator, blocks_for_request
+from hybridkv.scheduling.request import Request, RequestStatus
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.tiny import tiny_model
 
 VOCAB, WINDOW, MODEL_LEN = 8000, 512, 8192

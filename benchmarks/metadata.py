@@ -9,7 +9,7 @@ group from it (`for_group`: one layout per window per step); "together" is what 
 `build_step_metadata`: the groups of one block size as one tensor (`for_groups`), decode-only slots
 and layouts without the tensor bookkeeping. "buffers" is what the engine calls now: `StepBuffers.step`,
 the step written into tensors allocated once, from the persistent batch's numpy block tables (each
-request's row kept between steps, hybridkv/input_batch.py), slots by numpy over all groups at once.
+request's row kept between steps, hybridkv/execution/input_batch.py), slots by numpy over all groups at once.
 
 Per layer: a tiny decode step (4 sequences, contexts 20..50, 4 q heads, 2 kv heads, head dim 16) on
 the torch path, timing `paged_attention` / `write_kv` (every input checked, backend picked per call)
@@ -41,7 +41,7 @@ from hybridkv.kernels import (
 )
 from hybridkv.kernels.step_buffers import StepBuffers
 from hybridkv.kernels.torch_plan import torch_plan
-from hybridkv.utils import cdiv
+from hybridkv.memory.block_pool import cdiv
 
 BLOCK_SIZE = 16
 WINDOW = 512

@@ -1,7 +1,7 @@
 """What following the model costs: each of `ModelWatch`'s signals, and a whole check, per engine call.
 
-hybridkv checks the model (hybridkv/model_watch.py) at most once per engine call, in the first step that may admit
-a request or replay a CUDA graph. The cost grows with the number of tensors, not their size, so the model here has
+hybridkv checks the model (hybridkv/execution/model_watch.py) at most once per engine call, in the first step that may
+admit a request or replay a CUDA graph. The cost grows with the number of tensors, not their size, so the model here has
 a real model's tensor count with tiny shapes: Gemma-3-1B's 26 layers (342 tensors), or Qwen3-8B-shaped's 36
 (`--layers 36`), with `--lora` a LoRA adapter on every attention and MLP projection (PEFT's tuner layers, and
 twice the tensors). Prints the median microseconds of each part over `--repeats` calls, beside the engine's own
@@ -20,7 +20,7 @@ import time
 import torch
 
 import hybridkv
-from hybridkv.model_watch import ModelWatch, _same_samples
+from hybridkv.execution.model_watch import ModelWatch, _same_samples
 from hybridkv.tiny import tiny_model
 
 

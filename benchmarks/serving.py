@@ -52,7 +52,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from hybridkv.cli import DEMO_PROMPTS, SYSTEM_PROMPT
+from hybridkv.serving.cli import DEMO_PROMPTS, SYSTEM_PROMPT
 from hybridkv.tiny import tiny_model
 
 HOST = "127.0.0.1"

@@ -26,9 +26,9 @@ import torch
 import transformers
 
 import hybridkv
-from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.kv_request import KVRequest
-from hybridkv.sizing import blocks_for_requests
+from hybridkv.execution.sizing import blocks_for_requests
+from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.kv_request import KVRequest
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 SMALL = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, max_position_embeddings=32768)

@@ -4,7 +4,7 @@
 fp32, on the CPU, all submitted at once; models as in benchmarks/state_layers.py (Qwen3.5-style: Gated DeltaNet
 and full attention; Nemotron-H-style: Mamba2, MLP and full attention). A hit on such a model must restore the
 state at its end: hybridkv keeps states at multiples of `stats()["state_checkpoint_interval"]` tokens
-(hybridkv/state_slots.py). Printed per model: the share of the system prompt's tokens that requests skipped
+(hybridkv/memory/state_slots.py). Printed per model: the share of the system prompt's tokens that requests skipped
 (cached tokens over 32 x 1,024), the same on a second run of the same prompts, whether both runs' tokens equal
 hybridkv's without prefix caching and transformers' `generate` one request at a time (the first 4 requests),
 the checkpoints' interval, memory and how many are kept, and the time against hybridkv without prefix caching

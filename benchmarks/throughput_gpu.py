@@ -16,9 +16,9 @@ The systems (`--systems`):
                        warmed up on a whole batch of that shape, so nothing recompiles when timed
   generate_batch       transformers' continuous batching with its defaults
   generate_batch_l1/2  ... with ContinuousBatchingConfig(use_cuda_graph=True, default_compile_level=1 or 2)
-  hybridkv             defaults (on one GPU: the compiled forward, hybridkv/compilation.py, and decode steps as
-                       CUDA graphs over it), max_num_seqs 128; its warm-up compiles unless the disk cache has the
-                       program (`HYBRIDKV_CACHE_DIR`)
+  hybridkv             defaults (on one GPU: the compiled forward, hybridkv/execution/compilation.py, and
+                       decode steps as CUDA graphs over it), max_num_seqs 128; its warm-up compiles unless
+                       the disk cache has the program (`HYBRIDKV_CACHE_DIR`)
   hybridkv_nocompile   compile=False: eager kernels, decode steps as CUDA graphs
   hybridkv_sync        async_scheduling=False: the host waits for each step's tokens before planning the next
   hybridkv_eager       enforce_eager=True, compile=False: every step launched from Python

@@ -1,13 +1,13 @@
 """hybridkv: a paged, hybrid-attention-aware KV-cache manager for Hugging Face transformers models."""
 
-from hybridkv.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from hybridkv.config import EngineConfig
-from hybridkv.engine import LLMEngine
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.execution.config import EngineConfig
+from hybridkv.execution.sizing import min_num_blocks
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
-from hybridkv.sampling_params import SamplingParams
-from hybridkv.sizing import min_num_blocks
-from hybridkv.structured_params import StructuredOutputsParams
+from hybridkv.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.structured_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from hybridkv.cli import main
+from hybridkv.serving.cli import main
 
 raise SystemExit(main())

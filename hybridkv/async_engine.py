@@ -25,15 +25,15 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.beam_search import BeamSearchParams
-from hybridkv.inputs import refuse_lora_request
+from hybridkv.execution.inputs import refuse_lora_request
 from hybridkv.outputs import RequestOutput, StreamDelta
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampling.beam_search import BeamSearchParams
+from hybridkv.scheduling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from hybridkv.engine import LLMEngine
-    from hybridkv.inputs import Prompt
-    from hybridkv.output_processor import RequestState
+    from hybridkv.engine.llm_engine import LLMEngine
+    from hybridkv.engine.output_processor import RequestState
+    from hybridkv.execution.inputs import Prompt
 
 
 class RequestHandle:

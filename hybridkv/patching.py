@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from hybridkv.config import EngineConfig
-from hybridkv.engine import LLMEngine
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.execution.config import EngineConfig
 from hybridkv.patches import attention
 
 # The engine lives in the model's __dict__ while patched: a plain reference cycle, collected with the
@@ -19,7 +19,7 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
     """Serve `model` through hybridkv: returns an engine bound to it.
 
     `tokenizer` makes text prompts and outputs; `processor` (the model's `AutoProcessor`, which may also be
-    passed as `tokenizer`: its own tokenizer is then used) makes prompts with images (hybridkv/multimodal.py).
+    passed as `tokenizer`: its own tokenizer is then used) makes prompts with images (hybridkv/execution/multimodal.py).
 
     The model stays an ordinary transformers model: called directly it behaves exactly as before.
     Patching an already patched model returns its engine when the settings are the same, and

@@ -128,7 +128,7 @@ FAMILIES: dict[str, TinyFamily] = {
     "phi3": TinyFamily(
         "Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=3, sliding_window=WINDOW, initializer_range=0.2)
     ),
-    # State layers beside attention (hybridkv/state_layers.py): Qwen3.5's 3 Gated DeltaNet : 1 full, and
+    # State layers beside attention (hybridkv/execution/state_layers.py): Qwen3.5's 3 Gated DeltaNet : 1 full, and
     # Bamba's 3 Mamba2 : 1 full (Granite 4 and Nemotron-H mix the same layers).
     "qwen3_5": TinyFamily(
         "Qwen3_5TextConfig",

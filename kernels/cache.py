@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-# The pool's null block (hybridkv.utils.NULL_BLOCK_ID, pinned equal by tests/test_kernels_backend.py):
+# The pool's null block (hybridkv.memory.block_pool.NULL_BLOCK_ID, pinned equal by tests/test_kernels_backend.py):
 # never allocated, it may fill table entries no query reads. Not imported from there: nothing in
 # kernels/ imports hybridkv (see __init__.py).
 NULL_BLOCK_ID = 0

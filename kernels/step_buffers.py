@@ -4,7 +4,7 @@ An engine's steps differ in their sizes, not in where their tensors are: `StepBu
 device, every tensor a step's forward reads besides the weights and the pages, sized for the engine's
 largest step (`max_num_seqs` sequences, `max_num_tokens` rows), and each step writes its values into the
 leading part of each. Their addresses never change, which is what lets a CUDA graph captured over one
-step replay another (hybridkv/graphs.py), and no step allocates or frees a tensor of its own::
+step replay another (hybridkv/execution/graphs.py), and no step allocates or frees a tensor of its own::
 
     input_ids, positions       [max_num_tokens]                 int64   the flattened rows
     logits_rows, picked_rows   [max of both]                    int64   rows whose logits are kept, sampled
@@ -19,7 +19,7 @@ On CUDA the host fills pinned copies and `step` sends the used part of each to t
 A group's table is a `[num_seqs, width]` view with the full row stride: entries past a sequence's blocks
 hold whatever an earlier step left there, and no kernel reads them (a kernel reads a sequence's entries
 up to its length). Where the step's rows come from, and which requests they are, is the caller's (the
-model runner's persistent batch, hybridkv/input_batch.py); what they mean is metadata.py's.
+model runner's persistent batch, hybridkv/execution/input_batch.py); what they mean is metadata.py's.
 """
 
 from __future__ import annotations

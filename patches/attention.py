@@ -95,7 +95,7 @@ class StepContext:
     metadata: list[PagedAttentionMetadata] = field(default_factory=list)
     deferred: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # A step with the tokens of images that attend both ways: the rows that see past themselves, and the
-    # layers that let them (hybridkv/multimodal.py); None in every other step.
+    # layers that let them (hybridkv/execution/multimodal.py); None in every other step.
     key_limits: KeyLimits | None = None
     image_layers: frozenset[int] = frozenset()
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridkv.kv_spec import LayerSpec, StateSpec
+from hybridkv.memory.kv_spec import LayerSpec, StateSpec
 from hybridkv.patches.devices import check_weights_loaded, execution_device, input_device
 from hybridkv.patches.layer_checks import layer_problem, state_layer_problem, stateless_layer_problem
 from hybridkv.patches.layer_kinds import (

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.kv_spec import LayerSpec
+from hybridkv.memory.kv_spec import LayerSpec
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"

@@ -128,7 +128,7 @@ def record_probe_calls(model: torch.nn.Module) -> tuple[list[AttentionCall], lis
 class PassThroughCache(DynamicCache):
     """transformers' own cache (`DynamicCache`) for a config, holding no K/V: attention updates return K/V as
     given (hybridkv's attention keeps them, or the probe only looks) and it reports no past. The probe's
-    `StateRecorder` and a step's state cache (hybridkv/state_layers.py) answer its state calls; every other
+    `StateRecorder` and a step's state cache (hybridkv/execution/state_layers.py) answer its state calls; every other
     use of a cache by the model still works."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

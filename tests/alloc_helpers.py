@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from hybridkv.coordinator import KVCacheCoordinator
-from hybridkv.grouping import group_layers
-from hybridkv.kv_request import KVRequest
-from hybridkv.kv_spec import LayerSpec
+from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.grouping import group_layers
+from hybridkv.memory.kv_request import KVRequest
+from hybridkv.memory.kv_spec import LayerSpec
 
 
 def specs(windows: list[int | str | None], kv_heads: list[int] | None = None) -> list[LayerSpec]:

@@ -52,9 +52,9 @@ def patched():
 @pytest.fixture
 def eager_pieces(monkeypatch):
     """compile=True with every distinct piece run as its traced graph, not compiled by inductor (seconds, not
-    minutes a family): what the test checks is the trace, the split and the program (hybridkv/compilation.py).
+    minutes a family): what the test checks is the trace, the split and the program (hybridkv/execution/compilation.py).
     Nothing is saved to or loaded from the disk cache."""
-    from hybridkv import compiled_forward
+    from hybridkv.execution import compiled_forward
 
     monkeypatch.setattr(compiled_forward, "compile_piece", lambda module, fake_args: module)
     monkeypatch.setattr(compiled_forward.ProgramCache, "save", lambda self, key, spec, pieces: None)

@@ -514,7 +514,7 @@ KV_LAYOUTS = {
 LIN = "linear_attention"
 
 # State layers (linear attention, SSM, short convolution) beside attention: a per-request state each, held in
-# state slots (hybridkv/state_layers.py). Each builder's state reaches its output: the first of 40 prompt
+# state slots (hybridkv/execution/state_layers.py). Each builder's state reaches its output: the first of 40 prompt
 # tokens changes the greedy tokens (tests/test_model_zoo.py), and the step check continues a prompt from it.
 STATE = {
     "lfm2_moe": lambda: _build(
@@ -809,7 +809,7 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         ),
     ),
     # Found by a sweep of every causal LM type (benchmarks/causal_lm_sweep.py): the layer checks pass, the steps
-    # give other tokens; the end-to-end check of patch (hybridkv/step_check.py) refuses them.
+    # give other tokens; the end-to-end check of patch (hybridkv/execution/step_check.py) refuses them.
     "bart": lambda: _bart_decoder("bart", "BartForCausalLM", "BartConfig"),
     "mbart": lambda: _bart_decoder("mbart", "MBartForCausalLM", "MBartConfig"),
     "marian": lambda: _bart_decoder("marian", "MarianForCausalLM", "MarianConfig", decoder_vocab_size=VOCAB),

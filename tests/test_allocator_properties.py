@@ -1,7 +1,7 @@
 """Stateful property tests: random engine-like use of the coordinator on tiny pools.
 
-Besides check_coordinator (hybridkv/integrity.py) after every rule, the machine keeps a shadow of what each physical
-block holds: writing token t of a request into a block records (group, cache salt, tokens[:t+1]),
+Besides check_coordinator (hybridkv/memory/integrity.py) after every rule, the machine keeps a shadow of what each
+physical block holds: writing token t of a request into a block records (group, cache salt, tokens[:t+1]),
 the full context that K/V at t depends on. Then, for every block a request attends to (computed
 ones, hit ones included), the shadow must be exactly that request's context, and every hashed block
 must hold the tokens its hash was made from. Forks share every block of a request; a step that
@@ -15,8 +15,8 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hybridkv.integrity import check_coordinator
-from hybridkv.kv_request import KVRequest
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.memory.kv_request import KVRequest
 
 from alloc_helpers import make_coordinator
 

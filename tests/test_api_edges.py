@@ -13,7 +13,7 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.sampler import SamplingRow, sample, sample_each
+from hybridkv.sampling.sampler import SamplingRow, sample, sample_each
 from hybridkv.tiny import tiny_model
 
 from tiny_models import VOCAB, hf_greedy, new_request_id, prompts
@@ -305,7 +305,7 @@ def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_beg
 def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_tokens(gemma3, patched, monkeypatch):
     model, batch, expected = gemma3
     llm = patched(model, max_model_len=128)
-    real = hybridkv.engine.sample_each
+    real = hybridkv.engine.llm_engine.sample_each
     failed_once = []
 
     def failing(logits, rows):
@@ -316,7 +316,7 @@ def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_
             tokens[pair_rows[1]], errors[pair_rows[1]] = None, RuntimeError("injected row fault")
         return tokens, logprobs, errors
 
-    monkeypatch.setattr(hybridkv.engine, "sample_each", failing)
+    monkeypatch.setattr(hybridkv.engine.llm_engine, "sample_each", failing)
     pair = SamplingParams(n=2, temperature=0, max_tokens=8)
     ids = [
         llm.add_request(new_request_id(), batch[0], GREEDY),

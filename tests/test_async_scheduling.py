@@ -1,5 +1,5 @@
-"""Async scheduling (hybridkv/async_steps.py) changes when the host works, never a token. Two engines on two copies
-of one model, one with `async_scheduling=True`, take the same seeded random requests (greedy and seeded sampled
+"""Async scheduling (hybridkv/engine/async_steps.py) changes when the host works, never a token. Two engines on two
+copies of one model, one with `async_scheduling=True`, take the same seeded random requests (greedy and seeded sampled
 rows, stop tokens, stop strings, min_tokens, logit biases, penalties, logprobs, n > 1, beam searches, grammars,
 requests arriving mid-run, aborts at a token count, a pool small enough to preempt in both modes, chunked prefill,
 prefix caching, a model with state layers) and must give every request the same tokens, text, logprobs and finish;
@@ -15,7 +15,7 @@ import pytest
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from hybridkv.async_engine import AsyncLLMEngine
-from hybridkv.integrity import check_coordinator
+from hybridkv.memory.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from model_zoo import STATE

@@ -12,7 +12,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
-from hybridkv.integrity import check_coordinator
+from hybridkv.memory.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO

@@ -1,6 +1,6 @@
 import pytest
 
-from hybridkv.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from hybridkv.memory.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def ids(blocks):

@@ -7,7 +7,7 @@ import pytest
 
 import hybridkv
 from hybridkv import EngineConfig, SamplingParams
-from hybridkv.cli import PATCH_FLAGS
+from hybridkv.serving.cli import PATCH_FLAGS
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer

@@ -1,6 +1,6 @@
-"""The compiled forward (hybridkv/compilation.py, compiled_forward.py, compile_cache.py): traced once, split at
-attention with identical pieces compiled once, kept on disk for the next process, rebuilt (never a crash) from
-a bad entry, and following the model when it changes.
+"""The compiled forward (hybridkv/execution/compilation.py, hybridkv/execution/compiled_forward.py,
+hybridkv/execution/compile_cache.py): traced once, split at attention with identical pieces compiled once, kept on disk
+for the next process, rebuilt (never a crash) from a bad entry, and following the model when it changes.
 
 Tests of the trace and the program run the pieces as traced (`eager_pieces`, seconds); the ones about
 inductor's code and the disk compile for real, on a two-layer Llama."""
@@ -21,8 +21,8 @@ from peft import LoraConfig, get_peft_model
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.compile_cache import cache_dir, model_key, program_key
-from hybridkv.model_watch import model_adapter_state
+from hybridkv.execution.compile_cache import cache_dir, model_key, program_key
+from hybridkv.execution.model_watch import model_adapter_state
 from hybridkv.tiny import tiny_model
 
 from tiny_models import FAMILIES, hf_greedy, prompts
@@ -293,7 +293,7 @@ def test_when_compiling_is_the_default_an_untraceable_model_runs_eagerly_with_a_
     with a warning naming the cause, never an error (compile=True makes it one: tests/test_graph_ready.py)."""
     from model_zoo import ZOO
 
-    monkeypatch.setattr(hybridkv.engine, "compiles_by_default", lambda captures: True)
+    monkeypatch.setattr(hybridkv.engine.llm_engine, "compiles_by_default", lambda captures: True)
     model = ZOO["step3p7"]()
     with pytest.warns(UserWarning, match="forward cannot be compiled: torch.compile.*cannot trace.*runs eagerly"):
         llm = patched(model, block_size=8, max_model_len=128)

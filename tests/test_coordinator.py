@@ -1,5 +1,5 @@
-from hybridkv.integrity import check_coordinator
-from hybridkv.kv_request import KVRequest
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.memory.kv_request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator, run_prefill
 

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from hybridkv.integrity import check_coordinator
-from hybridkv.kv_request import KVRequest
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.memory.kv_request import KVRequest
 
 from alloc_helpers import free_order, make_coordinator
 

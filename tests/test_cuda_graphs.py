@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridkv import SamplingParams
-from hybridkv.graphs import sync_is_an_error
+from hybridkv.execution.graphs import sync_is_an_error
 
 from model_zoo import STATE, ZOO
 from tiny_models import DEVICE, hf_greedy, new_request_id, prompts
@@ -115,7 +115,7 @@ def test_models_without_graphs_decode_eagerly_on_cuda_as_generate_does(name, pat
 def test_graphs_follow_the_weights_in_place_and_are_captured_again_when_they_move(patched):
     """An in-place update keeps the addresses the graphs read: replayed as they are, they give the new model's
     tokens. A weight reassigned to a new tensor (the old one freed) has the graphs captured again, with a warning
-    that says why, before any replay; tokens are the new model's either way (hybridkv/model_watch.py)."""
+    that says why, before any replay; tokens are the new model's either way (hybridkv/execution/model_watch.py)."""
     model = ZOO["llama"]().to(DEVICE)
     batch = prompts((7, 33))
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -139,8 +139,8 @@ def test_graphs_follow_the_weights_in_place_and_are_captured_again_when_they_mov
 
 @pytest.mark.parametrize("name", ["gemma3_text", "llama", "gpt_oss"])
 def test_the_default_on_one_gpu_compiles_and_captures_its_graphs_over_the_compiled_program(name, patched):
-    """compile=None on one GPU: the forward compiled (hybridkv/compilation.py) and each decode bucket captured over
-    it; a replay equals the compiled program's eager step bit for bit, and the tokens are eager mode's (fp32; a
+    """compile=None on one GPU: the forward compiled (hybridkv/execution/compilation.py) and each decode bucket captured
+    over it; a replay equals the compiled program's eager step bit for bit, and the tokens are eager mode's (fp32; a
     flip only where transformers' top-2 logits tie within 1e-4: inductor may sum in another order)."""
     model = ZOO[name]().to(DEVICE)
     batch = prompts((7, 33, 70))

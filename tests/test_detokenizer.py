@@ -1,7 +1,7 @@
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from hybridkv.detokenizer import IncrementalDetokenizer
+from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
 
 from tiny_tokenizer import tiny_tokenizer
 

@@ -251,7 +251,7 @@ def test_metrics_count_the_prompt_tokens_taken_from_the_prefix_cache(gemma3, pat
 def test_unpatch_closes_the_engine_and_frees_its_blocks_without_the_cycle_collector(gemma3):
     import gc
 
-    from hybridkv.block_pool import KVBlock
+    from hybridkv.memory.block_pool import KVBlock
 
     def live_blocks():
         return sum(type(o) is KVBlock for o in gc.get_objects())

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
-from hybridkv.integrity import check_coordinator
+from hybridkv.memory.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
 from tiny_models import new_request_id
@@ -57,7 +57,8 @@ class EngineMachine(RuleBasedStateMachine):
             num_blocks=minimum + extra_blocks,
             preemption_mode=mode,
             swap_space=1 / 1024,
-            async_scheduling=ahead,  # a step planned before the last one's tokens are read (hybridkv/async_steps.py)
+            async_scheduling=ahead,  # a step planned before the last one's tokens are read
+            # (hybridkv/engine/async_steps.py)
         )
         scheduler = self.engine.scheduler
         schedule = scheduler.schedule

@@ -15,7 +15,7 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.graphs import decode_buckets
+from hybridkv.execution.graphs import decode_buckets
 from hybridkv.kernels import StepMetadata
 from hybridkv.kernels.step_buffers import _FILL, _NATIVE, StepBuffers
 from hybridkv.patches.attention import paged_attention_op, running_step
@@ -93,7 +93,7 @@ def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the
 
 
 def test_compile_and_graphs_leave_state_layer_models_eager_with_a_clear_error(patched):
-    """State layers run per request segment (hybridkv/state_layers.py), which neither torch.compile nor a CUDA
+    """State layers run per request segment (hybridkv/execution/state_layers.py), which neither torch.compile nor a CUDA
     graph holds yet: compile=True is refused naming the fix, and graph mode leaves their steps unpadded."""
     model = STATE["qwen3_next"]()
     with pytest.raises(ValueError, match=r"compile=True does not compile models with state layers yet.*compile=False"):

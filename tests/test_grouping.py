@@ -1,9 +1,9 @@
 import pytest
 
-from hybridkv import layouts
-from hybridkv.coordinator import blocks_for_request
-from hybridkv.grouping import group_layers
-from hybridkv.kv_spec import LayerSpec
+from hybridkv.memory import layouts
+from hybridkv.memory.coordinator import blocks_for_request
+from hybridkv.memory.grouping import group_layers
+from hybridkv.memory.kv_spec import LayerSpec
 
 from alloc_helpers import specs
 
@@ -150,7 +150,7 @@ def test_no_layers_is_a_clear_error():
         group_layers([], block_size=16)
 
 
-# ---- published layouts (hybridkv/layouts.py, from their config.json values) -----------------------
+# ---- published layouts (hybridkv/memory/layouts.py, from their config.json values) -----------------------
 
 
 def summarize(specs, block_size=16):

@@ -4,8 +4,8 @@ from hashlib import sha256
 
 import pytest
 
-from hybridkv.hashing import hash_full_blocks, root_hash, token_bytes
-from hybridkv.kv_request import KVRequest
+from hybridkv.memory.hashing import hash_full_blocks, root_hash, token_bytes
+from hybridkv.memory.kv_request import KVRequest
 
 
 def test_only_full_blocks_are_hashed():
@@ -72,7 +72,7 @@ def test_extra_keys_change_the_hash():
 
 def test_hashes_are_stable_across_processes():
     code = (
-        "from hybridkv.hashing import hash_full_blocks, root_hash;"
+        "from hybridkv.memory.hashing import hash_full_blocks, root_hash;"
         "print(hash_full_blocks(list(range(40)), 16, root_hash('s'))[-1].hex())"
     )
     results = {

@@ -185,9 +185,9 @@ def test_the_encoder_cache_keeps_within_its_bytes(patched):
 
 
 def test_after_the_vision_tower_changes_images_are_encoded_again_and_older_encodings_refused(patched):
-    """The encoder cache and the prefix cache follow the model (hybridkv/model_watch.py): after the projector's
-    weights change the same image is encoded again and the tokens are the new model's; a request whose image was
-    encoded before the change, not yet admitted, fails with an error naming the fix rather than use it."""
+    """The encoder cache and the prefix cache follow the model (hybridkv/execution/model_watch.py): after the
+    projector's weights change the same image is encoded again and the tokens are the new model's; a request whose image
+    was encoded before the change, not yet admitted, fails with an error naming the fix rather than use it."""
     model, placeholder, count, type_fields = gemma3()
     ids = prompt_ids("gemma3", placeholder, count, "middle")
     data = image_inputs("gemma3", 7, 1)

@@ -1,4 +1,5 @@
-"""The persistent batch's tables (hybridkv/input_batch.py) against the lists they mirror, update after update."""
+"""The persistent batch's tables (hybridkv/execution/input_batch.py) against the lists they mirror, update after
+update."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hybridkv.coordinator import TableUpdates
-from hybridkv.input_batch import InputBatch
+from hybridkv.execution.input_batch import InputBatch
+from hybridkv.memory.coordinator import TableUpdates
 
 
 def _config(block_sizes: list[int]) -> SimpleNamespace:

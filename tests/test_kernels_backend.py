@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hybridkv.kernels
-import hybridkv.utils
+import hybridkv.memory.block_pool
 from hybridkv.kernels import (
     PagedAttentionMetadata,
     StepMetadata,
@@ -161,4 +161,4 @@ def test_the_kernels_import_nothing_from_hybridkv_and_agree_on_the_null_block():
                 assert not any(alias.name.startswith("hybridkv") for alias in node.names), path.name
             if isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert not (node.module or "").startswith("hybridkv"), path.name
-    assert hybridkv.kernels.NULL_BLOCK_ID == hybridkv.utils.NULL_BLOCK_ID == 0
+    assert hybridkv.kernels.NULL_BLOCK_ID == hybridkv.memory.block_pool.NULL_BLOCK_ID == 0

@@ -13,7 +13,7 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.config import EngineConfig
+from hybridkv.execution.config import EngineConfig
 from hybridkv.tiny import tiny_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family

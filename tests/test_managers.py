@@ -1,8 +1,8 @@
 import pytest
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.managers import FullAttentionManager
-from hybridkv.window_kinds import ChunkedLocalManager, SlidingWindowManager
+from hybridkv.memory.block_pool import BlockPool
+from hybridkv.memory.managers import FullAttentionManager
+from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowManager
 
 from alloc_helpers import restore_layout
 

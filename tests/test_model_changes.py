@@ -15,8 +15,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import hybridkv
-from hybridkv.integrity import check_coordinator
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
 
 from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
@@ -386,7 +386,7 @@ def test_reset_prefix_cache_with_running_requests_recomputes_them(patched):
 
 
 def _watch(model):
-    from hybridkv.model_watch import ModelWatch
+    from hybridkv.execution.model_watch import ModelWatch
 
     watch = ModelWatch(model)
     assert watch.check() is None and watch.key == b""
@@ -479,7 +479,7 @@ def test_inference_tensors_and_meta_tensors_are_watched_without_errors():
 
 
 def test_unpatch_removes_torchs_hooks(patched):
-    from hybridkv import model_watch
+    from hybridkv.execution import model_watch
 
     model = FAMILIES["llama"]()
     patched(model)

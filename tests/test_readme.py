@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hybridkv
-from hybridkv.config import EngineConfig
+from hybridkv.execution.config import EngineConfig
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from hybridkv.sampler import SamplingRow, _apply_penalties, _filtered_probs, greedy_tokens, sample
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampling.sampler import SamplingRow, _apply_penalties, _filtered_probs, greedy_tokens, sample
+from hybridkv.scheduling.sampling_params import SamplingParams
 
 
 def row(generator=None, prompt=(), output=(), **params):

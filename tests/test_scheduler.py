@@ -1,7 +1,7 @@
-from hybridkv.request import Request, RequestStatus, SampleGroup
-from hybridkv.sampling_params import SamplingParams
-from hybridkv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from hybridkv.stopping import StopRules
+from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
+from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.scheduling.stopping import StopRules
 
 from alloc_helpers import make_coordinator
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.chat import render_chat
+from hybridkv.engine.chat import render_chat
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer

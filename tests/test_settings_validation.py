@@ -12,7 +12,7 @@ from accelerate import init_empty_weights
 
 import hybridkv
 from hybridkv import EngineConfig, SamplingParams
-from hybridkv.sampler import SamplingRow, sample
+from hybridkv.sampling.sampler import SamplingRow, sample
 from hybridkv.tiny import tiny_model
 
 from tiny_models import prompts

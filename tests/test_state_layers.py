@@ -14,7 +14,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
-from hybridkv.integrity import check_coordinator
+from hybridkv.memory.integrity import check_coordinator
 
 from greedy_reference import MAX_NEW, family
 from model_zoo import STATE, ZOO
@@ -328,8 +328,8 @@ def test_a_state_layer_taking_its_cache_by_position_runs_per_segment():
     """`segmented_forward` binds the layer's arguments by its signature, cuts the per-row tensors to each segment and
     puts a tuple's tensors back together: two decode rows (each continuing the state in its slot) and a prompt's
     segment (from no state) give what each sequence alone gives."""
-    from hybridkv.kv_spec import StateSpec
-    from hybridkv.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
+    from hybridkv.execution.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
+    from hybridkv.memory.kv_spec import StateSpec
     from hybridkv.tiny import tiny_config
 
     layer = _PositionalCacheLayer()

@@ -1,4 +1,4 @@
-"""patch's end-to-end check (hybridkv/step_check.py): a model whose paged steps compute something else than
+"""patch's end-to-end check (hybridkv/execution/step_check.py): a model whose paged steps compute something else than
 its own forward is refused, whatever the reason, with the rows that differed."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hybridkv
-import hybridkv.step_check as step_check
-from hybridkv.sampling_params import SamplingParams
+import hybridkv.execution.step_check as step_check
+from hybridkv.scheduling.sampling_params import SamplingParams
 
 from model_zoo import REFUSED, ZOO
 from tiny_models import COMMON, hf_greedy, prompts

@@ -1,4 +1,4 @@
-"""The torch threads an engine's steps run with (hybridkv/threads.py)."""
+"""The torch threads an engine's steps run with (hybridkv/execution/cpu_threads.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hybridkv
+from hybridkv.execution.cpu_threads import SAMPLE_SECONDS, StepThreads, read_proc_stat, threads_for
 from hybridkv.kernels import cpu_decode
-from hybridkv.threads import SAMPLE_SECONDS, StepThreads, read_proc_stat, threads_for
 from hybridkv.tiny import tiny_model
 
 
@@ -120,7 +120,7 @@ def test_proc_stat_readings_grow_with_time():
 
 
 def test_serve_takes_cpu_threads_as_auto_or_a_count():
-    from hybridkv.cli import cpu_threads_flag
+    from hybridkv.serving.cli import cpu_threads_flag
 
     assert cpu_threads_flag("auto") == "auto"
     assert cpu_threads_flag("3") == 3

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from hybridkv import tool_calls
+from hybridkv.serving import tool_calls
 
 WEATHER = {
     "type": "function",

@@ -343,7 +343,7 @@ def test_vllm_serve_command_line_and_openai_client(checkpoint, tmp_path):
 
 def test_serve_and_generate_load_the_checkpoints_dtype_by_default(checkpoint):
     # vLLM's `--dtype auto`: the checkpoint's bf16 (before, fp32 whatever the checkpoint held).
-    from hybridkv import cli
+    from hybridkv.serving import cli
 
     for command in (["serve", str(checkpoint)], ["generate", "--model", str(checkpoint), "--prompt", "x"]):
         assert cli.build_parser().parse_args(command).dtype == "auto"

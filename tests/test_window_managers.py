@@ -3,8 +3,8 @@ the middle is stored for caching only with free blocks, and an undone step leave
 
 from __future__ import annotations
 
-from hybridkv.block_pool import BlockPool
-from hybridkv.window_kinds import SlidingWindowManager
+from hybridkv.memory.block_pool import BlockPool
+from hybridkv.memory.window_managers import SlidingWindowManager
 
 from alloc_helpers import restore_layout
 

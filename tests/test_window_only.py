@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from hybridkv import SamplingParams
-from hybridkv.coordinator import blocks_for_request
-from hybridkv.integrity import check_coordinator
-from hybridkv.window_managers import WindowedManager
+from hybridkv.memory.coordinator import blocks_for_request
+from hybridkv.memory.integrity import check_coordinator
+from hybridkv.memory.window_managers import WindowedManager
 
 from greedy_reference import assert_same_greedy, family
 from tiny_models import hf_greedy, new_request_id, prompts

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hybridkv.cli import tiny_tokenizer as train_tiny_tokenizer
+from hybridkv.serving.cli import tiny_tokenizer as train_tiny_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. ",

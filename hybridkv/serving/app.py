@@ -42,7 +42,7 @@ def build_app(
 ) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
     down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring.
-    `tool_call_parser`: the format tool_choice "auto" parses (hybridkv/tool_calls.py; by default the one the
+    `tool_call_parser`: the format tool_choice "auto" parses (hybridkv/serving/tool_calls.py; by default the one the
     chat template shows). `fetch_images`: image_url parts may name http(s) URLs, which the server fetches
     (hybridkv/serving/images.py); off, only data URLs are taken."""
     serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images)

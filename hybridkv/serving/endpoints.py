@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridkv import tool_calls
-from hybridkv.chat import ChatOptions, chat_prompt, image_chat_prompt
+from hybridkv.engine.chat import ChatOptions, chat_prompt, image_chat_prompt
 from hybridkv.outputs import Logprob, RequestOutput, StreamDelta
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.structured_params import StructuredOutputsParams
+from hybridkv.serving import tool_calls
 from hybridkv.serving.images import decode_image
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
@@ -36,7 +37,6 @@ from hybridkv.serving.protocol import (
     request_id,
     usage,
 )
-from hybridkv.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from hybridkv.async_engine import AsyncLLMEngine
-from hybridkv.engine import LLMEngine
+from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.serving.app import build_app
 
 STARTUP_TIMEOUT_SECONDS = 30.0
@@ -57,7 +57,7 @@ def serve(
     url names it). `model_name` is the name clients pass as `model`: by default the model's
     `name_or_path`, else "hybridkv". An LLMEngine gets an AsyncLLMEngine that `stop()` shuts down. `api_key`:
     every route but `/health` then asks for `Authorization: Bearer <api_key>` (hybridkv/serving/app.py).
-    `tool_call_parser`: the tool-call format of tool_choice "auto" (hybridkv/tool_calls.py's PARSER_NAMES; by
+    `tool_call_parser`: the tool-call format of tool_choice "auto" (hybridkv/serving/tool_calls.py's PARSER_NAMES; by
     default the one the chat template shows). `fetch_images`: fetch http(s) image URLs (off: data URLs only)."""
     owns_engine = isinstance(llm, LLMEngine)
     engine = AsyncLLMEngine(llm) if owns_engine else llm

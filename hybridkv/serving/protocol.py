@@ -21,8 +21,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hybridkv.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from hybridkv.sampling_params import SamplingParams
-from hybridkv.structured_params import StructuredOutputsParams
+from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.structured_params import StructuredOutputsParams
 
 STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
 

@@ -1,0 +1,226 @@
+"""The output side of the engine: one record per sample (its request, detokenizer, logprobs, generator,
+stream offset), the stop decision after each new token, and the `RequestOutput`s the engine returns.
+
+Outputs are built incrementally: each sample's `CompletionOutput` is kept and extended by its new
+tokens, so a long generation costs constant work per token. A `RequestOutput` is the request's live
+record: later steps update the same object until it is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StreamDelta
+from hybridkv.sampling.sampler import SampledLogprobs, SamplingRow
+from hybridkv.sampling.structured_outputs import CompiledGrammar
+from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
+from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
+from hybridkv.scheduling.stopping import StopRules
+
+
+@dataclass(slots=True)
+class SampleState:
+    """One sample (its request's `sample_state`): its scheduler request (whose `sampling_row` is what the sampler
+    reads for it: params, generator, tokens so far), its text, its output record, its request's metrics (shared
+    by the request's samples), how much of it a stream has yielded, and its request's state (`RequestState`,
+    whose output the engine reports: set once that is made)."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    completion: CompletionOutput
+    metrics: RequestMetrics
+    num_streamed_tokens: int = 0
+    state: RequestState | None = None
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One user request: its samples (a SampleGroup) and the output record the engine hands out."""
+
+    group: SampleGroup
+    samples: list[SampleState]
+    output: RequestOutput
+
+
+class OutputProcessor:
+    """Records of every unfinished request, keyed by its id."""
+
+    def __init__(self, tokenizer: Any, stop_rules: StopRules, device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.stop_rules = stop_rules
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
+
+    def add(self, group: SampleGroup, prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
+        """Records for a new request's samples (a seeded request's sample i draws from seed + i; each
+        sample of a structured-outputs request gets its own matcher of `grammar`); a beam search has
+        none: its output lists its hypotheses once it has finished."""
+        leader = group.leader
+        params = leader.params
+        prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        samples = []
+        for index, request in enumerate(group.members if group.beam is None else ()):
+            generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    params.stop,
+                    params.skip_special_tokens,
+                    params.include_stop_str_in_output,
+                )
+            logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+            matcher = grammar.matcher() if grammar is not None else None
+            request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
+            request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
+            # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone).
+            request.overlaps = (
+                len(group.members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
+            )
+            request.sample_state = SampleState(
+                request=request,
+                detokenizer=detokenizer,
+                completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
+                metrics=metrics,
+            )
+            samples.append(request.sample_state)
+        prompt_logprobs = getattr(params, "prompt_logprobs", None)
+        output = RequestOutput(
+            request_id=group.request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            # Filled position by position as the prompt is computed (`record_prompt_logprobs`); the first stays None.
+            prompt_logprobs=[None] * len(prompt_ids) if prompt_logprobs is not None else None,
+            outputs=[sample.completion for sample in samples],
+            finished=False,
+            metrics=metrics,
+        )
+        state = RequestState(group, samples, output)
+        for sample in samples:
+            sample.state = state
+        self.states[group.request_id] = state
+        return state
+
+    def state_of(self, request: Request) -> RequestState:
+        return self.states[request.group.request_id]
+
+    def logprob_dict(self, token: int, logprobs: SampledLogprobs) -> dict[int, Logprob]:
+        """vLLM's dict for one position: the token with its rank, then the k most likely (ranks 1..k)."""
+        decoded = self._decoded_token
+        entries = {token: Logprob(logprobs.logprob, logprobs.rank, decoded(token))}
+        for rank, (top_id, value) in enumerate(zip(logprobs.top_ids, logprobs.top_logprobs, strict=True), start=1):
+            entries[top_id] = Logprob(value, rank, decoded(top_id))
+        return entries
+
+    def _decoded_token(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decoded.get(token)
+        if text is None:
+            text = self._decoded[token] = self.tokenizer.decode([token])
+        return text
+
+    def record_prompt_logprobs(
+        self, request: Request, first_position: int, logprobs: Sequence[SampledLogprobs]
+    ) -> None:
+        """The prompt logprobs of positions `first_position`, `first_position + 1`, ... of a request (a prompt
+        computed again after a preemption writes the same values again)."""
+        output = self.state_of(request).output
+        if output.prompt_logprobs is None:
+            return
+        tokens = request.token_ids
+        for position, entry in enumerate(logprobs, start=first_position):
+            output.prompt_logprobs[position] = self.logprob_dict(tokens[position], entry)
+
+    def process(
+        self, requests: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[SampledLogprobs | None]
+    ) -> list[tuple[Request, RequestStatus, str | None]]:
+        """Record each request's new token (already appended to the request) and its logprobs, extend its
+        text, advance its grammar, and decide whether it stops (a completed grammar stops it). Returns the
+        requests that stop, with their status and error: the caller finishes them in the scheduler. (A step of
+        `greedy_alone` requests does this in `LLMEngine._update_alone`'s one pass: keep the two alike.)"""
+        now = time.monotonic()
+        stopped = []
+        check = self.stop_rules.check
+        for request, token, token_logprobs in zip(requests, tokens, logprobs, strict=True):
+            sample = request.sample_state
+            completion = sample.completion
+            matcher = request.sampling_row.matcher
+            if matcher is not None and (error := matcher.accept(token)) is not None:
+                # A token its grammar refuses (a grammar the vocabulary cannot write): never part of the output.
+                stopped.append((request, RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"))
+                continue
+            completion.token_ids.append(token)
+            if token_logprobs is not None:
+                completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + token_logprobs.logprob
+                if completion.logprobs is not None:
+                    completion.logprobs.append(self.logprob_dict(token, token_logprobs))
+            if sample.metrics.first_token_time is None:
+                sample.metrics.first_token_time = now
+            status = check(request, token, sample.detokenizer)
+            if status is None and matcher is not None and matcher.is_complete:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
+                stopped.append((request, status, None))
+        return stopped
+
+    def output(self, state: RequestState) -> RequestOutput:
+        """The request's output as of now; a finished request's records are dropped."""
+        output = state.output
+        for sample in state.samples:
+            request, completion, detokenizer = sample.request, sample.completion, sample.detokenizer
+            if request.status.is_finished and completion.finish_reason is None:
+                if detokenizer is not None:
+                    detokenizer.flush()
+                completion.finish_reason = request.status.value
+                completion.stop_reason = request.stop_reason
+            if detokenizer is not None:
+                completion.text = detokenizer.text
+        group = state.group
+        leader = group.leader
+        output.metrics.num_cached_tokens = leader.num_cached_tokens
+        if not leader.status.is_finished and len(group.members) == 1:  # the common case: nothing has ended
+            return output
+        output.error = next((m.error for m in group.members if m.error), None)
+        if group.finished and not output.finished:
+            params = leader.params
+            if group.beam is not None:  # a beam search: its best hypotheses, best first
+                output.outputs = group.beam.outputs(self.tokenizer)
+            elif params.num_samples > params.n:  # best_of: the n samples of highest cumulative logprob
+                ranked = sorted(output.outputs, key=_cumulative_logprob, reverse=True)
+                output.outputs = ranked[: params.n]
+            output.finished = True
+            output.metrics.finished_time = time.monotonic()
+            self.states.pop(group.request_id, None)
+        return output
+
+    def stream_deltas(self, state: RequestState) -> list[StreamDelta]:
+        """What each sample produced since the last call: new token ids and text (text that may still
+        become a stop string is held back until it cannot)."""
+        deltas = []
+        for sample in state.samples:
+            completion = sample.completion
+            start = sample.num_streamed_tokens
+            new_tokens = completion.token_ids[start:]
+            sample.num_streamed_tokens = len(completion.token_ids)
+            finished = completion.finished()
+            text = sample.detokenizer.stream_delta(finished) if sample.detokenizer is not None else ""
+            if new_tokens or text or finished:
+                error = sample.request.error if finished else None
+                logprobs = completion.logprobs[start:] if completion.logprobs is not None else None
+                deltas.append(
+                    StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error, logprobs)
+                )
+        return deltas
+
+
+def _cumulative_logprob(completion: CompletionOutput) -> float:
+    return float("-inf") if completion.cumulative_logprob is None else completion.cumulative_logprob

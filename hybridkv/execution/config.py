@@ -1,0 +1,153 @@
+"""`EngineConfig`: every setting `hybridkv.patch(model, **config)` accepts."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from dataclasses import dataclass, fields
+from typing import Any, get_args
+
+from hybridkv.execution.kv_dtypes import KVCacheDtype, normalize_kv_cache_dtype
+from hybridkv.kernels.backend import Backend
+from hybridkv.scheduling.scheduler import PREEMPTION_MODES
+from hybridkv.scheduling.validation import check_bool, check_choice, check_float, check_int
+
+ATTENTION_BACKENDS = (None, *get_args(Backend))
+GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values but a folder's path (load its GenerationConfig yourself)
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `hybridkv.patch(model, **config)` accepts (names follow vLLM).
+
+    KV memory: `num_blocks` if given, else `kv_cache_memory` bytes, else on CUDA
+    `gpu_memory_utilization` of the device, else 1 GiB on the CPU. `kv_cache_dtype`: the pages' dtype,
+    one for every layer or one per layer kind, fp8 included (hybridkv/execution/kv_dtypes.py). With
+    `preemption_mode="swap"`, `swap_space` GiB of CPU memory (vLLM's unit and default, 4) hold preempted requests'
+    blocks (never more blocks than the device pool; with state layers, up to half of it holds their states, one CPU slot
+    per swapped request); with "recompute" none is taken. `generation_config`: "auto" (vLLM's default) gives a request
+    without sampling settings the model's generation config's (`LLMEngine.get_default_sampling_params`), "vllm"
+    SamplingParams'. `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
+    leave free, at most torch's count; hybridkv/execution/cpu_threads.py), a count, or None (torch's setting as it is).
+    `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a
+    single GPU, replayed as captured CUDA graphs (hybridkv/execution/graphs.py; elsewhere run eagerly over the same
+    padded buffers, which tests what a GPU captures); True runs every step eagerly, unpadded; None (default)
+    is graph mode on a single CUDA device and eager elsewhere. `compile`: the forward traced once by
+    `torch.compile`, split at attention and its distinct pieces compiled by inductor, kept on disk for the next
+    process (hybridkv/execution/compilation.py): True compiles (a model that cannot be compiled is an error), False
+    never does, None (default) compiles where CUDA graphs are captured, over which they are captured, and runs
+    eagerly elsewhere (on the CPU compiling costs more set-up than it saves: benchmarks/RESULTS.md); a model
+    that cannot be compiled then runs eagerly with a warning. `use_tqdm`: progress bars for set-up that takes
+    a while (compiling, capturing CUDA graphs); `logging.getLogger("hybridkv")` logs each stage either way.
+    `async_scheduling` (vLLM's name): the next step is planned and launched while the device runs this one, whose
+    tokens are read after (hybridkv/engine/async_steps.py): True, False, or None (default) on where the model runs on
+    one CUDA device (the host's work then hides behind the GPU's) and off elsewhere (on the CPU the host and the
+    forward share the cores: nothing runs beside the step). A tensor-parallel model never schedules ahead.
+
+    A model with state layers keeps, with prefix caching on, `num_state_checkpoints` states at block boundaries of
+    computed prefixes (default `max_num_seqs`; 0: no hit on such a model), one every `state_checkpoint_interval`
+    tokens (default: the smallest multiple of every group's block size and of the state layers' scan chunk, so
+    that a computation split there continues exactly): a prefix-cache hit restores the state at its end.
+
+    A model that takes images keeps up to `encoder_cache_bytes` of image embeddings by content hash, so that
+    an image seen again skips the vision tower (hybridkv/execution/multimodal.py).
+
+    Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
+    count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
+    rule. `from_kwargs` also names the closest settings to an unknown one.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: KVCacheDtype = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4
+    generation_config: str = "auto"
+    attention_backend: str | None = None
+    cpu_threads: int | str | None = "auto"
+    enforce_eager: bool | None = None
+    compile: bool | None = None
+    use_tqdm: bool = True
+    async_scheduling: bool | None = None
+    num_state_checkpoints: int | None = None
+    state_checkpoint_interval: int | None = None
+    encoder_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        set_field = functools.partial(object.__setattr__, self)
+        counts = (
+            ("block_size", 1, ""),
+            ("max_num_seqs", 1, ""),
+            ("max_num_batched_tokens", 1, ""),
+            ("long_prefill_token_threshold", 0, " (0 turns the cap off)"),
+            ("encoder_cache_bytes", 0, " (bytes of image embeddings kept for reuse; 0 keeps none)"),
+        )
+        for name, minimum, rule in counts:
+            set_field(name, check_int(name, getattr(self, name), minimum, rule))
+        optional_counts = (
+            ("num_blocks", 2, " (block 0 is the null block, never used)"),
+            ("kv_cache_memory", 1, " (bytes)"),
+            ("max_model_len", 1, ""),
+            ("num_state_checkpoints", 0, " (0: no prefix-cache hit on a model with state layers)"),
+            ("state_checkpoint_interval", 1, " (tokens)"),
+        )
+        for name, minimum, rule in optional_counts:
+            if getattr(self, name) is not None:
+                set_field(name, check_int(name, getattr(self, name), minimum, rule))
+        swap_space = check_float("swap_space", self.swap_space)
+        if swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB of CPU memory for swapped requests), got {swap_space}")
+        set_field("swap_space", swap_space)
+        check_choice("generation_config", self.generation_config, GENERATION_CONFIGS)
+        utilization = check_float("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1] (the share of the device's memory hybridkv may use), "
+                f"got {utilization}"
+            )
+        set_field("gpu_memory_utilization", utilization)
+        set_field("kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if self.compile is not None:
+            check_bool("compile", self.compile)
+        check_bool("use_tqdm", self.use_tqdm)
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
+        if self.enforce_eager is not None:
+            check_bool("enforce_eager", self.enforce_eager)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.cpu_threads is not None and self.cpu_threads != "auto":
+            if isinstance(self.cpu_threads, str):
+                raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
+            set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """The CPU memory swapped requests may take: `swap_space` GiB with `preemption_mode="swap"`, else 0."""
+        return int(self.swap_space * GIB) if self.preemption_mode == "swap" else 0
+
+    @classmethod
+    def from_kwargs(cls, **config: Any) -> EngineConfig:
+        """`EngineConfig(**config)`, where an unknown setting is a TypeError naming the closest valid
+        ones (a typo such as `blok_size=8` would otherwise be the dataclass's bare complaint)."""
+        names = [field.name for field in fields(cls)]
+        unknown = [name for name in config if name not in names]
+        if unknown:
+            guesses = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, names)
+                guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
+            plural = "s" if len(unknown) > 1 else ""
+            raise TypeError(
+                f"unknown hybridkv setting{plural} {', '.join(guesses)}; the settings are {', '.join(names)}"
+            )
+        return cls(**config)

@@ -1,0 +1,280 @@
+"""The block pool: every physical KV block id, ref counts, the free queue and the prefix-cache map.
+
+The pool knows nothing of layer kinds, requests or tensors. A block id names one page in every KV
+tensor; which KV cache group a block currently serves is decided by whoever allocated it.
+
+Free queue layout (an intrusive doubly linked list through the blocks themselves)::
+
+    head -> [unhashed frees ... | hashed frees, least recently used first ...] <- tail
+            ^ allocation pops here                  freed hashed blocks join here ^
+
+Allocation pops the head, so blocks that hold nothing reusable go first and the least recently used
+cached block is the next to be evicted.
+
+The block arithmetic every layer shares lives here too (`NULL_BLOCK_ID`, `cdiv`). kernels/ imports nothing
+of hybridkv/ (kernels/__init__.py says why), so kernels/cache.py states the null block id again and
+tests/test_kernels_backend.py pins the two equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+# Never allocated, never freed: stands in a block table for blocks a query cannot see.
+NULL_BLOCK_ID = 0
+
+
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division of integers: ``cdiv(40, 16) == 3`` blocks of 16 hold 40 tokens."""
+    return -(-numerator // denominator)
+
+
+class KVBlock:
+    """One physical block. `ref_cnt` counts the (request, group) block lists that hold it."""
+
+    __slots__ = ("block_hash", "block_id", "hash_group", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.hash_group = -1
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
+    def __repr__(self) -> str:
+        digest = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
+
+
+class FreeBlockQueue:
+    """Doubly linked queue of free blocks, linked through `prev_free`/`next_free`.
+
+    Every operation is O(1) per block and creates no objects: removing a block from the middle
+    (a prefix-cache hit on a free block) only relinks its neighbours.
+    """
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        """Remove and return the head block; IndexError when empty."""
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("pop from an empty free block queue")
+        self._unlink(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Remove and return the first n blocks in queue order; the caller checked n <= free."""
+        if n > self.num_free_blocks:
+            raise IndexError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
+        out = []
+        block = self._head.next_free
+        for _ in range(n):
+            out.append(block)
+            next_block = block.next_free
+            block.prev_free = block.next_free = None
+            block = next_block
+        self._head.next_free = block
+        block.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
+
+    def remove(self, block: KVBlock) -> None:
+        """Unlink a block from anywhere in the queue."""
+        if block.prev_free is None:
+            raise ValueError(f"{block} is not in the free queue")
+        self._unlink(block)
+
+    def append(self, block: KVBlock) -> None:
+        """Put a block at the tail: evicted last."""
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Link blocks that just reached ref count 0, in order: hashed ones at the tail (kept for
+        hits, least recently used first), unhashed ones at the head (reused first)."""
+        head, tail = self._head, self._tail
+        for block in blocks:
+            if block.block_hash is None:
+                first = head.next_free
+                first.prev_free = block
+                block.next_free = first
+                block.prev_free = head
+                head.next_free = block
+            else:
+                last = tail.prev_free
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = tail
+                tail.prev_free = block
+        self.num_free_blocks += len(blocks)
+
+    def _unlink(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def close(self) -> None:
+        """Drop every link, the sentinels' included (they point at each other when empty)."""
+        self._head.next_free = self._tail.prev_free = None
+        self.num_free_blocks = 0
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """Owns blocks 0..num_blocks-1. Block 0 is the null block: never allocated, never freed.
+
+    `cached[g]` maps a block hash to the block that holds those tokens for KV cache group g (the
+    map from (block hash, group id) to block). A block carries at most one hash; it loses it when
+    it is popped for reuse (an eviction).
+    """
+
+    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: list[dict[bytes, KVBlock]] = [{} for _ in range(num_groups)]
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
+        blocks = self.free_queue.popleft_n(n)
+        cached = self.cached
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                group_map = cached[block.hash_group]
+                if group_map.get(block_hash) is block:
+                    del group_map[block_hash]
+                block.block_hash = None
+                block.hash_group = -1
+                self.num_evictions += 1
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (a prefix-cache hit); free ones leave the queue."""
+        queue = self.free_queue
+        for block in blocks:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes], group_id: int) -> None:
+        """Register full blocks under their hashes (pairwise). Null blocks, blocks that already
+        carry a hash and hashes the map already holds (another block has those tokens) are skipped."""
+        if not self.enable_caching:
+            return
+        group_map = self.cached[group_id]
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+                continue
+            if group_map.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                block.hash_group = group_id
+
+    def cache_block_per_group(self, blocks: Sequence[KVBlock], block_hash: bytes) -> None:
+        """`cache_blocks` of one block in each group: `blocks[g]` is group g's, all under `block_hash`."""
+        if not self.enable_caching:
+            return
+        for group_id, (block, group_map) in enumerate(zip(blocks, self.cached, strict=True)):
+            if block.block_id == NULL_BLOCK_ID or block.block_hash is not None:
+                continue
+            if group_map.setdefault(block_hash, block) is block:
+                block.block_hash = block_hash
+                block.hash_group = group_id
+
+    def drop_hash(self, block: KVBlock) -> None:
+        """Forget what a held block caches (its keys are about to be overwritten): an eviction."""
+        if block.block_hash is None:
+            return
+        group_map = self.cached[block.hash_group]
+        if group_map.get(block.block_hash) is block:
+            del group_map[block.block_hash]
+        block.block_hash = None
+        block.hash_group = -1
+        self.num_evictions += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each, in the given order (callers pass a request's blocks tail-first).
+
+        A block reaching ref count 0 joins the tail if it carries a hash (still a cache hit until
+        evicted) and the head if not (nothing to keep, so it is reused before any cached block).
+        """
+        released = []
+        for block in ordered_blocks:
+            if block.block_id == NULL_BLOCK_ID:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_queue.release(released)
+
+    def close(self) -> None:
+        """Unlink every block so the pool is freed by reference counting when dropped; unusable after."""
+        for block in self.blocks:
+            block.prev_free = block.next_free = None
+        self.free_queue.close()
+        self.blocks = []
+        self.cached = []
+
+    def check_integrity(self) -> None:
+        """Assert the pool's own accounting: every block is exactly one of null / free / used."""
+        null = self.null_block
+        assert null.ref_cnt == 0 and null.prev_free is None and null.block_hash is None, null
+        in_queue = set()
+        for block in self.free_queue:
+            assert block.block_id not in in_queue, f"{block} twice in the free queue"
+            assert block.ref_cnt == 0, f"{block} is in the free queue with references"
+            assert not block.is_null, "the null block is in the free queue"
+            in_queue.add(block.block_id)
+        assert len(in_queue) == self.free_queue.num_free_blocks
+        for block in self.blocks[1:]:
+            if block.block_id not in in_queue:
+                assert block.ref_cnt > 0, f"{block} is neither free nor used"
+        assert self.num_free_blocks + self.num_used_blocks + 1 == self.num_blocks
+        for group_id, group_map in enumerate(self.cached):
+            for block_hash, block in group_map.items():
+                assert block.block_hash == block_hash and block.hash_group == group_id, block
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached[block.hash_group].get(block.block_hash) is block, block

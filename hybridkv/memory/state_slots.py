@@ -1,0 +1,112 @@
+"""State slots: where each request keeps the state of a model's state layers (linear attention, SSM, conv).
+
+A state layer keeps one fixed-size state per request, whatever its length, so a request needs one slot, not
+blocks: slot s is row s of every state layer's state tensors (hybridkv/execution/state_layers.py). Slot 0 is never
+given: the padded rows of a graph bucket read and write it (scratch). A fork (n > 1, a beam) takes a slot of
+its own and a copy of its parent's state (a state changes every token: copy-on-write would copy at once).
+Slots after the requests' are checkpoints (`StateCheckpoints`): states at block boundaries of computed prefixes,
+what a prefix-cache hit restores. No torch here: the memory manager's side.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+SCRATCH_SLOT = 0
+
+
+class StateSlots:
+    """Slots 1..num_slots-1, each held by at most one request."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 2:
+            raise ValueError(f"a state pool needs the scratch slot and one more, got {num_slots} slots")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, SCRATCH_SLOT, -1))
+        self.held: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, request_id: str) -> int:
+        """A slot for a request that holds none (the caller checked `num_free`)."""
+        slot = self._free.pop()
+        self.held[request_id] = slot
+        return slot
+
+    def release(self, request_id: str) -> None:
+        slot = self.held.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def check_integrity(self) -> None:
+        """Every slot but the scratch one is free or held, once."""
+        held = list(self.held.values())
+        assert len(set(held)) == len(held), f"a state slot is held twice: {self.held}"
+        assert SCRATCH_SLOT not in held and SCRATCH_SLOT not in self._free, "the scratch slot was given out"
+        assert sorted(held + self._free) == list(range(1, self.num_slots)), "state slots lost or duplicated"
+
+
+class StateCheckpoints:
+    """States kept at block boundaries of computed prefixes: what a prefix-cache hit of a model with state layers
+    starts from (a hit of the attention blocks alone would start from an empty state).
+
+    A checkpoint is every state layer's state after the first `interval` x k tokens of a sequence, keyed by the
+    chained hash of the block that ends there (which names the whole prefix), in one of `count` slots of the
+    state pool from `first_slot` on. `interval` is a multiple of every group's block size and of the layers' scan
+    chunk, so that a computation split at a checkpoint continues exactly as an unsplit one. A step that computes
+    across a boundary with no checkpoint reserves one (`reserve`: the layers copy the state there as they pass
+    it); it is found only once the step ran (`commit`; `discard` when the step failed). When the slots run out
+    the least recently used checkpoint goes.
+    """
+
+    def __init__(self, first_slot: int, count: int, interval: int) -> None:
+        if count < 1 or interval < 1:
+            raise ValueError(f"state checkpoints need a slot and an interval, got {count} slots every {interval}")
+        self.first_slot, self.num_slots, self.interval = first_slot, count, interval
+        self._free = list(range(first_slot + count - 1, first_slot - 1, -1))
+        self._kept: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._pending: dict[bytes, int] = {}
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._kept)
+
+    def find(self, block_hash: bytes) -> int | None:
+        """The slot of the checkpoint after the block `block_hash` names, if one is kept (now most recently used)."""
+        slot = self._kept.get(block_hash)
+        if slot is not None:
+            self._kept.move_to_end(block_hash)
+        return slot
+
+    def reserve(self, block_hash: bytes) -> int | None:
+        """A slot for the checkpoint after `block_hash`, or None where one is kept or planned already (or every
+        slot is planned in this step). A slot taken from a kept checkpoint may be one a hit restores in this
+        same step: the restore copies before the forward, the layers write after."""
+        if block_hash in self._kept or block_hash in self._pending:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self._kept:
+            slot = self._kept.popitem(last=False)[1]
+        else:
+            return None
+        self._pending[block_hash] = slot
+        return slot
+
+    def commit(self) -> None:
+        """The step ran: its checkpoints hold their states."""
+        self._kept.update(self._pending)
+        self._pending.clear()
+
+    def discard(self) -> None:
+        """The step failed: its checkpoints were not (all) written."""
+        self._free.extend(self._pending.values())
+        self._pending.clear()
+
+    def check_integrity(self) -> None:
+        """Every checkpoint slot is free, kept or pending, once."""
+        slots = [*self._free, *self._kept.values(), *self._pending.values()]
+        expected = list(range(self.first_slot, self.first_slot + self.num_slots))
+        assert sorted(slots) == expected, "state checkpoint slots lost or duplicated"

@@ -1,0 +1,173 @@
+"""Requests: the scheduler's (Request, which extends the memory manager's KVRequest: hybridkv/memory/kv_request.py), and
+the n samples of one prompt (SampleGroup)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.memory.kv_request import KVRequest
+from hybridkv.scheduling.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    WAITING_FOR_LEADER = "waiting_for_leader"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    def __init__(self, value: str) -> None:
+        # A plain attribute, read for every request in every step (a property over `.value` costs 3 lookups).
+        self.is_finished = value in ("stop", "length", "abort", "error")
+
+
+class Request(KVRequest):
+    """A request as the scheduler and engine see it: KV state plus how to generate and when to stop.
+
+    One sample of a user request: `group` holds every sample of the same prompt (a group of one when
+    n == 1) and `sample_index` is this one's place in it.
+    """
+
+    __slots__ = (
+        "error",
+        "greedy_alone",
+        "group",
+        "num_cached_tokens",
+        "num_preemptions",
+        "overlaps",
+        "params",
+        "sample_index",
+        "sample_state",
+        "sampling_row",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        block_size: int | None,
+        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
+        model_key: bytes = b"",
+    ) -> None:
+        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
+        self.params = params
+        self.reads_prefix_cache = params.prompt_logprobs is None
+        self.status = RequestStatus.WAITING
+        self.error: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
+        self.group = SampleGroup(request_id, [self])
+        self.sample_index = 0
+        # What the sampler reads for this sample (hybridkv/sampling/sampler.py) and the output processor's record of it
+        # (hybridkv/engine/output_processor.py): the output processor gives both (a beam has neither).
+        # What the sampler reads for it (sampler.SamplingRow, a layer above: named, not imported), set when added.
+        self.sampling_row: Any = None
+        # The output processor's record of it (output_processor.SampleState: that module builds on this one, so this
+        # one names the type without importing it), set when the request is added.
+        self.sample_state: Any = None
+        # Plainly greedy (its sampling row's argmax is its token) and alone in its group: set with the sampling
+        # row. A step of such requests only takes the engine's one-pass update (`LLMEngine._update_alone`).
+        self.greedy_alone = False
+        # Its next step may be scheduled before its sampled token reaches the host (async scheduling): nothing in
+        # its sampling or output reads that token first (no grammar, penalty, logprobs, beam or other sample).
+        # Every `greedy_alone` request overlaps.
+        self.overlaps = False
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        self.status = status
+        self.error = error
+
+
+class SampleGroup:
+    """The sequences of one prompt (a user request's n or best_of samples, or a beam search's beams),
+    and the rules they follow together.
+
+    The first sample (the leader) computes the prompt; the others wait for it with status
+    WAITING_FOR_LEADER, and in the step the leader samples its first token they are forked from it (its
+    blocks shared) and draw their own first tokens from the same logits. A failure fails every unfinished
+    member; a leader that ends before its followers were forked takes them with it. A beam search's
+    members change every step (`beam`), and are preempted together (`runs_together`)."""
+
+    __slots__ = ("beam", "members", "request_id")
+
+    def __init__(self, request_id: str, members: list[Request]) -> None:
+        self.request_id = request_id
+        self.members = members
+        self.beam = None  # a BeamSearch (hybridkv/sampling/beam_search.py) when the group is a beam search
+        for index, member in enumerate(members):
+            member.group = self
+            member.sample_index = index
+
+    @classmethod
+    def of(
+        cls,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        block_size: int | None,
+        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
+        model_key: bytes = b"",
+    ):
+        """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key`."""
+        count = params.num_samples
+        members = [
+            Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal, model_key)
+            for i in range(count)
+        ]
+        return cls(request_id, members)
+
+    @property
+    def leader(self) -> Request:
+        return self.members[0]
+
+    @property
+    def finished(self) -> bool:
+        return all(m.status.is_finished for m in self.members)
+
+    @property
+    def seats(self) -> int:
+        """The sequences the group runs at once at most (of max_num_seqs): its unfinished samples, or a
+        beam search's width."""
+        if self.beam is not None:
+            return self.beam.width
+        return sum(1 for m in self.members if not m.status.is_finished)
+
+    @property
+    def runs_together(self) -> bool:
+        """Whether the members only make progress together (a beam search's step needs every beam)."""
+        return self.beam is not None
+
+    def hold_followers(self) -> None:
+        """The followers wait until the leader has computed the prompt."""
+        for member in self.members[1:]:
+            member.status = RequestStatus.WAITING_FOR_LEADER
+
+    def running(self) -> list[Request]:
+        """Members that hold blocks and run."""
+        return [m for m in self.members if m.status is RequestStatus.RUNNING]
+
+    def unfinished(self) -> list[Request]:
+        return [m for m in self.members if not m.status.is_finished]
+
+    def held_followers(self, request: Request) -> list[Request]:
+        """The followers still waiting for `request` to compute the prompt (none unless it leads)."""
+        if request is not self.members[0] or len(self.members) == 1:
+            return []
+        return [m for m in self.members[1:] if m.status is RequestStatus.WAITING_FOR_LEADER]
