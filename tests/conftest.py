@@ -59,3 +59,9 @@ def eager_pieces(monkeypatch):
     monkeypatch.setattr(compiled_forward, "compile_piece", lambda module, fake_args: module)
     monkeypatch.setattr(compiled_forward.ProgramCache, "save", lambda self, key, spec, pieces: None)
     monkeypatch.setattr(compiled_forward.ProgramCache, "load", lambda self, key: None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked slow (tens of seconds each) run first, so that the workers end together on short tests
+    instead of one of them finishing a long one alone (pytest-xdist hands tests out in collection order)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

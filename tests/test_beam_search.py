@@ -135,13 +135,14 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     model = zoo_model(name)
     beam_prompts = prompts((40, 21), seed=6)
     greedy_prompt = prompts((30,), seed=7)[0]
-    expected = [hf_beam_search(model, p) for p in beam_prompts]
-    greedy, _ = hf_greedy(model, greedy_prompt, MAX_NEW)
+    expected, greedy = tiny_pool_references(name)
     settings = dict(block_size=8, max_model_len=96, max_num_batched_tokens=32, preemption_mode=mode)
-    # Room for the larger search alone and little more (found by trying pools from the smallest that holds
-    # one request up): the three requests together must wait and preempt.
+    # Room for the larger search alone and little more (found by trying pools from its peak of blocks in use on a
+    # large pool up: a smaller pool never holds it): the three requests together must wait and preempt.
     params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)
-    num_blocks = hybridkv.min_num_blocks(model, **settings)
+    alone = patched(model, **settings)
+    num_blocks = max(hybridkv.min_num_blocks(model, **settings), *(peak_blocks(alone, p, params) for p in beam_prompts))
+    hybridkv.unpatch(model)
     if mode == "swap":
         settings["swap_space"] = 1 / 64  # GiB: 16 MiB
     while not all(searches_alone(patched, model, settings, num_blocks, p, params) for p in beam_prompts):
@@ -206,6 +207,18 @@ def searches_alone(patched, model, settings, num_blocks, prompt, params) -> bool
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     hybridkv.unpatch(model)
     return output.error is None
+
+
+_tiny_pool_references: dict[str, tuple] = {}
+
+
+def tiny_pool_references(name):
+    """HF's beams for the tiny-pool test's two searches and its greedy tokens, computed once for both modes."""
+    if name not in _tiny_pool_references:
+        model = zoo_model(name)
+        beams = [hf_beam_search(model, p) for p in prompts((40, 21), seed=6)]
+        _tiny_pool_references[name] = (beams, hf_greedy(model, prompts((30,), seed=7)[0], MAX_NEW)[0])
+    return _tiny_pool_references[name]
 
 
 def peak_blocks(llm, prompt, params) -> int:

@@ -131,7 +131,7 @@ COLD_AND_WARM = textwrap.dedent(
     from hybridkv import SamplingParams
     from hybridkv.tiny import tiny_model
     torch.manual_seed(0)
-    model = tiny_model("llama", num_hidden_layers=2)
+    model = tiny_model("llama", num_hidden_layers=1)  # two pieces, the least a split program has
     start = time.perf_counter()
     llm = hybridkv.patch(model, block_size=8, max_model_len=128, compile=True, use_tqdm=False)
     outputs = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
@@ -157,6 +157,7 @@ def run_process(cache: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_compiled_program_instead_of_compiling(tmp_path):
     """The first process traces and compiles (inductor, cold caches); the second loads the program and its pieces
     from the disk cache: no trace, the same tokens, eager mode's tokens, in a fraction of the time."""

@@ -145,6 +145,7 @@ def test_hybridkv_cpu_kernel_0_turns_the_kernel_off(tmp_path):
     assert _in_a_fresh_process({"HYBRIDKV_CPU_KERNEL": "0"}, tmp_path) == "False HYBRIDKV_CPU_KERNEL=0"
 
 
+@pytest.mark.slow
 def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
     assert _in_a_fresh_process({}, tmp_path) == "True None"
     (library,) = tmp_path.glob("cpu_decode-*.so")

@@ -70,6 +70,7 @@ def test_extra_keys_change_the_hash():
     assert hash_full_blocks(tokens, 4, root_hash(), extra_keys=b"lora-1") != hash_full_blocks(tokens, 4, root_hash())
 
 
+@pytest.mark.slow
 def test_hashes_are_stable_across_processes():
     code = (
         "from hybridkv.memory.hashing import hash_full_blocks, root_hash;"

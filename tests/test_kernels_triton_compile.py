@@ -1,7 +1,11 @@
 """Every Triton kernel variant compiles for a real CUDA target, without a GPU.
 
-The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so the
-variants are compiled to a cubin for sm_90 (and one for sm_80) by the ptxas in the triton wheel. It
+The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so every
+variant is compiled for sm_90 (and some for sm_80) through Triton's whole pipeline to PTX, where those
+errors and the shared memory a program needs are found. The first variant of each kind (kernel, target,
+cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 14 of the 47:
+ptxas takes a third of a variant's compile, and what it checks beyond Triton's own passes (valid PTX for the
+target) varies with the kind far more than with a head dim or a flag. It
 runs in a subprocess because TRITON_INTERPRET, set by conftest.py, would turn the kernels into
 interpreted functions in this process.
 """
@@ -166,6 +170,18 @@ def _variants() -> list[Variant]:
     return variants
 
 
+def _assembled(variants: list[Variant]) -> list[bool]:
+    """Whether each variant is assembled to a cubin: the first of its kind (kernel, target, cache dtype class, split
+    decode or not)."""
+    seen, assembled = set(), []
+    for name, dtype, cache_dtype, constexprs, capability, _ in variants:
+        cache_class = cache_dtype if cache_dtype.startswith("fp8") else "plain" if cache_dtype == dtype else "other"
+        kind = (name, capability, cache_class, constexprs.get("NUM_SEGMENTS", 1) > 1)
+        assembled.append(kind not in seen)
+        seen.add(kind)
+    return assembled
+
+
 def _signature(kernel, dtype: str, cache_dtype: str) -> dict[str, str]:
     signature = {}
     for name in kernel.arg_names:
@@ -188,24 +204,36 @@ def _signature(kernel, dtype: str, cache_dtype: str) -> dict[str, str]:
     return signature
 
 
-def _compile_all(variants: list[Variant]) -> list[str]:
-    """Compile each variant; return one error line per failure (run in the subprocess)."""
+def _compile_all(variants: list[Variant], assembled: list[bool]) -> list[str]:
+    """Compile each variant, to a cubin where `assembled` says so and to PTX otherwise; return one error line per
+    failure (run in the subprocess)."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     from hybridkv.kernels.triton_attention import paged_attention_kernel, reduce_segments_kernel
     from hybridkv.kernels.triton_cache_write import write_kv_kernel
 
+    add_stages = CUDABackend.add_stages
+    to_ptx = {"assemble": True}
+
+    def stages(self, stages, options, language):
+        add_stages(self, stages, options, language)
+        if not to_ptx["assemble"]:
+            stages["cubin"] = lambda ptx, metadata: b""  # no ptxas: the kernel is never launched here
+
+    CUDABackend.add_stages = stages
     kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel, "reduce": reduce_segments_kernel}
     failures = []
-    for name, dtype, cache_dtype, constexprs, capability, options in variants:
+    for (name, dtype, cache_dtype, constexprs, capability, options), assemble in zip(variants, assembled, strict=True):
         kernel = kernels[name]
         source = ASTSource(fn=kernel, signature=_signature(kernel, dtype, cache_dtype), constexprs=constexprs)
+        to_ptx["assemble"] = assemble
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-            if not compiled.asm.get("cubin"):
-                failures.append(f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: no cubin")
+            if not compiled.asm.get("ptx") or (assemble and not compiled.asm.get("cubin")):
+                failures.append(f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs}: no PTX or cubin")
             elif compiled.metadata.shared > _SHARED_MEMORY_LIMIT[capability]:
                 failures.append(
                     f"{name} {dtype}/{cache_dtype} sm_{capability} {constexprs} {options}: "
@@ -236,8 +264,12 @@ def test_every_kernel_variant_compiles_for_cuda(tmp_path, part):
     # A fresh cache: a hit from an earlier run would skip the compile this test exists to run.
     environment["TRITON_CACHE_DIR"] = str(tmp_path)
     refused = _refused_variants() if part == 0 else []
+    variants = _variants()
+    assert sum(_assembled(variants)) >= 12  # every kind assembled once: both targets, each kernel, fp8, split
+    part_variants = variants[part::PARTS]
+    part_assembled = _assembled(variants)[part::PARTS]
     result = subprocess.run(
-        [sys.executable, __file__, json.dumps(_variants()[part::PARTS]), json.dumps(refused)],
+        [sys.executable, __file__, json.dumps([part_variants, part_assembled]), json.dumps(refused)],
         env=environment,
         capture_output=True,
         text=True,
@@ -251,6 +283,8 @@ def test_every_kernel_variant_compiles_for_cuda(tmp_path, part):
 
 
 if __name__ == "__main__":
-    compiled = _compile_all([tuple(variant) for variant in json.loads(sys.argv[1])])
-    refused = _compile_all([tuple(variant) for variant in json.loads(sys.argv[2])])
+    variants, assembled = json.loads(sys.argv[1])
+    compiled = _compile_all([tuple(variant) for variant in variants], assembled)
+    refused_variants = [tuple(variant) for variant in json.loads(sys.argv[2])]
+    refused = _compile_all(refused_variants, [True] * len(refused_variants))
     print(json.dumps([compiled, refused]))

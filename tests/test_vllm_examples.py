@@ -47,7 +47,8 @@ PROMPTS = ["Hello, my name is", "The president of the United States is", "The ca
 def checkpoint(tmp_path_factory):
     """A tiny Llama saved as a checkpoint folder (bf16, as most checkpoints are) with its tokenizer and template."""
     path = tmp_path_factory.mktemp("vllm_examples")
-    tokenizer = tiny_tokenizer()
+    tiny_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # a copy: the session's shared tokenizer has no template
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16).save_pretrained(path)
