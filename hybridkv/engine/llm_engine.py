@@ -106,89 +106,12 @@ class LLMEngine(RunLoops, EngineStats):
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = config
-        start = time.perf_counter()
-        self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(model, config)
-        probed = time.perf_counter()
-        self.step_check = check_step_exactness(model, layout)
-        logger.info(
-            "hybridkv: %s probed in %.1f s, its steps checked against its forward in %.1f s",
-            type(model).__name__,
-            probed - start,
-            time.perf_counter() - probed,
-        )
-        self.bytes_per_block = self.kv_config.block_bytes
-        if layout.states and config.compile:
-            raise ValueError(
-                "compile=True does not compile models with state layers yet (each layer runs per request segment); "
-                "patch with compile=False"
-            )
-        # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
-        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
-        buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
-        captures = bool(buckets) and captures_graphs(model)
-        compiled = config.compile if config.compile is not None else compiles_by_default(captures)
-        # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
-        self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
-        if config.async_scheduling and self.tp is not None:
-            raise ValueError(
-                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
-                "rank 0 plans it); patch with async_scheduling=False"
-            )
+        layout = self._probe()
+        buckets, captures, compiled = self._plan_steps(layout)
         memory = self._plan_memory(layout, max(buckets, default=0))
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            preemption_mode=config.preemption_mode,
-            num_swap_blocks=memory.num_swap_blocks,
-            num_swap_state_slots=memory.num_swap_state_slots,
-        )
-        self.coordinator = KVCacheCoordinator(
-            self.kv_config,
-            memory.num_blocks,
-            config.enable_prefix_caching,
-            num_state_slots=memory.num_state_slots,
-            num_state_checkpoints=memory.num_checkpoints,
-            state_checkpoint_interval=memory.checkpoint_interval,
-        )
-        self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
-        limits = RunnerLimits(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            buckets,
-            compile=compiled,
-            compile_required=config.compile is True,
-            use_tqdm=config.use_tqdm,
-        )
-        self.runner = ModelRunner(
-            model,
-            self.kv_config,
-            layout.module_names,
-            memory.num_blocks,
-            self.layer_dtypes,
-            limits,
-            config.attention_backend,
-            states=layout.states,
-            num_state_slots=memory.num_state_slots + memory.num_checkpoints,
-        )
-        self.runner.allocate_swap_space(memory.num_swap_blocks)
-        self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
-        if compiled or captures:
-            with attention_installed(model):
-                self.runner.warm_up(capture=captures)
-        on_cpu = all(device.type == "cpu" for device in self.runner.devices)
-        async_default = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
-        scheduling_ahead = config.async_scheduling if config.async_scheduling is not None else async_default
-        self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
-        self.inputs = InputProcessor(model, tokenizer)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
-        stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
-        self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
-        self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
-        self.images_refused: str | None = None  # why a model that takes images cannot get them here
-        self.images = self._image_encoder(model, processor, layout)
+        self._wire_memory(memory)
+        self._wire_runner(layout, memory, buckets, captures, compiled)
+        self._wire_requests(layout)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
         self._unreported: list[RequestState] = []
@@ -207,16 +130,125 @@ class LLMEngine(RunLoops, EngineStats):
         self.update_seconds = 0.0
         # Requests (their leaders) whose prompt logprobs are not all computed yet (`_prompt_logprob_rows`).
         self._prompt_logprobs_pending: set[str] = set()
-        # What a request without sampling settings of its own takes (`get_default_sampling_params`).
-        self.default_sampling = (
-            generation_config_defaults(getattr(model, "generation_config", None))
-            if config.generation_config == "auto"
-            else {}
-        )
         # The model as the caches know it: checked at most once per engine call (`_follow_model`).
         self.model_watch = ModelWatch(model)
         self._model_checked = True
-        self.async_steps = AsyncSteps(self) if scheduling_ahead else None
+        on_cuda = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
+        ahead = config.async_scheduling if config.async_scheduling is not None else on_cuda
+        self.async_steps = AsyncSteps(self) if ahead else None
+
+    def _probe(self) -> Any:
+        """The model's layers as the probe finds them (their kinds, KV groups, dtypes) and the end-to-end check of
+        its steps against its own forward; the layout (`ModelLayout`) the plans are made from."""
+        start = time.perf_counter()
+        self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(self.model, self.config)
+        probed = time.perf_counter()
+        self.step_check = check_step_exactness(self.model, layout)
+        logger.info(
+            "hybridkv: %s probed in %.1f s, its steps checked against its forward in %.1f s",
+            type(self.model).__name__,
+            probed - start,
+            time.perf_counter() - probed,
+        )
+        self.bytes_per_block = self.kv_config.block_bytes
+        return layout
+
+    def _plan_steps(self, layout: Any) -> tuple[tuple[int, ...], bool, bool]:
+        """How steps run: the decode buckets (graph mode), whether CUDA graphs are captured over them, whether the
+        forward is compiled; and the tensor-parallel group, if any. Refuses what cannot be served so."""
+        config, model = self.config, self.model
+        if layout.states and config.compile:
+            raise ValueError(
+                "compile=True does not compile models with state layers yet (each layer runs per request segment); "
+                "patch with compile=False"
+            )
+        # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
+        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
+        buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
+        captures = bool(buckets) and captures_graphs(model)
+        compiled = config.compile if config.compile is not None else compiles_by_default(captures)
+        # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
+        self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        if config.async_scheduling and self.tp is not None:
+            raise ValueError(
+                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
+                "rank 0 plans it); patch with async_scheduling=False"
+            )
+        return buckets, captures, compiled
+
+    def _wire_memory(self, memory: MemoryPlan) -> None:
+        """The memory manager (the coordinator over the pool's blocks and state slots) and the scheduler over it."""
+        config = self.config
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            preemption_mode=config.preemption_mode,
+            num_swap_blocks=memory.num_swap_blocks,
+            num_swap_state_slots=memory.num_swap_state_slots,
+        )
+        self.coordinator = KVCacheCoordinator(
+            self.kv_config,
+            memory.num_blocks,
+            config.enable_prefix_caching,
+            num_state_slots=memory.num_state_slots,
+            num_state_checkpoints=memory.num_checkpoints,
+            state_checkpoint_interval=memory.checkpoint_interval,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
+
+    def _wire_runner(
+        self, layout: Any, memory: MemoryPlan, buckets: tuple[int, ...], captures: bool, compiled: bool
+    ) -> None:
+        """The model runner over the planned pages, state slots and swap space, warmed up (the compiled forward
+        found, CUDA graphs captured) at patch time rather than in a user's first step; the CPU's step threads."""
+        config = self.config
+        limits = RunnerLimits(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            buckets,
+            compile=compiled,
+            compile_required=config.compile is True,
+            use_tqdm=config.use_tqdm,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_config,
+            layout.module_names,
+            memory.num_blocks,
+            self.layer_dtypes,
+            limits,
+            config.attention_backend,
+            states=layout.states,
+            num_state_slots=memory.num_state_slots + memory.num_checkpoints,
+        )
+        self.runner.allocate_swap_space(memory.num_swap_blocks)
+        self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
+        if compiled or captures:
+            with attention_installed(self.model):
+                self.runner.warm_up(capture=captures)
+        on_cpu = all(device.type == "cpu" for device in self.runner.devices)
+        self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
+
+    def _wire_requests(self, layout: Any) -> None:
+        """What a request goes through besides the step: its prompt checked into ids, its images encoded, its
+        grammar compiled, its outputs and stop rules, and the defaults of a request without sampling settings."""
+        model, tokenizer = self.model, self.tokenizer
+        self.inputs = InputProcessor(model, tokenizer)
+        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
+        self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
+        self.images_refused: str | None = None  # why a model that takes images cannot get them here
+        self.images = self._image_encoder(model, self.processor, layout)
+        # What a request without sampling settings of its own takes (`get_default_sampling_params`).
+        self.default_sampling = (
+            generation_config_defaults(getattr(model, "generation_config", None))
+            if self.config.generation_config == "auto"
+            else {}
+        )
 
     def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:
         """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to

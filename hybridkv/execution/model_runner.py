@@ -91,76 +91,19 @@ class ModelRunner:
         named = dict(model.named_modules())
         self.input_device = input_device(model)
         devices = {idx: execution_device(named, name) for idx, name in module_names.items()}
-        self._pages: dict[torch.device, torch.Tensor] = {}
-        for device in devices.values():
-            if device not in self._pages:
-                self._pages[device] = allocate_kv_pages(num_blocks, kv_config.block_bytes, torch.uint8, device)
+        # One page tensor per device that computes a layer, whatever its group.
+        self._pages = {
+            device: allocate_kv_pages(num_blocks, kv_config.block_bytes, torch.uint8, device)
+            for device in dict.fromkeys(devices.values())
+        }
         # Metadata is written once per (device, group) each step; a layer reads the copy on its device.
         self.devices = list(self._pages)
-        num_groups = len(kv_config.groups)
-        specs = {spec.layer_idx: spec for spec in kv_config.layer_specs}
-        self.layers: dict[int, LayerKV] = {}
-        for group in kv_config.groups:
-            for slot, layer_idx in enumerate(group.layer_indices):
-                spec, device = specs[layer_idx], devices[layer_idx]
-                keys, values = kv_page_views(
-                    self._pages[device],
-                    slot * group.slot_bytes,
-                    group.block_size,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                    spec.value_head_dim,
-                    layer_dtypes.dtypes[layer_idx],
-                )
-                check_layer_cache(keys, values)
-                index = self.devices.index(device) * num_groups + group.group_id
-                k_scale, v_scale = layer_dtypes.scales[layer_idx]
-                self.layers[layer_idx] = LayerKV(
-                    index,
-                    keys,
-                    values,
-                    group.sliding_window,
-                    attention_chunk_size=group.attention_chunk_size,
-                    k_scale=k_scale,
-                    v_scale=v_scale,
-                    defers_store=layer_idx in kv_config.shared_layers.values(),
-                )
-        last_readers: dict[int, int] = {}
-        for layer_idx, source in kv_config.shared_layers.items():
-            if devices[layer_idx] != devices[source]:
-                raise ValueError(
-                    f"layer {layer_idx} reads the K/V of layer {source}, which computes on another device "
-                    f"({devices[source]} vs {devices[layer_idx]}); place them on one device"
-                )
-            reads, spec = self.layers[source], specs[layer_idx]
-            self.layers[layer_idx] = LayerKV(
-                reads.metadata_index,
-                reads.key_cache,
-                reads.value_cache,
-                spec.sliding_window,
-                writes_kv=False,
-                attention_chunk_size=spec.attention_chunk_size,
-                k_scale=reads.k_scale,
-                v_scale=reads.v_scale,
-            )
-            last_readers[source] = max(layer_idx, last_readers.get(source, layer_idx))
-        for source, reader in last_readers.items():
-            self.layers[reader].stores_after += (source,)
+        self.layers = layer_views(kv_config, layer_dtypes, self._pages, devices)
         # Passed to every forward: one object for the runner's life, its metadata replaced each step.
         self.context = StepContext(self.layers)
         self.batch = InputBatch(kv_config, limits.max_model_len, limits.max_num_seqs)
-        # Per block size: (its groups, the most blocks a sequence holds in them).
-        table_shapes = {
-            block_size: (len(table), cdiv(limits.max_model_len, block_size))
-            for block_size, table in self.batch.tables.items()
-        }
         max_num_tokens = max(limits.max_num_batched_tokens, max(limits.decode_buckets, default=1))
-        self.buffers = {
-            device: StepBuffers(
-                device, resolve_backend(backend, device), limits.max_num_seqs, max_num_tokens, table_shapes
-            )
-            for device in {*self.devices, self.input_device}
-        }
+        self.buffers = self._step_buffers(backend, max_num_tokens)
         self.buffers_max_tokens = max_num_tokens  # every device's buffers hold this many rows
         self._groups_in_order = [self.batch.group_slots[group.group_id] for group in kv_config.groups]
         self._all_rows = np.arange(max_num_tokens, dtype=np.int64)
@@ -171,19 +114,11 @@ class ModelRunner:
         self.compile_error: str | None = None
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None
-        # State layers: their states' pool, the cache a step gives the model, and each layer's module run per
-        # request segment (hybridkv/execution/state_layers.py) until `close`.
         self.states = list(states or ())
         self.state_pool = self.state_cache = None
         self._wrapped: list[torch.nn.Module] = []
         if self.states:
-            state_devices = {spec.layer_idx: execution_device(named, spec.module_name) for spec in self.states}
-            self.state_pool = StatePool(self.states, num_state_slots, state_devices)
-            self.state_cache = StepStateCache(text_config(model.config), self.state_pool)
-            for spec in self.states:
-                module = named[spec.module_name]
-                module.forward = segmented_forward(module.forward, spec.layer_idx)
-                self._wrapped.append(module)
+            self._wire_state_layers(named, num_state_slots)
         # A decode step's buffers are written from its lists (StepBuffers.decode_step) with one device, no decode
         # buckets (graph mode pads the step) and no state layers (their plan reads numpy arrays).
         self._plain_decode = len(self.devices) == 1 and not self.limits.decode_buckets and not self.states
@@ -199,6 +134,32 @@ class ModelRunner:
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
         self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
+
+    def _step_buffers(self, backend: str | None, max_num_tokens: int) -> dict[torch.device, StepBuffers]:
+        """The step's tensors on every device that computes a layer or takes the inputs, each holding the largest
+        step: its rows, sequences and block tables (per block size: its groups, the most blocks a sequence holds)."""
+        limits = self.limits
+        table_shapes = {
+            block_size: (len(table), cdiv(limits.max_model_len, block_size))
+            for block_size, table in self.batch.tables.items()
+        }
+        return {
+            device: StepBuffers(
+                device, resolve_backend(backend, device), limits.max_num_seqs, max_num_tokens, table_shapes
+            )
+            for device in {*self.devices, self.input_device}
+        }
+
+    def _wire_state_layers(self, named: dict[str, torch.nn.Module], num_state_slots: int) -> None:
+        """State layers: their states' pool, the cache a step gives the model, and each layer's module run per
+        request segment (hybridkv/execution/state_layers.py) until `close`."""
+        state_devices = {spec.layer_idx: execution_device(named, spec.module_name) for spec in self.states}
+        self.state_pool = StatePool(self.states, num_state_slots, state_devices)
+        self.state_cache = StepStateCache(text_config(self.model.config), self.state_pool)
+        for spec in self.states:
+            module = named[spec.module_name]
+            module.forward = segmented_forward(module.forward, spec.layer_idx)
+            self._wrapped.append(module)
 
     def warm_up(self, capture: bool) -> None:
         """At patch time, not in a user's first step: find the compiled forward (`compile`: loaded from the
@@ -689,3 +650,64 @@ def _image_rows(inputs: StepInputs, multimodal: MultiModalInputs, start: int, en
     if multimodal.bidirectional:
         for position, last in multimodal.limits(start, end):
             inputs.key_limit_rows.append((offset + position - start, last - position))
+
+
+def layer_views(
+    kv_config: KVCacheConfig,
+    layer_dtypes: LayerDtypes,
+    pages: dict[torch.device, torch.Tensor],
+    devices: dict[int, torch.device],
+) -> dict[int, LayerKV]:
+    """Each layer's K/V: its views into its device's pages (its group's slot of every block, in its dtype) and the
+    index of its (device, group) metadata; a KV-sharing layer reads its source's views, and the last layer that
+    reads a source stores the source's keys after it attended (`stores_after`)."""
+    device_order = list(pages)
+    num_groups = len(kv_config.groups)
+    specs = {spec.layer_idx: spec for spec in kv_config.layer_specs}
+    layers: dict[int, LayerKV] = {}
+    for group in kv_config.groups:
+        for slot, layer_idx in enumerate(group.layer_indices):
+            spec, device = specs[layer_idx], devices[layer_idx]
+            keys, values = kv_page_views(
+                pages[device],
+                slot * group.slot_bytes,
+                group.block_size,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.value_head_dim,
+                layer_dtypes.dtypes[layer_idx],
+            )
+            check_layer_cache(keys, values)
+            k_scale, v_scale = layer_dtypes.scales[layer_idx]
+            layers[layer_idx] = LayerKV(
+                device_order.index(device) * num_groups + group.group_id,
+                keys,
+                values,
+                group.sliding_window,
+                attention_chunk_size=group.attention_chunk_size,
+                k_scale=k_scale,
+                v_scale=v_scale,
+                defers_store=layer_idx in kv_config.shared_layers.values(),
+            )
+    last_readers: dict[int, int] = {}
+    for layer_idx, source in kv_config.shared_layers.items():
+        if devices[layer_idx] != devices[source]:
+            raise ValueError(
+                f"layer {layer_idx} reads the K/V of layer {source}, which computes on another device "
+                f"({devices[source]} vs {devices[layer_idx]}); place them on one device"
+            )
+        reads, spec = layers[source], specs[layer_idx]
+        layers[layer_idx] = LayerKV(
+            reads.metadata_index,
+            reads.key_cache,
+            reads.value_cache,
+            spec.sliding_window,
+            writes_kv=False,
+            attention_chunk_size=spec.attention_chunk_size,
+            k_scale=reads.k_scale,
+            v_scale=reads.v_scale,
+        )
+        last_readers[source] = max(layer_idx, last_readers.get(source, layer_idx))
+    for source, reader in last_readers.items():
+        layers[reader].stores_after += (source,)
+    return layers

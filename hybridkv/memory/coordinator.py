@@ -372,9 +372,7 @@ class KVCacheCoordinator:
             if start is None or start < manager.first_needed_block(num_total):
                 return False
         for manager, block in zip(managers, self.pool.get_new_blocks(len(managers)), strict=True):
-            manager.req_to_blocks[request_id].append(block)
-            manager.req_to_block_ids[request_id].append(block.block_id)
-            manager.mark_changed(request_id, position)
+            manager.append_block(request_id, block)
         return True
 
     def _fit(
@@ -539,7 +537,7 @@ class KVCacheCoordinator:
                 return False
         blocks = [manager.req_to_blocks[request_id][before] for manager in managers]
         for manager in managers:
-            manager.num_cached_blocks[request_id] = full
+            manager.set_num_cached_blocks(request_id, full)
         self.pool.cache_block_per_group(blocks, block_hashes[before])
         return True
 

@@ -73,6 +73,18 @@ class SingleTypeManager(ABC):
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_to_blocks.get(request_id, [])
 
+    def append_block(self, request_id: str, block: KVBlock) -> None:
+        """Give the request a fresh block at the position just past its list (the coordinator's decode fast path)."""
+        blocks = self.req_to_blocks[request_id]
+        self.mark_changed(request_id, len(blocks))
+        blocks.append(block)
+        self.req_to_block_ids[request_id].append(block.block_id)
+
+    def set_num_cached_blocks(self, request_id: str, num_blocks: int) -> None:
+        """Record that the request's first num_blocks blocks are registered under their hashes (the coordinator's
+        fast path registers a block of every group in one pool call)."""
+        self.num_cached_blocks[request_id] = num_blocks
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids by position (the null block's id where it holds none); the live
         list, changed by later allocations: read it, never change it."""
