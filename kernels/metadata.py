@@ -192,7 +192,8 @@ class StepMetadata:
 
     def _decode_slots(self, group_rows: list[list[list[int]]], block_size: int) -> torch.Tensor:
         """The slot mappings of a step of one row per sequence (the last position), looked up in Python:
-        a few hundred entries cost less than the tensor operations of ``_slot_index`` (measured)."""
+        a few hundred entries cost less than the tensor operations of ``_slot_index`` (benchmarks/RESULTS.md, choices in
+        the code)."""
         positions = [(seq_len - 1) // block_size for seq_len in self.seq_lens_list]
         offsets = [(seq_len - 1) % block_size for seq_len in self.seq_lens_list]
         slots = []
@@ -315,8 +316,8 @@ _STRUCT_CODES = {torch.int32: "i", torch.int64: "q"}
 
 
 def int_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 1-D int32 or int64 tensor from Python ints, packed by ``struct``: 2,000 block ids in 20 us,
-    against 43 us through a typed array and 138 us with ``torch.tensor(list)`` (measured)."""
+    """A 1-D int32 or int64 tensor from Python ints, packed by ``struct``: faster than through a typed array or
+    ``torch.tensor(list)`` (benchmarks/RESULTS.md, choices in the code)."""
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     buffer = bytearray(len(values) * dtype.itemsize)

@@ -26,8 +26,8 @@ _SCORE_BUDGET_ELEMENTS = 1 << 24
 class _Workspace:
     """Grow-only scratch buffers reused by every layer and step.
 
-    A fresh tensor of tens of MB per layer costs page faults: measured 19 ms for a gather into a new
-    tensor against 3 ms into a reused one. Buffers are overwritten by the next call, so no view of
+    A fresh tensor of tens of MB per layer costs page faults, several times a gather into a reused one
+    (benchmarks/RESULTS.md, choices in the code). Buffers are overwritten by the next call, so no view of
     one may outlive the call that asked for it.
     """
 
@@ -252,8 +252,9 @@ def _gathered_rows(
     rows.mul_(scale * k_scale)
     sink_logits = None if sinks is None else sinks.float().view(num_kv_heads, 1, group, 1)
     for seq in plan.sequences:
-        # fp32 math: 16-bit bmm on CPU measured slower than upcast + fp32 bmm, and fp32 keeps the logits
-        # exact. Upcasting one sequence at a time keeps the copy in cache and the workspace 16-bit.
+        # fp32 math: 16-bit bmm on CPU is slower than upcast + fp32 bmm (benchmarks/RESULTS.md, choices in the code),
+        # and fp32 keeps the logits exact. Upcasting one sequence at a time keeps the copy in cache and the workspace
+        # 16-bit.
         seq_keys = keys[:, seq.key_start : seq.key_end].float()
         seq_values = values[:, seq.key_start : seq.key_end].float()
         rows_per_chunk = max(1, _SCORE_BUDGET_ELEMENTS // (num_q_heads * seq_keys.shape[1]))
@@ -304,7 +305,7 @@ def _attend(
     value_head_dim = values.shape[-1]
     if num_queries > 1 and softcap is None and sink_logits is None:
         # Prefill rows: torch's fused SDPA never materialises the [queries, keys] probabilities
-        # (measured 2.4x faster than bmm + softmax on 2,048-token chunks over 4k contexts).
+        # (faster than bmm + softmax on long chunks: benchmarks/RESULTS.md, choices in the code).
         query = rows.permute(0, 2, 1, 3).reshape(1, num_kv_heads * group, num_queries, head_dim)
         mask = None if hidden is None or causal else ~hidden.view(1, 1, num_queries, num_keys)
         result = F.scaled_dot_product_attention(
@@ -334,7 +335,7 @@ def _attend(
     probs = probs.view(num_kv_heads, num_queries * group, num_keys)
     if num_queries == 1 and out.dtype == torch.float32:
         # A decode row's [kv_heads, group, dim] is its [q_heads, dim]: bmm writes it in place (a strided
-        # out= would make bmm loop over the batch, measured 3x slower).
+        # out= would make bmm loop over the batch, slower: benchmarks/RESULTS.md, choices in the code).
         torch.bmm(probs, values, out=out.view(num_kv_heads, group, value_head_dim))
         if v_scale != 1.0:
             out.mul_(v_scale)

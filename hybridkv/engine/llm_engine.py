@@ -564,7 +564,7 @@ class LLMEngine(RunLoops, EngineStats):
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would
-        free them otherwise, in a pause of its own choosing (measured 250 ms for ~24k blocks)."""
+        free them otherwise, in a pause of its own choosing (benchmarks/RESULTS.md, choices in the code)."""
         if self.async_steps is not None:
             self.async_steps.in_flight = None  # its tokens would go to no one
         if self.tp is not None:

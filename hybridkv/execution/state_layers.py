@@ -221,8 +221,8 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
     first = next(iter(signature.parameters))
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        # transformers' layers pass the hidden states by position and the rest by name: no binding then (2-5 us a
-        # layer and step).
+        # transformers' layers pass the hidden states by position and the rest by name: no binding then (a bind
+        # costs microseconds a layer and step: benchmarks/RESULTS.md, choices in the code).
         bound = None if len(args) == 1 else signature.bind(*args, **kwargs)
         cache = kwargs.get("cache") if bound is None else bound.arguments.get("cache")
         plan = getattr(cache, "plan", None)
