@@ -13,7 +13,7 @@ rows and its index, and finds its pages and the step's metadata in the step that
 (`running_step`, as vLLM's forward context and nano-vllm's `Context` do). The pages (dtype views of one
 uint8 tensor) and the metadata never enter the op's signature, so `torch.compile(model, fullgraph=True)`
 traces a step's forward with no graph break and no copy of a mutated view, and a CUDA graph replays the
-op's kernels over buffers that keep their addresses (hybridkv/step_buffers.py). What a step passes the
+op's kernels over buffers that keep their addresses (kernels/step_buffers.py). What a step passes the
 model (`hybridkv_step`) is the runner's one `StepContext`, the same object every step; which step runs is
 a thread-local, which compiled code reads without a graph break (a `ContextVar` would break the graph).
 
