@@ -133,16 +133,13 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     """Beam searches and greedy requests in one continuous batch, on a pool too small for all of them:
     requests wait and are preempted (a beam search as a whole), and every result stays exact."""
     model = zoo_model(name)
-    beam_prompts = prompts((40, 21), seed=6)
-    greedy_prompt = prompts((30,), seed=7)[0]
+    beam_prompts, greedy_prompt = TINY_POOL_BEAM_PROMPTS, TINY_POOL_GREEDY_PROMPT
     expected, greedy = tiny_pool_references(name)
     settings = dict(block_size=8, max_model_len=96, max_num_batched_tokens=32, preemption_mode=mode)
-    # Room for the larger search alone and little more (found by trying pools from its peak of blocks in use on a
-    # large pool up: a smaller pool never holds it): the three requests together must wait and preempt.
+    # Room for the larger search alone and little more (found by trying pools from the smallest that holds
+    # one request up): the three requests together must wait and preempt.
     params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW)
-    alone = patched(model, **settings)
-    num_blocks = max(hybridkv.min_num_blocks(model, **settings), *(peak_blocks(alone, p, params) for p in beam_prompts))
-    hybridkv.unpatch(model)
+    num_blocks = hybridkv.min_num_blocks(model, **settings)
     if mode == "swap":
         settings["swap_space"] = 1 / 64  # GiB: 16 MiB
     while not all(searches_alone(patched, model, settings, num_blocks, p, params) for p in beam_prompts):
@@ -209,6 +206,8 @@ def searches_alone(patched, model, settings, num_blocks, prompt, params) -> bool
     return output.error is None
 
 
+TINY_POOL_BEAM_PROMPTS = prompts((40, 21), seed=6)
+TINY_POOL_GREEDY_PROMPT = prompts((30,), seed=7)[0]
 _tiny_pool_references: dict[str, tuple] = {}
 
 
@@ -216,8 +215,8 @@ def tiny_pool_references(name):
     """HF's beams for the tiny-pool test's two searches and its greedy tokens, computed once for both modes."""
     if name not in _tiny_pool_references:
         model = zoo_model(name)
-        beams = [hf_beam_search(model, p) for p in prompts((40, 21), seed=6)]
-        _tiny_pool_references[name] = (beams, hf_greedy(model, prompts((30,), seed=7)[0], MAX_NEW)[0])
+        beams = [hf_beam_search(model, p) for p in TINY_POOL_BEAM_PROMPTS]
+        _tiny_pool_references[name] = (beams, hf_greedy(model, TINY_POOL_GREEDY_PROMPT, MAX_NEW)[0])
     return _tiny_pool_references[name]
 
 
