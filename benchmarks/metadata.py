@@ -11,15 +11,25 @@ and layouts without the tensor bookkeeping. "buffers" is what the engine calls n
 the step written into tensors allocated once, from the persistent batch's numpy block tables (each
 request's row kept between steps, hybridkv/execution/input_batch.py), slots by numpy over all groups at once.
 
+`--fill-ways`: the runner's `prepare` of one decode step (32 sequences, contexts 20..300, the tiny Gemma-3 layout
+of benchmarks/throughput.py: its sliding and full groups), each of the ways the step buffers can be written, warm
+(back to back) and cold (a 1024x1024 matmul between calls, as a forward leaves the caches): `decode_step` with its
+lists read by the extension module (step_native.c, where Python's headers build it), `decode_step` with the lists
+as `array`s and the fill through ctypes (no headers), the general `fill_inputs` + `step` with the extension's fill,
+with the ctypes fill, and with numpy alone (no compiler). The fast paths are worth their code only as far as they
+beat the general path here.
+
 Per layer: a tiny decode step (4 sequences, contexts 20..50, 4 q heads, 2 kv heads, head dim 16) on
 the torch path, timing `paged_attention` / `write_kv` (every input checked, backend picked per call)
 against `attend` / `store_kv` (what the engine calls); the difference is the checks' cost per layer.
 
     python benchmarks/metadata.py
+    python benchmarks/metadata.py --fill-ways
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
@@ -148,8 +158,69 @@ def per_layer_calls() -> None:
         print(f"  {name:<28}{median_us(function):>8.1f} us")
 
 
+def fill_ways() -> None:
+    """The runner's `prepare` of one decode step, per way of writing the step buffers (see the docstring)."""
+    import hybridkv
+    from hybridkv import SamplingParams
+    from hybridkv.kernels import step_buffers
+
+    from throughput import hybrid_model
+
+    rng = random.Random(0)
+    model = hybrid_model()
+    llm = hybridkv.patch(model, block_size=BLOCK_SIZE, max_model_len=1024, enable_prefix_caching=False)
+    for i in range(32):
+        prompt = [rng.randrange(1, 256) for _ in range(rng.randint(20, 300))]
+        llm.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    while True:  # the prompts, then one decode step: its plan is what every way prepares
+        plan = llm.scheduler.schedule()
+        inputs = llm.runner.step_inputs(plan)
+        if len(inputs.input_ids) == len(inputs.query_lens) == 32:
+            break
+        logits = llm.runner.forward(llm.runner.prepare(inputs))
+        llm.scheduler.update(plan, logits.argmax(-1).tolist())
+    runner = llm.runner
+    buffers = runner.buffers[runner.input_device]
+    native, extension_inputs = buffers.fill, buffers.decode_inputs
+    ways = {
+        "decode_step, extension inputs + fill": (native, extension_inputs, True),
+        "decode_step, arrays + ctypes fill": (step_buffers._FILL.get(), None, True),
+        "fill_inputs + step, extension fill": (native, None, False),
+        "fill_inputs + step, ctypes fill": (step_buffers._FILL.get(), None, False),
+        "fill_inputs + step, numpy only": (None, None, False),
+    }
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    plain = runner._plain_decode
+    print(f"\nthe runner's prepare of a 32-sequence decode step ({len(runner._groups_in_order)} groups), median us")
+    print(f"{'way':<40}{'warm':>8}{'cold':>8}")
+    for name, (fill, decode_inputs, fast) in ways.items():
+        buffers.fill, buffers.decode_inputs, runner._plain_decode = fill, decode_inputs, fast and plain
+
+        def prepare():
+            runner.prepare(inputs)
+
+        def after_a_matmul():
+            torch.mm(a, b)
+            start = time.perf_counter()
+            runner.prepare(inputs)
+            return time.perf_counter() - start
+
+        warm = median_us(prepare, calls=100, runs=11)
+        cold = statistics.median(after_a_matmul() for _ in range(200)) * 1e6
+        print(f"{name:<40}{warm:>8.1f}{cold:>8.1f}")
+    buffers.fill, buffers.decode_inputs, runner._plain_decode = native, extension_inputs, plain
+    llm.close()
+    hybridkv.unpatch(model)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fill-ways", action="store_true", help="only the ways of writing a decode step's buffers")
+    args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.fill_ways:
+        fill_ways()
+        return
     print(f"{'step':<8}{'groups':>7}{'separate ms':>13}{'shared ms':>11}{'together ms':>13}{'buffers ms':>12}")
     for kind in ("decode", "mixed"):
         query_lens, seq_lens = step(kind)
