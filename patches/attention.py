@@ -37,6 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
+from hybridkv.kernels.contexts import attend_contexts
 from hybridkv.kernels.metadata import KeyLimits
 
 ATTN_IMPLEMENTATION = "hybridkv"
@@ -82,6 +83,9 @@ class LayerKV:
     v_scale: float = 1.0
     defers_store: bool = False
     stores_after: tuple[int, ...] = ()
+    # A latent attention layer (patches/latent.py): its cache update stored the step's rows and returned its
+    # sequences' contexts, which it expanded; it attends over those dense K/V (kernels/contexts.py).
+    dense: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -210,6 +214,10 @@ def paged_attention_op(
             f"layer {layer_idx} passes sliding_window={passed_window} to attention, but hybridkv's "
             f"layout gives it {layer.sliding_window}; the model changed since it was patched: patch it again"
         )
+    if layer.dense:
+        if softcap or sinks is not None:
+            raise ValueError(f"layer {layer_idx}: latent attention with softcapping or sinks is not implemented")
+        return attend_contexts(query, key, value, step.metadata[layer.metadata_index], scale)
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's
     # own keys are read in flight (a sharing layer receives its source's rows), earlier ones from the

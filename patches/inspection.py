@@ -22,6 +22,7 @@ import torch
 
 from hybridkv.memory.kv_spec import LayerSpec, StateSpec
 from hybridkv.patches.devices import check_weights_loaded, execution_device, input_device
+from hybridkv.patches.latent import LatentLayer, latent_layer, up_projection
 from hybridkv.patches.layer_checks import layer_problem, state_layer_problem, stateless_layer_problem
 from hybridkv.patches.layer_kinds import (
     FULL_ATTENTION,
@@ -34,7 +35,14 @@ from hybridkv.patches.layer_kinds import (
     text_config,
 )
 from hybridkv.patches.position_limit import position_limit
-from hybridkv.patches.probe import PROBE_TOKENS, AttentionCall, Probe, StateCall, record_probe_calls
+from hybridkv.patches.probe import (
+    PROBE_TOKENS,
+    AttentionCall,
+    Probe,
+    StateCall,
+    record_cache_updates,
+    record_probe_calls,
+)
 
 __all__ = [
     "PROBE_TOKENS",
@@ -62,6 +70,8 @@ class ModelLayout:
     kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
     # The state layers (linear attention, SSM, short convolution): a per-request state each, in layer order.
     states: list[StateSpec] = field(default_factory=list)
+    # The latent attention layers (patches/latent.py), paged as the latent and rotary key they hand their cache.
+    latent: dict[int, LatentLayer] = field(default_factory=dict)
 
 
 def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
@@ -77,7 +87,8 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
         )
     config = text_config(model.config)
     declared = config_layers(config)
-    recorded, state_calls = record_probe_calls(model)
+    probe, state_calls = record_probe_calls(model)
+    recorded = probe.calls
     names = {id(module): name for name, module in model.named_modules()}
     states_by_layer: dict[int, list[StateCall]] = {}
     for state_call in state_calls:
@@ -90,6 +101,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             _add(problems, f"{type(call.module).__name__} calls the attention function without a decoder layer_idx")
             continue
         calls.setdefault(layer_idx, []).append(call)
+    latent = _latent_layers(model, probe, calls)
     specs = []
     states = []
     for layer_idx, layer in enumerate(declared):
@@ -111,16 +123,25 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             # Its attention side, checked as any other: full attention, or a sliding window (`hybrid_sliding`).
             layer = ConfigLayer(SLIDING_ATTENTION if layer.sliding_window else FULL_ATTENTION, layer.sliding_window)
         problem = layer_problem(model, layer_idx, layer, calls.get(layer_idx, []))
-        latent = _layer_attribute(config, "kv_lora_rank", layer_idx)
-        if not problem and latent:
+        found = latent.get(layer_idx)
+        if not problem and isinstance(found, str):
+            problem = f"multi-head latent attention: {found}"
+        elif not problem and found is not None and (layer.sliding_window or layer.attention_chunk_size):
+            problem = "multi-head latent attention with a sliding window or chunks: not implemented"
+        elif not problem and found is None and _layer_attribute(config, "kv_lora_rank", layer_idx):
             problem = (
-                f"multi-head latent attention (kv_lora_rank={latent}): hybridkv would page the decompressed "
-                "per-head K/V, many times the latent's bytes; a latent cache is not implemented"
+                "its config declares multi-head latent attention (kv_lora_rank), but its keys and values are not one "
+                "linear up-projection of a latent it hands its cache; hybridkv would page the decompressed per-head "
+                "K/V, many times the latent's bytes"
             )
         if problem:
             _add(problems, problem, layer_idx)
             continue
         call = calls[layer_idx][0]
+        if isinstance(found, LatentLayer):
+            # The latent in the K slot, the rotary key in the V slot: one "head" each (patches/latent.py).
+            specs.append(LayerSpec(layer_idx, None, 1, found.latent_dim, kv_dtype.itemsize, v_head_dim=found.rope_dim))
+            continue
         _, num_kv_heads, _, head_dim = call.key.shape
         source = _kv_source(call, [calls[earlier][0] for earlier in range(layer_idx) if earlier in calls])
         specs.append(
@@ -152,7 +173,36 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     kv_amax = {
         spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs
     }
-    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax, states=states)
+    latent = {idx: found for idx, found in latent.items() if isinstance(found, LatentLayer)}
+    kv_amax.update({idx: (found.latent_amax, found.rope_amax) for idx, found in latent.items()})
+    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax, states=states, latent=latent)
+
+
+def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[AttentionCall]]):
+    """layer_idx -> the `LatentLayer` of each layer whose attention is latent (patches/latent.py), or why such a
+    layer cannot be paged in latent space. A forward with a recording cache runs only when a layer's keys and values
+    are an up-projection (a model probed with its state recorder has that forward already)."""
+    found = {
+        layer_idx: projection
+        for layer_idx, layer_calls in calls.items()
+        if len(layer_calls) == 1 and (projection := up_projection(layer_calls[0], probe.linears)) is not None
+    }
+    if not found:
+        return {}
+    if probe.updates is None:
+        probe = record_cache_updates(model)
+    by_layer = {
+        call.module.layer_idx: call for call in probe.calls if isinstance(getattr(call.module, "layer_idx", None), int)
+    }
+    result: dict[int, LatentLayer | str] = {}
+    for layer_idx, (module, nope_dim) in found.items():
+        call = by_layer.get(layer_idx)
+        recorded = probe.linears.get(id(module))
+        if call is None or recorded is None:
+            result[layer_idx] = "the forward with a recording cache did not attend as the probe did"
+            continue
+        result[layer_idx] = latent_layer(call, (module, nope_dim), probe.updates.get(layer_idx, []), recorded[1])
+    return result
 
 
 def _state_spec(layer_idx: int, state_calls: list[StateCall], names: dict[int, str]) -> StateSpec:

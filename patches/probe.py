@@ -49,6 +49,11 @@ class Probe:
 
     horizon: int
     calls: list[AttentionCall] = field(default_factory=list)
+    # id(module) -> (the nn.Linear, its input, its output) of each linear layer's last call: where a layer's
+    # K/V come from (patches/latent.py finds a latent attention's up-projection among them).
+    linears: dict[int, tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # layer_idx -> the (key, value) of each cache update, where the forward ran with a recording cache (else None).
+    updates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
     # id(mask tensor) -> (the tensor, kept alive so its id stays unique; what its function allows)
     masks: dict[int, tuple[torch.Tensor, Visibility | None]] = field(default_factory=dict)
 
@@ -107,22 +112,53 @@ class StateCall:
     dtype: torch.dtype
 
 
-def record_probe_calls(model: torch.nn.Module) -> tuple[list[AttentionCall], list[StateCall]]:
+def record_probe_calls(model: torch.nn.Module) -> tuple[Probe, list[StateCall]]:
     """Run the probe forward (hybridkv's functions installed for its duration if the model is not
-    patched) and return every attention call and every state call, in call order. A model whose config
-    declares state layers runs with a cache that records their states (`StateRecorder`); any other runs
-    without a cache."""
+    patched) and return its recorder (every attention call in call order, every linear layer's last call) and
+    every state call. A model whose config declares state layers runs with a cache that records their states
+    (`StateRecorder`); any other runs without a cache."""
     config = text_config(model.config)
     probe = Probe(horizon=_mask_horizon(config))
     if any(layer.layer_type in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES for layer in config_layers(config)):
         recorder = StateRecorder(model)
         try:
-            _probe_forward(model, probe, config.vocab_size, recorder)
-            return probe.calls, recorder.calls
+            with _recording_linears(model, probe):
+                _probe_forward(model, probe, config.vocab_size, recorder)
+            probe.updates = recorder.updates
+            return probe, recorder.calls
         except ValueError:  # a model that needs a cache of its own kind (MiniMax's): probed without one
             probe = Probe(horizon=_mask_horizon(config))
-    _probe_forward(model, probe, config.vocab_size)
-    return probe.calls, []
+    with _recording_linears(model, probe):
+        _probe_forward(model, probe, config.vocab_size)
+    return probe, []
+
+
+def record_cache_updates(model: torch.nn.Module) -> Probe:
+    """The probe forward again, with a cache that records every update (`StateRecorder`): what each attention layer
+    hands its cache (patches/latent.py reads a latent attention's latent from it)."""
+    config = text_config(model.config)
+    probe = Probe(horizon=_mask_horizon(config))
+    recorder = StateRecorder(model)
+    with _recording_linears(model, probe):
+        _probe_forward(model, probe, config.vocab_size, recorder)
+    probe.updates = recorder.updates
+    return probe
+
+
+@contextlib.contextmanager
+def _recording_linears(model: torch.nn.Module, probe: Probe) -> Iterator[None]:
+    """While the probe runs, keep each nn.Linear's last input and output on `probe.linears`."""
+
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
+            probe.linears[id(module)] = (module, args[0], output)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class PassThroughCache(DynamicCache):
@@ -142,7 +178,8 @@ class PassThroughCache(DynamicCache):
 
 
 class StateRecorder(PassThroughCache):
-    """The probe forward's cache for a model with state layers: its state calls are recorded as a fresh
+    """The probe forward's cache for a model with state layers (and for `record_cache_updates`): its attention
+    layers' updates are kept as given, its state calls are recorded as a fresh
     request's (no earlier state; a conv input shorter than the kernel padded on the left, as transformers
     pads it), each attributed to the innermost running module with that `layer_idx` (`running`, kept by
     `_tracking_layer_modules`)."""
@@ -151,6 +188,11 @@ class StateRecorder(PassThroughCache):
         super().__init__(config=text_config(model.config))
         self.calls: list[StateCall] = []
         self.running: list[torch.nn.Module] = []
+        self.updates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.updates.setdefault(layer_idx, []).append((key_states, value_states))
+        return key_states, value_states
 
     def _module(self, layer_idx: int) -> torch.nn.Module | None:
         return next((m for m in reversed(self.running) if getattr(m, "layer_idx", None) == layer_idx), None)

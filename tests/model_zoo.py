@@ -641,6 +641,52 @@ MLA = dict(  # multi-head latent attention: K/V are projected from a shared late
 )
 
 
+# Multi-head latent attention (patches/latent.py): paged as the latent and the rotary key each layer hands its cache.
+LATENT = {
+    "deepseek_v2": lambda: _build(
+        hf.deepseek_v2.DeepseekV2ForCausalLM, hf.deepseek_v2.DeepseekV2Config, num_hidden_layers=2, **MLA, **MOE,
+        initializer_range=0.2,
+    ),
+    "deepseek_v3": lambda: _build(
+        hf.deepseek_v3.DeepseekV3ForCausalLM, hf.deepseek_v3.DeepseekV3Config, num_hidden_layers=2, **MLA, **MOE,
+        initializer_range=0.2,
+    ),
+    "minicpm3": lambda: _build(
+        hf.minicpm3.MiniCPM3ForCausalLM, hf.minicpm3.MiniCPM3Config, num_hidden_layers=2, num_key_value_heads=4,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        initializer_range=0.5,  # 0.2 collapses to a few tokens
+    ),
+    # 3 Kimi Delta Attention (state) : 1 latent attention
+    "kimi_linear": lambda: _build(
+        hf.kimi_linear.KimiLinearForCausalLM,
+        hf.kimi_linear.KimiLinearConfig,
+        num_hidden_layers=4,
+        layer_types=[LIN, LIN, LIN, F],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=32,
+        initializer_range=0.2,
+    ),
+    # 3 linear attention (state) : 1 latent attention with an output gate
+    "bailing_hybrid": lambda: _build(
+        hf.bailing_hybrid.BailingHybridForCausalLM, hf.bailing_hybrid.BailingHybridConfig, num_hidden_layers=4,
+        layer_group_size=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, initializer_range=0.2,
+    ),
+}  # fmt: skip
+
+ZOO.update(LATENT)
+
+
 def _bart_decoder(module: str, model_cls: str, config_cls: str, **extra) -> PreTrainedModel:
     """A BART-family decoder alone (`...ForCausalLM`): learned position embeddings taken from the cache's
     length, not from position_ids, so a step of several sequences embeds them at the wrong positions."""
@@ -687,25 +733,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         attention_head_dim=32,
         initializer_range=0.2,
     ),
-    "kimi_linear": lambda: _build(
-        hf.kimi_linear.KimiLinearForCausalLM,
-        hf.kimi_linear.KimiLinearConfig,
-        num_hidden_layers=4,
-        layer_types=[LIN, LIN, LIN, F],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        linear_num_heads=4,
-        linear_head_dim=16,
-        num_experts=4,
-        num_experts_per_token=2,
-        moe_intermediate_size=32,
-        initializer_range=0.2,
-    ),
     "mamba2": lambda: _build(
         hf.mamba2.Mamba2ForCausalLM,
         hf.mamba2.Mamba2Config,
@@ -729,14 +756,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         num_experts_per_tok=2,
         mamba_d_state=8,
         mamba_dt_rank=8,
-        initializer_range=0.2,
-    ),
-    "deepseek_v3": lambda: _build(
-        hf.deepseek_v3.DeepseekV3ForCausalLM,
-        hf.deepseek_v3.DeepseekV3Config,
-        num_hidden_layers=2,
-        **MLA,
-        **MOE,
         initializer_range=0.2,
     ),
     "minimax": lambda: _build(
@@ -890,12 +909,16 @@ LAYER_KINDS: dict[str, str] = {
     "zaya": "full and sliding, each projecting q/k/v through a convolution and a delayed value of its own (state), MoE",
     "lfm2_moe": "alternating short conv (state) / full, MoE after the first 2",
     "olmo_hybrid": "3 Gated DeltaNet (linear attention, state) : 1 full",
+    # LATENT
+    "deepseek_v2": "multi-head latent attention (latent 16 + rotary key 8 paged; K 24 / V 16 per head), MoE",
+    "deepseek_v3": "multi-head latent attention (latent 16 + rotary key 8 paged; K 24 / V 16 per head), MoE",
+    "minicpm3": "multi-head latent attention (latent 16 + rotary key 8 paged; K 24 / V 16 per head)",
+    "kimi_linear": "3 Kimi Delta Attention (linear attention, state) : 1 multi-head latent attention (no RoPE)",
+    "bailing_hybrid": "3 linear attention (state) : 1 multi-head latent attention with an output gate",
     # REFUSED
     "zamba2": "3 Mamba2 : 1 Mamba2 with a shared attention block",
-    "kimi_linear": "3 linear attention (state) : 1 multi-head latent attention",
     "mamba2": "Mamba2 only (state), no attention",
     "jamba": "alternating mamba / full",
-    "deepseek_v3": "full, multi-head latent attention (K 24 / V 16 per head)",
     "minimax": "3 linear attention (recurrent state) : 1 full",
     "recurrent_gemma": "recurrent, recurrent, local attention",
     "deepseek_v32": "indexed sparse attention (top 8 keys) over latent attention",

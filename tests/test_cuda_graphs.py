@@ -16,7 +16,7 @@ import torch
 from hybridkv import SamplingParams
 from hybridkv.execution.graphs import sync_is_an_error
 
-from model_zoo import STATE, ZOO
+from model_zoo import LATENT, STATE, ZOO
 from tiny_models import DEVICE, hf_greedy, new_request_id, prompts
 
 if DEVICE.type != "cuda":
@@ -51,7 +51,7 @@ BF16_UNCAPTURED = {"afmoe", "beam", "phimoe", "step3p7"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE)))
+@pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE) - set(LATENT)))
 def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patched):
     model = ZOO[name]().to(DEVICE, dtype)
     with warnings.catch_warnings(record=True) as caught:
@@ -92,13 +92,14 @@ def test_graph_mode_serves_requests_of_every_batch_size_as_generate_does(patched
         assert got == expected[:size]
 
 
-@pytest.mark.parametrize("name", [*sorted(STATE), "qwen2_moe"])
+@pytest.mark.parametrize("name", [*sorted(STATE), *sorted(LATENT), "qwen2_moe"])
 def test_models_without_graphs_decode_eagerly_on_cuda_as_generate_does(name, patched):
-    """State layers run per request segment (no graph yet), and a model whose own code syncs with the host cannot
+    """State layers run per request segment and latent attention over contexts of a new length every step (no graph
+    yet), and a model whose own code syncs with the host cannot
     be captured (qwen2_moe in fp32: its experts loop): both decode eagerly, the capture's error in stats(), and
     give generate's tokens."""
     model = ZOO[name]().to(DEVICE)
-    if name in STATE:
+    if name in STATE or name in LATENT:
         llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
         assert llm.stats()["cuda_graph_error"] is None
     else:

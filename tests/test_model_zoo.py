@@ -21,11 +21,9 @@ OWN_CACHE = r"keep a per-request state, and this one never reached it through tr
 REFUSAL_REASONS = {
     "jamba": r"(?s)give other logits.*a state layer of the model does not continue from the state it is given",
     "zamba2": r"Zamba2Attention calls the attention function without a decoder layer_idx",
-    "kimi_linear": r"multi-head latent attention \(kv_lora_rank=16\)",
     "mamba2": r"has only state layers .*does not serve a model without attention layers yet",
     "minimax": OWN_CACHE,
     "recurrent_gemma": OWN_CACHE,
-    "deepseek_v3": r"multi-head latent attention \(kv_lora_rank=16\): hybridkv would page the decompressed",
     "deepseek_v32": r"'indexed_attention' layers use sparse or compressed attention",
     "deepseek_v4": r"'heavily_compressed_attention' layers use sparse or compressed attention",
     **dict.fromkeys(

@@ -162,13 +162,25 @@ class LLMEngine(RunLoops, EngineStats):
                 "compile=True does not compile models with state layers yet (each layer runs per request segment); "
                 "patch with compile=False"
             )
-        # State layers run per request segment, which no graph captures yet: their models' steps stay eager.
-        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states
+        if layout.latent and config.compile:
+            raise ValueError(
+                "compile=True does not compile models with latent attention yet (a step's contexts, read back from "
+                "the pages, change length every step); patch with compile=False"
+            )
+        # State layers run per request segment, and latent attention over contexts whose length changes every step,
+        # which no graph captures yet: their models' steps stay eager.
+        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not layout.latent
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
         captures = bool(buckets) and captures_graphs(model)
         compiled = config.compile if config.compile is not None else compiles_by_default(captures)
+        compiled = compiled and not layout.latent
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        if self.tp is not None and layout.latent:
+            raise ValueError(
+                "latent attention is not served tensor-parallel yet (every rank would hold the whole latent); "
+                "serve the model on one device"
+            )
         if config.async_scheduling and self.tp is not None:
             raise ValueError(
                 "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
@@ -223,6 +235,7 @@ class LLMEngine(RunLoops, EngineStats):
             config.attention_backend,
             states=layout.states,
             num_state_slots=memory.num_state_slots + memory.num_checkpoints,
+            latent_layers=frozenset(layout.latent),
         )
         self.runner.allocate_swap_space(memory.num_swap_blocks)
         self.runner.allocate_state_swap_space(memory.num_swap_state_slots)

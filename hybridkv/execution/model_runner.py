@@ -15,6 +15,7 @@ from hybridkv.execution.compiled_forward import CompiledForward
 from hybridkv.execution.graphs import DecodeGraphs, padding_arrays
 from hybridkv.execution.input_batch import InputBatch
 from hybridkv.execution.kv_dtypes import LayerDtypes
+from hybridkv.execution.latent_layers import StepKVCache, cache_argument
 from hybridkv.execution.multimodal import MultiModalInputs, image_embeddings_placed
 from hybridkv.execution.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
 from hybridkv.kernels import (
@@ -84,6 +85,7 @@ class ModelRunner:
         backend: str | None = None,
         states: list[StateSpec] | None = None,
         num_state_slots: int = 0,
+        latent_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.kv_config = kv_config
@@ -99,6 +101,8 @@ class ModelRunner:
         # Metadata is written once per (device, group) each step; a layer reads the copy on its device.
         self.devices = list(self._pages)
         self.layers = layer_views(kv_config, layer_dtypes, self._pages, devices)
+        for layer_idx in latent_layers:
+            self.layers[layer_idx].dense = True
         # Passed to every forward: one object for the runner's life, its metadata replaced each step.
         self.context = StepContext(self.layers)
         self.batch = InputBatch(kv_config, limits.max_model_len, limits.max_num_seqs)
@@ -117,8 +121,14 @@ class ModelRunner:
         self.states = list(states or ())
         self.state_pool = self.state_cache = None
         self._wrapped: list[torch.nn.Module] = []
+        # What a step passes the model as its cache (`_forward`): one for state layers or latent attention layers.
+        self.latent_layers = frozenset(latent_layers)
+        self.step_cache: dict[str, StepKVCache] = {}
         if self.states:
             self._wire_state_layers(named, num_state_slots)
+        elif self.latent_layers:
+            cache = StepKVCache(text_config(model.config), self.context, self.latent_layers)
+            self.step_cache = {cache_argument(model): cache}
         # A decode step's buffers are written from its lists (StepBuffers.decode_step) with one device, no decode
         # buckets (graph mode pads the step) and no state layers (their plan reads numpy arrays).
         self._plain_decode = len(self.devices) == 1 and not self.limits.decode_buckets and not self.states
@@ -155,7 +165,10 @@ class ModelRunner:
         request segment (hybridkv/execution/state_layers.py) until `close`."""
         state_devices = {spec.layer_idx: execution_device(named, spec.module_name) for spec in self.states}
         self.state_pool = StatePool(self.states, num_state_slots, state_devices)
-        self.state_cache = StepStateCache(text_config(self.model.config), self.state_pool)
+        self.state_cache = StepStateCache(
+            text_config(self.model.config), self.state_pool, context=self.context, latent_layers=self.latent_layers
+        )
+        self.step_cache = {cache_argument(self.model): self.state_cache}
         for spec in self.states:
             module = named[spec.module_name]
             module.forward = segmented_forward(module.forward, spec.layer_idx)
@@ -584,8 +597,7 @@ class ModelRunner:
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: torch.Tensor
     ) -> torch.Tensor:
         """The model's forward over a step's buffers, eagerly (what a CUDA graph captures when not compiled)."""
-        state_cache = {} if self.state_cache is None else {"cache": self.state_cache}
-        return step_forward(self.model, self.context, input_ids, position_ids, logits_to_keep, **state_cache)
+        return step_forward(self.model, self.context, input_ids, position_ids, logits_to_keep, **self.step_cache)
 
 
 @dataclass(slots=True)

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridkv.execution.latent_layers import StepKVCache
 from hybridkv.memory.kv_spec import StateSpec
-from hybridkv.patches.probe import PassThroughCache
 
 
 class StatePool:
@@ -182,12 +182,13 @@ class _SegmentView:
                 pool.index_copy_(0, self.slots, state.to(pool.dtype))
 
 
-class StepStateCache(PassThroughCache):
+class StepStateCache(StepKVCache):
     """The cache a step passes the model: attention updates return K/V as given (the paged attention op keeps
-    them); a state call goes to the segment whose layer is running (`view`, set by `segmented_forward`)."""
+    them), a latent attention layer's its sequences' contexts (hybridkv/execution/latent_layers.py); a state call goes
+    to the segment whose layer is running (`view`, set by `segmented_forward`)."""
 
-    def __init__(self, config: Any, pool: StatePool) -> None:
-        super().__init__(config=config)
+    def __init__(self, config: Any, pool: StatePool, **latent: Any) -> None:
+        super().__init__(config, **latent)
         self.pool = pool
         self.plan: StatePlan | None = None
         self.view: _SegmentView | None = None
