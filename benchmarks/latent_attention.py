@@ -11,8 +11,9 @@ pool holds at once (its own block count) and a per-head K/V pool would.
 
 Speed: a tiny-to-mid DeepSeek-V3 (hidden 256, 4 layers, 8 heads, latent 64 + rotary 16, fp32, random weights),
 --requests prompts of 100-300 tokens, --new-tokens each, greedy: `model.generate` (padded batch, DynamicCache),
-`generate_batch` (transformers' continuous batching, if it serves the model) and hybridkv, each timed from the
-call to the last token with set-up outside; tokens compared with generate's.
+`generate_batch` (transformers' continuous batching, if it serves the model) and hybridkv with its decode rows
+attended in latent space (the default) and expanded, each timed from the call to the last token with set-up
+outside; tokens compared with generate's. `--speed-only` skips the memory part.
 
     python benchmarks/latent_attention.py [--budget-requests 8] [--context 4096] [--requests 8] [--new-tokens 32]
 """
@@ -108,13 +109,16 @@ def speed(num_requests: int, new_tokens: int) -> None:
             rows.append(("generate_batch", seconds, [o.generated_tokens for o in ordered] == expected))
     except Exception as error:
         print(f"generate_batch does not serve this model: {type(error).__name__}: {str(error)[:200]}")
-    llm = hybridkv.patch(model, block_size=16, max_model_len=1024)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    rows.append(("hybridkv", seconds, [r.outputs[0].token_ids for r in results] == expected))
-    hybridkv.unpatch(model)
+    for name, absorb in (("hybridkv (decode absorbed)", True), ("hybridkv (decode expanded)", False)):
+        llm = hybridkv.patch(model, block_size=16, max_model_len=1024)
+        for layer in llm.runner.layers.values():
+            layer.latent.absorb = absorb
+        start = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rows.append((name, seconds, [r.outputs[0].token_ids for r in results] == expected))
+        hybridkv.unpatch(model)
     total = num_requests * new_tokens
     shape = "DeepSeek-V3 (hidden 256, 4 layers, latent 64 + 16), fp32"
     print(f"\n{shape}, {num_requests} prompts of 100-300 tokens, {new_tokens} new")
@@ -131,10 +135,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--speed-only", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    memory(args.budget_requests, args.context)
+    if not args.speed_only:
+        memory(args.budget_requests, args.context)
     speed(args.requests, args.new_tokens)
 
 

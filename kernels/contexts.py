@@ -1,13 +1,12 @@
-"""Whole contexts read back from the pages, and attention over them: the path of latent attention layers.
-
-A latent attention layer (patches/latent.py) expands its cache's content into per-head keys and values itself, so a
-step gives it each sequence's whole context read back from its pages (`gather_contexts`: the latent and the rotary
-key, sequence after sequence), and its attention function then receives dense keys and values: the step's sequences'
-contexts one after another, which `attend_contexts` attends over, each query row seeing its own sequence's keys up
-to its position. Plain torch, on any device.
+"""Latent attention layers' attention (patches/latent.py): their pages hold a latent (K slot) and a rotary key (V
+slot) per token, one "head" each. `latent_attention` reads each sequence's whole context back from the pages
+(`gather_contexts`) and attends: a prompt's chunk expands it through the layer's up-projection, as the layer itself
+does, a decode row attends in latent space. Plain torch, on any device.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,28 +43,123 @@ def gather_contexts(cache: torch.Tensor, metadata: PagedAttentionMetadata, scale
     return rows.to(dtype)
 
 
-def attend_contexts(
+def latent_attention(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rotary_cache: torch.Tensor,
     metadata: PagedAttentionMetadata,
+    up_proj: torch.nn.Module,
+    nope_dim: int,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    absorb: bool = True,
 ) -> torch.Tensor:
-    """`query` `[rows, heads, dim]` (the step's rows) over `key` `[tokens, heads, dim]` and `value` `[tokens, heads,
-    v_dim]` (the step's sequences' whole contexts, in order): each row sees its sequence's keys up to its position.
-    Returns `[rows, heads, v_dim]`. The softmax of torch's SDPA, per sequence, as transformers' own attention."""
+    """A latent attention layer's step (patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over each
+    sequence's latents `[tokens, latent]` and rotary keys `[tokens, rotary]` read from the pages (the step's rows
+    stored already). A sequence of several rows (a prompt's chunk) expands its context through `up_proj` into keys
+    `[tokens, heads, nope_dim + rotary]` and values, as the layer itself does, and attends per sequence. Decode rows,
+    where `absorb`, attend in latent space instead, all of them at once (`_absorbed_decode`). Returns `[rows, heads,
+    v_dim]`."""
     step = metadata.step
-    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+    dtype, heads = query.dtype, query.shape[1]
+    out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
+    decode = _decode_plan(metadata) if absorb else None
+    if decode is not None:
+        _absorbed_decode(
+            query, latent_cache, rotary_cache, decode, up_proj.weight, nope_dim, scale, k_scale, v_scale, out
+        )
+        if decode.rows.numel() == query.shape[0]:
+            return out
+    latents = gather_contexts(latent_cache, metadata, k_scale, dtype)
+    rotary = gather_contexts(rotary_cache, metadata, v_scale, dtype)
     row = key_start = 0
     for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
-        rows = query[row : row + query_len].transpose(0, 1)
-        keys = key[key_start : key_start + seq_len].transpose(0, 1)
-        values = value[key_start : key_start + seq_len].transpose(0, 1)
-        mask = None
-        if query_len > 1:  # row i sits at position seq_len - query_len + i
-            mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - query_len)
-        attended = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask, scale=scale)
-        out[row : row + query_len] = attended.transpose(0, 1)
+        if decode is None or query_len > 1:
+            context, rotary_keys = latents[key_start : key_start + seq_len], rotary[key_start : key_start + seq_len]
+            expanded = up_proj(context).view(seq_len, heads, -1)
+            keys = torch.cat([expanded[..., :nope_dim], rotary_keys[:, None].expand(-1, heads, -1)], dim=-1)
+            out[row : row + query_len] = _attend_one(
+                query[row : row + query_len], keys, expanded[..., nope_dim:], scale
+            )
         row += query_len
         key_start += seq_len
     return out
+
+
+class _DecodePlan(NamedTuple):
+    """A step's decode rows (sequences of one query row) as one padded batch: their rows of the query, and per row
+    the block and offset of each context position up to the longest, with the positions past its length masked."""
+
+    rows: torch.Tensor  # [batch]
+    blocks: torch.Tensor  # [batch, longest]
+    offsets: torch.Tensor  # [batch, longest]
+    hidden: torch.Tensor  # [batch, 1, longest]: True past the row's sequence
+
+
+_DECODE_PLAN = ("latent decode plan",)
+
+
+def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
+    """The step's decode rows as one padded batch (built once per step and group), or None where it has none."""
+    if _DECODE_PLAN in metadata.torch_plans:
+        return metadata.torch_plans[_DECODE_PLAN]
+    step, table, block_size = metadata.step, metadata.block_table, metadata.block_size
+    rows, sequences, lengths, row = [], [], [], 0
+    for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
+        if query_len == 1:
+            rows.append(row)
+            sequences.append(seq)
+            lengths.append(seq_len)
+        row += query_len
+    plan = None
+    if rows:
+        device = table.device
+        longest = max(lengths)
+        positions = torch.arange(longest, device=device)
+        lengths_tensor = torch.tensor(lengths, device=device)
+        hidden = positions[None] >= lengths_tensor[:, None]
+        clamped = torch.where(hidden, 0, positions[None])  # a masked position reads position 0 of its sequence
+        blocks = table[torch.tensor(sequences, device=device)].long().gather(1, clamped // block_size)
+        plan = _DecodePlan(torch.tensor(rows, device=device), blocks, clamped % block_size, hidden[:, None])
+    metadata.torch_plans[_DECODE_PLAN] = plan
+    return plan
+
+
+def _absorbed_decode(query, latent_cache, rotary_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, v_scale,
+                     out) -> None:  # fmt: skip
+    """The decode rows in latent space, vLLM's and FlashMLA's form: scores = q_nope . (W_k c) + q_rot . k_rot =
+    (W_k^T q_nope) . c + q_rot . k_rot, and out = W_v (softmax . c): the up-projection (`weight`, `[heads * (nope_dim +
+    v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded."""
+    dtype, heads = query.dtype, query.shape[1]
+    context = _read(latent_cache, plan, k_scale, dtype)  # [batch, longest, latent]
+    rotary = _read(rotary_cache, plan, v_scale, dtype)  # [batch, longest, rotary]
+    weight = weight.view(heads, -1, context.shape[-1])  # [heads, nope + v, latent]
+    rows = query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
+    absorbed = torch.einsum("bhn,hnl->bhl", rows[..., :nope_dim], weight[:, :nope_dim])
+    scores = absorbed @ context.transpose(1, 2) + rows[..., nope_dim:] @ rotary.transpose(
+        1, 2
+    )  # [batch, heads, longest]
+    scores = (scores * scale).masked_fill_(plan.hidden, float("-inf"))
+    attended = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype) @ context  # [batch, heads, latent]
+    out.index_copy_(0, plan.rows, torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:]))
+
+
+def _read(cache: torch.Tensor, plan: _DecodePlan, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    rows = cache[plan.blocks, plan.offsets, 0]
+    if is_fp8(cache.dtype):
+        return (rows.float() * scale).to(dtype)
+    return rows.to(dtype)
+
+
+def _attend_one(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence's rows `[q, heads, dim]` over its keys `[k, heads, dim]` and values: each row sees the keys up
+    to its position (the last rows of the sequence). torch's SDPA, as transformers' own attention."""
+    query_len, seq_len = rows.shape[0], keys.shape[0]
+    mask = None
+    if query_len > 1:  # row i sits at position seq_len - query_len + i
+        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=rows.device).tril(seq_len - query_len)
+    attended = F.scaled_dot_product_attention(
+        rows.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, scale=scale
+    )
+    return attended.transpose(0, 1)

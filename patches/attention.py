@@ -37,7 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
-from hybridkv.kernels.contexts import attend_contexts
+from hybridkv.kernels.contexts import latent_attention
 from hybridkv.kernels.metadata import KeyLimits
 
 ATTN_IMPLEMENTATION = "hybridkv"
@@ -62,6 +62,21 @@ _num_patched_models: dict[int, int] = {}
 
 
 @dataclass(slots=True)
+class LatentUp:
+    """A latent attention layer's up-projection, found where the model holds it now (`owner`'s attribute `name`: a
+    PEFT adapter may wrap it after patching), and the key columns per head it gives before the values."""
+
+    owner: torch.nn.Module
+    name: str
+    nope_dim: int
+    # Decode rows attend in latent space (`kernels/contexts.py`) where the projection is a plain linear layer.
+    absorb: bool = True
+
+    def module(self) -> torch.nn.Module:
+        return getattr(self.owner, self.name)
+
+
+@dataclass(slots=True)
 class LayerKV:
     """Where one attention layer's K/V live (views of its slot in every page), which entry of the
     step's metadata list describes its group on its device, and the window (or attention chunk size)
@@ -83,9 +98,9 @@ class LayerKV:
     v_scale: float = 1.0
     defers_store: bool = False
     stores_after: tuple[int, ...] = ()
-    # A latent attention layer (patches/latent.py): its cache update stored the step's rows and returned its
-    # sequences' contexts, which it expanded; it attends over those dense K/V (kernels/contexts.py).
-    dense: bool = False
+    # A latent attention layer (patches/latent.py): its cache update stored the step's latent and rotary-key rows;
+    # it attends over its pages through its up-projection (`LatentUp`, kernels/contexts.py).
+    latent: LatentUp | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -214,10 +229,15 @@ def paged_attention_op(
             f"layer {layer_idx} passes sliding_window={passed_window} to attention, but hybridkv's "
             f"layout gives it {layer.sliding_window}; the model changed since it was patched: patch it again"
         )
-    if layer.dense:
+    if layer.latent is not None:
         if softcap or sinks is not None:
             raise ValueError(f"layer {layer_idx}: latent attention with softcapping or sinks is not implemented")
-        return attend_contexts(query, key, value, step.metadata[layer.metadata_index], scale)
+        up = layer.latent.module()
+        plain = type(up) is torch.nn.Linear and up.bias is None and not (up._forward_hooks or up._forward_pre_hooks)
+        return latent_attention(
+            query, layer.key_cache, layer.value_cache, step.metadata[layer.metadata_index], up, layer.latent.nope_dim,
+            scale, layer.k_scale, layer.v_scale, absorb=layer.latent.absorb and plain,
+        )  # fmt: skip
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's
     # own keys are read in flight (a sharing layer receives its source's rows), earlier ones from the

@@ -16,6 +16,7 @@ one error naming each layer and what would be needed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -191,6 +192,7 @@ def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[A
         return {}
     if probe.updates is None:
         probe = record_cache_updates(model)
+    names = {id(module): name for name, module in model.named_modules()}
     by_layer = {
         call.module.layer_idx: call for call in probe.calls if isinstance(getattr(call.module, "layer_idx", None), int)
     }
@@ -201,7 +203,10 @@ def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[A
         if call is None or recorded is None:
             result[layer_idx] = "the forward with a recording cache did not attend as the probe did"
             continue
-        result[layer_idx] = latent_layer(call, (module, nope_dim), probe.updates.get(layer_idx, []), recorded[1])
+        found_layer = latent_layer(call, (module, nope_dim), probe.updates.get(layer_idx, []), recorded[1])
+        if isinstance(found_layer, LatentLayer):
+            found_layer = dataclasses.replace(found_layer, up_proj=names[id(module)])
+        result[layer_idx] = found_layer
     return result
 
 

@@ -35,6 +35,10 @@ class LatentLayer:
     rope_dim: int
     latent_amax: float
     rope_amax: float
+    # The up-projection's qualified name in the model, and how many of each head's key columns it gives (the rest
+    # of a key is the rotary key); what it gives after them is the head's value.
+    up_proj: str = ""
+    nope_dim: int = 0
 
 
 def up_projection(call: Any, linears: dict[int, tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]):
@@ -88,7 +92,7 @@ def latent_layer(call: Any, found: tuple[torch.nn.Module, int], updates: list[tu
             "what it hands its cache is not what it expands into keys and values (the up-projection's input and the "
             "keys' rotary columns), so hybridkv cannot page it in latent space"
         )
-    return LatentLayer(call.module.layer_idx, latent_dim, rope_dim, _amax(latent), _amax(rope))
+    return LatentLayer(call.module.layer_idx, latent_dim, rope_dim, _amax(latent), _amax(rope), nope_dim=nope_dim)
 
 
 def _amax(tensor: torch.Tensor) -> float:

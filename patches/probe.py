@@ -147,13 +147,19 @@ def record_cache_updates(model: torch.nn.Module) -> Probe:
 
 @contextlib.contextmanager
 def _recording_linears(model: torch.nn.Module, probe: Probe) -> Iterator[None]:
-    """While the probe runs, keep each nn.Linear's last input and output on `probe.linears`."""
+    """While the probe runs, keep each linear layer's last input and output on `probe.linears`."""
 
     def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
         if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
             probe.linears[id(module)] = (module, args[0], output)
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    # A PEFT tuner layer around a linear layer (`base_layer`) computes what the model uses: its output counts.
+    linear = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) or isinstance(getattr(m, "base_layer", None), torch.nn.Linear)
+    ]
+    handles = [m.register_forward_hook(hook) for m in linear]
     try:
         yield
     finally:

@@ -235,7 +235,7 @@ class LLMEngine(RunLoops, EngineStats):
             config.attention_backend,
             states=layout.states,
             num_state_slots=memory.num_state_slots + memory.num_checkpoints,
-            latent_layers=frozenset(layout.latent),
+            latent=layout.latent,
         )
         self.runner.allocate_swap_space(memory.num_swap_blocks)
         self.runner.allocate_state_swap_space(memory.num_swap_state_slots)

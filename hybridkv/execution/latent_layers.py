@@ -1,11 +1,12 @@
-"""Latent attention layers in a step (patches/latent.py): the cache a step passes the model.
+"""Latent attention layers in a step (patches/latent.py): the cache a step passes the model, and each layer's
+up-projection as the attention op reads it.
 
 Such a layer hands its cache the step's latent and rotary-key rows (`cache.update(latent, rotary_key, layer_idx)`)
 and expands whatever the cache returns into its keys and values. `StepKVCache.update` stores the rows into the
-layer's K and V slots (`store_kv`, at the step's slot mapping) and returns each sequence's whole context read back
-from them (kernels/contexts.py), as transformers' own cache returns the past with the new rows: the layer then
-computes what it computes with its own cache, and the attention op attends over those dense rows (`LayerKV.dense`).
-Every other layer's update passes its K/V through (the paged attention op keeps them), as `PassThroughCache` does.
+layer's K and V slots (`store_kv`, at the step's slot mapping) and returns them as given: the layer expands only the
+step's rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
+(kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them), as
+`PassThroughCache` does.
 """
 
 from __future__ import annotations
@@ -15,9 +16,19 @@ from typing import Any
 import torch
 
 from hybridkv.kernels import store_kv
-from hybridkv.kernels.contexts import gather_contexts
-from hybridkv.patches.attention import StepContext
+from hybridkv.patches.attention import LatentUp, StepContext
+from hybridkv.patches.latent import LatentLayer
 from hybridkv.patches.probe import PassThroughCache
+
+
+def latent_ups(model: torch.nn.Module, latent: dict[int, LatentLayer]) -> dict[int, LatentUp]:
+    """Each latent layer's up-projection (`LatentLayer.up_proj`, a qualified name) as its owner module and name."""
+    named = dict(model.named_modules())
+    ups = {}
+    for layer_idx, found in latent.items():
+        owner, _, name = found.up_proj.rpartition(".")
+        ups[layer_idx] = LatentUp(named[owner], name, found.nope_dim)
+    return ups
 
 
 class StepKVCache(PassThroughCache):
@@ -40,9 +51,7 @@ class StepKVCache(PassThroughCache):
             key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer.key_cache, layer.value_cache,
             metadata, layer.k_scale, layer.v_scale,
         )  # fmt: skip
-        latent = gather_contexts(layer.key_cache, metadata, layer.k_scale, key_states.dtype)
-        rotary = gather_contexts(layer.value_cache, metadata, layer.v_scale, value_states.dtype)
-        return latent[None, None], rotary[None, None]
+        return key_states, value_states
 
 
 def cache_argument(model: torch.nn.Module) -> str:

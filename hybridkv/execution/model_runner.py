@@ -15,7 +15,7 @@ from hybridkv.execution.compiled_forward import CompiledForward
 from hybridkv.execution.graphs import DecodeGraphs, padding_arrays
 from hybridkv.execution.input_batch import InputBatch
 from hybridkv.execution.kv_dtypes import LayerDtypes
-from hybridkv.execution.latent_layers import StepKVCache, cache_argument
+from hybridkv.execution.latent_layers import StepKVCache, cache_argument, latent_ups
 from hybridkv.execution.multimodal import MultiModalInputs, image_embeddings_placed
 from hybridkv.execution.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
 from hybridkv.kernels import (
@@ -33,6 +33,7 @@ from hybridkv.memory.grouping import KVCacheConfig
 from hybridkv.memory.kv_spec import StateSpec
 from hybridkv.patches.attention import LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
+from hybridkv.patches.latent import LatentLayer
 from hybridkv.patches.layer_kinds import text_config
 from hybridkv.scheduling.scheduler import SchedulerOutput
 
@@ -85,7 +86,7 @@ class ModelRunner:
         backend: str | None = None,
         states: list[StateSpec] | None = None,
         num_state_slots: int = 0,
-        latent_layers: frozenset[int] = frozenset(),
+        latent: dict[int, LatentLayer] | None = None,
     ) -> None:
         self.model = model
         self.kv_config = kv_config
@@ -101,8 +102,8 @@ class ModelRunner:
         # Metadata is written once per (device, group) each step; a layer reads the copy on its device.
         self.devices = list(self._pages)
         self.layers = layer_views(kv_config, layer_dtypes, self._pages, devices)
-        for layer_idx in latent_layers:
-            self.layers[layer_idx].dense = True
+        for layer_idx, up in latent_ups(model, latent or {}).items():
+            self.layers[layer_idx].latent = up
         # Passed to every forward: one object for the runner's life, its metadata replaced each step.
         self.context = StepContext(self.layers)
         self.batch = InputBatch(kv_config, limits.max_model_len, limits.max_num_seqs)
@@ -122,7 +123,7 @@ class ModelRunner:
         self.state_pool = self.state_cache = None
         self._wrapped: list[torch.nn.Module] = []
         # What a step passes the model as its cache (`_forward`): one for state layers or latent attention layers.
-        self.latent_layers = frozenset(latent_layers)
+        self.latent_layers = frozenset(latent or ())
         self.step_cache: dict[str, StepKVCache] = {}
         if self.states:
             self._wire_state_layers(named, num_state_slots)

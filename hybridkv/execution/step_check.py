@@ -210,7 +210,7 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
         limits,
         states=layout.states,
         num_state_slots=num_state_slots,
-        latent_layers=frozenset(layout.latent),
+        latent=layout.latent,
     )
     try:
         yield from _compare(model, prompts, coordinator, runner)

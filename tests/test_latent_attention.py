@@ -1,0 +1,112 @@
+"""Latent attention (MLA): found by what a layer does, paged as its latent and rotary key, attended expanded (prompt
+chunks) or absorbed (decode rows), exact against transformers' generate. The zoo's LATENT families run every other
+test file's matrix too (defaults, chunks, prefix hits, tiny pools, swap, forks, beam search, fp8 pages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.kernels import PagedAttentionMetadata
+from hybridkv.kernels.contexts import latent_attention
+from hybridkv.patches.inspection import inspect_model
+
+from greedy_reference import MAX_NEW, assert_same_greedy, family
+from model_zoo import LATENT, MLA
+from tiny_models import hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+
+def test_a_latent_layer_is_paged_as_its_latent_and_rotary_key(patched):
+    model, _, _ = family("deepseek_v3")
+    layout = inspect_model(model, torch.float32)
+    layers = model.config.num_hidden_layers
+    assert sorted(layout.latent) == list(range(layers))
+    for spec in layout.specs:
+        latent = layout.latent[spec.layer_idx]
+        assert (latent.latent_dim, latent.rope_dim, latent.nope_dim) == (16, 8, MLA["qk_nope_head_dim"])
+        assert latent.up_proj == f"model.layers.{spec.layer_idx}.self_attn.kv_b_proj"
+        assert (spec.num_kv_heads, spec.head_dim, spec.value_head_dim) == (1, 16, 8)
+    llm = patched(model, block_size=8, max_model_len=256)
+    # (latent + rotary key) x layers x fp32: 1/4.25 of the expanded heads' (4 heads x (24 + 16)) K/V.
+    assert llm.bytes_per_block == 8 * (16 + 8) * layers * 4
+
+
+@pytest.mark.parametrize("name", sorted(LATENT))
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
+def test_decode_rows_absorbed_or_expanded_give_generates_tokens(name, absorb, patched):
+    """Both forms of a decode row, with a prompt's chunks beside decode rows (chunked prefill) and prefix hits."""
+    model, batch, references = family(name)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32)
+    for layer_idx in llm.runner.latent_layers:
+        llm.runner.layers[layer_idx].latent.absorb = absorb
+    assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
+    assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
+    assert llm.stats()["prefix_cache_hits"] > 0
+
+
+def test_the_absorbed_form_computes_what_the_expanded_form_computes():
+    """Random pages, a step of decode rows beside a prompt's chunk: every row within fp32 rounding of the other form."""
+    torch.manual_seed(0)
+    heads, nope, rotary, value, latent, block_size = 4, 16, 8, 16, 12, 4
+    up = torch.nn.Linear(latent, heads * (nope + value), bias=False)
+    latent_cache = torch.randn(20, block_size, 1, latent)
+    rotary_cache = torch.randn(20, block_size, 1, rotary)
+    query_lens, seq_lens = [1, 5, 1, 1], [9, 13, 1, 30]
+    tables = [[3, 4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17, 18]]
+    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+    query = torch.randn(sum(query_lens), heads, nope + rotary)
+    with torch.no_grad():
+        absorbed = latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=True)
+        metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+        expanded = latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=False)
+    torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(absorbed[1:6], torch.zeros_like(absorbed[1:6]))
+
+
+def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
+    """PEFT wraps the up-projection in a LoRA layer: decode rows then expand through the wrapper (its adapter
+    included) rather than fold the base weight into the query, and the tokens are the adapted model's."""
+    model = LATENT["deepseek_v3"]()
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, target_modules=["kv_b_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config).eval()
+    batch = prompts((7, 40))
+    references = [hf_greedy(peft_model, prompt, 8) for prompt in batch]
+    base = [hf_greedy(model, prompt, 8)[0] for prompt in batch]  # PEFT's layers are on: the adapted model's
+    llm = patched(peft_model, block_size=8, max_model_len=256)
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert_same_greedy(outputs, references)
+    with peft_model.disable_adapter():
+        base = [hf_greedy(peft_model, prompt, 8) for prompt in batch]
+        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert_same_greedy(outputs, base)
+    assert [t for t, _ in base] != [t for t, _ in references]  # the adapter changes the tokens
+
+
+def test_a_declared_latent_layer_whose_keys_are_not_its_up_projection_is_refused():
+    """The config says latent attention (kv_lora_rank), but the keys the attention function receives are not the
+    up-projection's output (here: nudged after it): refused rather than paged as something else."""
+    model = LATENT["deepseek_v3"]()
+    attention = model.model.layers[1].self_attn
+    expand = attention.expand_kv
+
+    def nudged(kv_nope, k_rot):
+        key, value = expand(kv_nope, k_rot)
+        return key + 1e-3, value
+
+    attention.expand_kv = nudged
+    with pytest.raises(ValueError, match=r"layer 1: its config declares multi-head latent attention.*not one linear"):
+        hybridkv.patch(model, max_model_len=256)
+    assert not hybridkv.is_patched(model)
+
+
+def test_compile_and_tensor_parallel_are_refused_naming_the_fix():
+    model = LATENT["minicpm3"]()
+    with pytest.raises(ValueError, match=r"latent attention yet.*compile=False"):
+        hybridkv.patch(model, max_model_len=256, compile=True)
+    assert not hybridkv.is_patched(model)
