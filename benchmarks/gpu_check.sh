@@ -9,7 +9,7 @@
 # must carry it), or a newer transformers than the machine has. Each part has a time limit, so that one slow
 # part cannot take the others' time; set PARTS to run some of them, in the order given.
 #
-# The default (issue 47, meant for one call of at most 9 minutes on an H200; no GPU has run it yet, so the
+# The default (issues 47 and 49, meant for one call of at most 9 minutes on an H200; no GPU has run it yet, so the
 # limits are estimates):
 #   tests47     the split-KV decode kernel compiled for the device (tests/test_kernels_split.py) and the
 #               async-scheduling twin-engine test on CUDA (graphs, pinned copies; tests/test_async_scheduling.py)
@@ -17,16 +17,19 @@
 #               decode at 64 x 2,048 tokens by the profiler's kernel time against a device copy
 #   profile     benchmarks/profile_gpu_step.py (PROFILE_ARGS, default the Gemma-3-1B shape at 64 running): a
 #               decode step's wall time, the GPU's busy share of it, host time by part
-#   hoststacks  py-spy over the same steps without the torch profiler, summarised by benchmarks/host_profile.py --every-step
+#   latent      issue 49: tests/test_latent_attention.py on the device (the Triton decode kernel for latent attention
+#               against the torch path, DeepSeek-V2 on the Triton backend against generate) and
+#               benchmarks/latent_attention.py --speed-only --device cuda (decode against generate, absorbed and expanded)
 #   throughput  benchmarks/throughput_gpu.py (THROUGHPUT_ARGS): Gemma-3-1B and Llama-3.2-1B shapes, 128 mixed
 #               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
 #               generate and its plain generate (the two baselines' bf16 agreement is the yardstick)
-# Other parts: "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
+# Other parts: "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
+# benchmarks/host_profile.py --every-step), "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
 # (benchmarks/compile_startup.py, issue 46). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
-parts=${PARTS:-tests47 attention profile hoststacks throughput}
+parts=${PARTS:-tests47 latent attention profile throughput}
 throughput_args=${THROUGHPUT_ARGS:---models gemma3,llama --workloads mixed --requests 128 --systems hybridkv,hybridkv_sync,generate_static,generate}
 profile_args=${PROFILE_ARGS:---model gemma3 --running 64}
 export PYTHONUNBUFFERED=1
@@ -59,6 +62,9 @@ for part in $parts; do
         tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
     graphs) run_part graphs "${GRAPHS_SECONDS:-240}" "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
     zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
+    latent) run_part latent "${LATENT_SECONDS:-60}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q \
+        -p no:cacheprovider -n 4 tests/test_latent_attention.py && python3 benchmarks/latent_attention.py --speed-only \
+        --device cuda --requests 32" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-240}" python3 benchmarks/throughput_gpu.py $throughput_args ;;

@@ -13,7 +13,8 @@ Speed: a tiny-to-mid DeepSeek-V3 (hidden 256, 4 layers, 8 heads, latent 64 + rot
 --requests prompts of 100-300 tokens, --new-tokens each, greedy: `model.generate` (padded batch, DynamicCache),
 `generate_batch` (transformers' continuous batching, if it serves the model) and hybridkv with its decode rows
 attended in latent space (the default) and expanded, each timed from the call to the last token with set-up
-outside; tokens compared with generate's. `--speed-only` skips the memory part.
+outside; tokens compared with generate's. `--speed-only` skips the memory part; `--device cuda` runs the speed part
+on a GPU (fp32: the Triton decode kernel's ieee dots).
 
     python benchmarks/latent_attention.py [--budget-requests 8] [--context 4096] [--requests 8] [--new-tokens 32]
 """
@@ -77,14 +78,14 @@ def memory(budget_requests: int, context: int) -> None:
     hybridkv.unpatch(model)
 
 
-def speed(num_requests: int, new_tokens: int) -> None:
+def speed(num_requests: int, new_tokens: int, device: str = "cpu") -> None:
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**MID)).eval()
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**MID)).eval().to(device)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, MID["vocab_size"]) for _ in range(rng.randint(100, 300))] for _ in range(num_requests)]
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     with torch.inference_mode():
         start = time.perf_counter()
         out = model.generate(
@@ -136,12 +137,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--device", default="cpu", help="where the speed part runs (cuda: a GPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.speed_only:
         memory(args.budget_requests, args.context)
-    speed(args.requests, args.new_tokens)
+    speed(args.requests, args.new_tokens, args.device)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ Tokens/s = generated tokens / wall seconds, measured under whatever else the mac
 
     python benchmarks/memory.py [--requests 12] [--prompt-tokens 3000] [--new-tokens 16] [--budget-requests 6]
         [--max-num-batched-tokens 2048] [--chunks 256,512,2048,4096] [--threads N]
+    python benchmarks/memory.py --layout deepseek-v2-lite [--budget-requests 8]   # latent attention (issue 49)
 """
 
 from __future__ import annotations
@@ -201,8 +202,18 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="hybridkv's step budget in the runs")
     parser.add_argument("--chunks", default="256,512,2048,4096", help="the same, replayed without the model")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--layout", choices=["gemma3", "deepseek-v2-lite"], default="gemma3",
+        help="deepseek-v2-lite: latent attention's bytes per token and requests of 4,096 tokens at DynamicCache's "
+        "budget for --budget-requests of them (benchmarks/latent_attention.py's memory part)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.layout == "deepseek-v2-lite":
+        from latent_attention import memory
+
+        memory(args.budget_requests, 4096)
+        return
     report(args)
 
 

@@ -66,8 +66,9 @@ def latent_attention(
     out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
     decode = _decode_plan(metadata) if absorb else None
     if decode is not None:
+        triton = step.backend == "triton"
         _absorbed_decode(
-            query, latent_cache, rotary_cache, decode, up_proj.weight, nope_dim, scale, k_scale, v_scale, out
+            query, latent_cache, rotary_cache, decode, up_proj.weight, nope_dim, scale, k_scale, v_scale, out, triton
         )
         if decode.rows.numel() == query.shape[0]:
             return out
@@ -95,6 +96,8 @@ class _DecodePlan(NamedTuple):
     blocks: torch.Tensor  # [batch, longest]
     offsets: torch.Tensor  # [batch, longest]
     hidden: torch.Tensor  # [batch, 1, longest]: True past the row's sequence
+    tables: torch.Tensor  # [batch, width]: the rows' block tables (the Triton kernel's)
+    lengths: torch.Tensor  # [batch] int32
 
 
 _DECODE_PLAN = ("latent decode plan",)
@@ -120,23 +123,36 @@ def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
         lengths_tensor = torch.tensor(lengths, device=device)
         hidden = positions[None] >= lengths_tensor[:, None]
         clamped = torch.where(hidden, 0, positions[None])  # a masked position reads position 0 of its sequence
-        blocks = table[torch.tensor(sequences, device=device)].long().gather(1, clamped // block_size)
-        plan = _DecodePlan(torch.tensor(rows, device=device), blocks, clamped % block_size, hidden[:, None])
+        tables = table[torch.tensor(sequences, device=device)]
+        blocks = tables.long().gather(1, clamped // block_size)
+        plan = _DecodePlan(
+            torch.tensor(rows, device=device), blocks, clamped % block_size, hidden[:, None], tables,
+            lengths_tensor.to(torch.int32),
+        )  # fmt: skip
     metadata.torch_plans[_DECODE_PLAN] = plan
     return plan
 
 
 def _absorbed_decode(query, latent_cache, rotary_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, v_scale,
-                     out) -> None:  # fmt: skip
+                     out, triton: bool = False) -> None:  # fmt: skip
     """The decode rows in latent space, vLLM's and FlashMLA's form: scores = q_nope . (W_k c) + q_rot . k_rot =
     (W_k^T q_nope) . c + q_rot . k_rot, and out = W_v (softmax . c): the up-projection (`weight`, `[heads * (nope_dim +
-    v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded."""
+    v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded. With `triton`
+    (the step's backend), 16/32-bit pages are attended by kernels/triton_latent.py."""
     dtype, heads = query.dtype, query.shape[1]
-    context = _read(latent_cache, plan, k_scale, dtype)  # [batch, longest, latent]
-    rotary = _read(rotary_cache, plan, v_scale, dtype)  # [batch, longest, rotary]
-    weight = weight.view(heads, -1, context.shape[-1])  # [heads, nope + v, latent]
+    weight = weight.view(heads, -1, latent_cache.shape[-1])  # [heads, nope + v, latent]
     rows = query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
     absorbed = torch.einsum("bhn,hnl->bhl", rows[..., :nope_dim], weight[:, :nope_dim])
+    if triton and not is_fp8(latent_cache.dtype):
+        from .triton_latent import triton_latent_decode
+
+        attended = triton_latent_decode(
+            absorbed, rows[..., nope_dim:], latent_cache, rotary_cache, plan.tables, plan.lengths, scale
+        )
+        out.index_copy_(0, plan.rows, torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:]))
+        return
+    context = _read(latent_cache, plan, k_scale, dtype)  # [batch, longest, latent]
+    rotary = _read(rotary_cache, plan, v_scale, dtype)  # [batch, longest, rotary]
     scores = absorbed @ context.transpose(1, 2) + rows[..., nope_dim:] @ rotary.transpose(
         1, 2
     )  # [batch, heads, longest]

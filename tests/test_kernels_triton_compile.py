@@ -3,7 +3,7 @@
 The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so every
 variant is compiled for sm_90 (and some for sm_80) through Triton's whole pipeline to PTX, where those
 errors and the shared memory a program needs are found. The first variant of each kind (kernel, target,
-cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 14 of the 47:
+cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 17 of the 51:
 ptxas takes a third of a variant's compile, and what it checks beyond Triton's own passes (valid PTX for the
 target) varies with the kind far more than with a head dim or a flag. It
 runs in a subprocess because TRITON_INTERPRET, set by conftest.py, would turn the kernels into
@@ -28,7 +28,7 @@ Variant = tuple[str, str, str, dict, int, dict]
 # The most shared memory one program may use: sm_80 (A100) and sm_90 (H100/H200) opt-in limits.
 _SHARED_MEMORY_LIMIT = {80: 166_912, 90: 232_448}
 _ELEMENT_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
-_CACHE_POINTERS = {"key_cache_ptr", "value_cache_ptr"}
+_CACHE_POINTERS = {"key_cache_ptr", "value_cache_ptr", "latent_cache_ptr", "rotary_cache_ptr"}
 _FORMATS = {
     "fp8e4nv": {"FP8_MAX": 448.0, "FP8_MANTISSA_BITS": 3, "FP8_MIN_EXPONENT": -6, "ROUND_TO_BF16": False},
     "fp8e5": {"FP8_MAX": 57344.0, "FP8_MANTISSA_BITS": 2, "FP8_MIN_EXPONENT": -14, "ROUND_TO_BF16": False},
@@ -123,6 +123,23 @@ def _write_variant(
     return ("write", dtype, cache_dtype, constexprs, capability, {})
 
 
+def _latent_variant(
+    dtype: str, latent: int, rotary: int, cache_dtype: str | None = None, capability: int = 90
+) -> Variant:
+    """Latent attention's decode kernel (kernels/triton_latent.py), as `triton_latent_decode` launches it."""
+    latent_padded = 1 << (latent - 1).bit_length()
+    constexprs = {
+        "LATENT": latent,
+        "LATENT_PADDED": latent_padded,
+        "ROTARY": rotary,
+        "ROTARY_PADDED": max(16, 1 << (rotary - 1).bit_length()),
+        "BLOCK_SIZE": 16,
+        "BLOCK_H": 16,
+        "TILE_N": 16 if latent_padded >= 256 else 32,
+    }
+    return ("latent", dtype, cache_dtype or dtype, constexprs, capability, {"num_warps": 4, "num_stages": 1})
+
+
 def _variants() -> list[Variant]:
     flags = list(product([False, True], repeat=3))
     variants = [_attention_variant("bf16", 128, *combination) for combination in flags]
@@ -162,6 +179,14 @@ def _variants() -> list[Variant]:
     variants += [_write_variant(dtype, head_dim) for dtype, head_dim in [("fp16", 64), ("bf16", 128), ("fp32", 256)]]
     variants.append(_write_variant("bf16", 96, num_kv_heads=3))
     variants.append(_write_variant("bf16", 192, value_head_dim=128))
+    # Latent attention's decode: DeepSeek V2/V3's latent 512 + rotary 64 (an H100/H200 and an A100), MiniCPM3's
+    # 256 + 32 in fp16, an fp32 model on bf16 pages.
+    variants += [
+        _latent_variant("bf16", 512, 64),
+        _latent_variant("bf16", 512, 64, capability=80),
+        _latent_variant("fp16", 256, 32),
+        _latent_variant("fp32", 512, 64, cache_dtype="bf16"),
+    ]
     variants += [
         _write_variant("bf16", 128, cache_dtype="fp8e4nv"),
         _write_variant("fp32", 64, cache_dtype="fp8e5", capability=80),
@@ -195,7 +220,7 @@ def _signature(kernel, dtype: str, cache_dtype: str) -> dict[str, str]:
             signature[name] = f"*{cache_dtype}"
         elif name.endswith("_ptr"):
             signature[name] = f"*{dtype}"
-        elif name in ("scale", "softcap", "k_scale", "v_scale"):
+        elif name in ("scale", "softcap", "k_scale", "v_scale", "scale_log2"):
             signature[name] = "fp32"
         elif name.isupper():
             signature[name] = "constexpr"
@@ -214,6 +239,7 @@ def _compile_all(variants: list[Variant], assembled: list[bool]) -> list[str]:
 
     from hybridkv.kernels.triton_attention import paged_attention_kernel, reduce_segments_kernel
     from hybridkv.kernels.triton_cache_write import write_kv_kernel
+    from hybridkv.kernels.triton_latent import latent_decode_kernel
 
     add_stages = CUDABackend.add_stages
     to_ptx = {"assemble": True}
@@ -224,7 +250,12 @@ def _compile_all(variants: list[Variant], assembled: list[bool]) -> list[str]:
             stages["cubin"] = lambda ptx, metadata: b""  # no ptxas: the kernel is never launched here
 
     CUDABackend.add_stages = stages
-    kernels = {"attention": paged_attention_kernel, "write": write_kv_kernel, "reduce": reduce_segments_kernel}
+    kernels = {
+        "attention": paged_attention_kernel,
+        "write": write_kv_kernel,
+        "reduce": reduce_segments_kernel,
+        "latent": latent_decode_kernel,
+    }
     failures = []
     for (name, dtype, cache_dtype, constexprs, capability, options), assemble in zip(variants, assembled, strict=True):
         kernel = kernels[name]

@@ -16,7 +16,7 @@ from hybridkv.patches.inspection import inspect_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from model_zoo import LATENT, MLA
-from tiny_models import hf_greedy, prompts
+from tiny_models import DEVICE, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 
@@ -53,25 +53,53 @@ def test_the_absorbed_form_computes_what_the_expanded_form_computes():
     """Random pages, a step of decode rows beside a prompt's chunk: every row within fp32 rounding of the other form."""
     torch.manual_seed(0)
     heads, nope, rotary, value, latent, block_size = 4, 16, 8, 16, 12, 4
-    up = torch.nn.Linear(latent, heads * (nope + value), bias=False)
-    latent_cache = torch.randn(20, block_size, 1, latent)
-    rotary_cache = torch.randn(20, block_size, 1, rotary)
+    up = torch.nn.Linear(latent, heads * (nope + value), bias=False).to(DEVICE)
+    latent_cache = torch.randn(20, block_size, 1, latent, device=DEVICE)
+    rotary_cache = torch.randn(20, block_size, 1, rotary, device=DEVICE)
     query_lens, seq_lens = [1, 5, 1, 1], [9, 13, 1, 30]
     tables = [[3, 4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17, 18]]
-    metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-    query = torch.randn(sum(query_lens), heads, nope + rotary)
-    with torch.no_grad():
-        absorbed = latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=True)
-        metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size)
-        expanded = latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=False)
+    query = torch.randn(sum(query_lens), heads, nope + rotary, device=DEVICE)
+    results = []
+    for absorb in (True, False):
+        metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, backend="torch")
+        with torch.no_grad():
+            results.append(latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=absorb))
+    absorbed, expanded = results
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert not torch.equal(absorbed[1:6], torch.zeros_like(absorbed[1:6]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_decode_kernel_computes_what_the_torch_path_computes(cache_dtype):
+    """kernels/triton_latent.py (run by the Triton interpreter here; compiled for sm_80 and sm_90 by
+    tests/test_kernels_triton_compile.py) against the torch path's absorbed form, on decode rows of several lengths
+    (tiles cut mid-block, a one-token sequence) beside a prompt's chunk."""
+    torch.manual_seed(0)
+    heads, nope, rotary, value, latent, block_size = 4, 16, 8, 16, 24, 4
+    up = torch.nn.Linear(latent, heads * (nope + value), bias=False).to(DEVICE)
+    latent_cache = torch.randn(20, block_size, 1, latent, device=DEVICE).to(cache_dtype)
+    rotary_cache = torch.randn(20, block_size, 1, rotary, device=DEVICE).to(cache_dtype)
+    query_lens, seq_lens = [1, 5, 1, 1], [9, 13, 1, 30]
+    tables = [[3, 4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17, 18]]
+    query = torch.randn(sum(query_lens), heads, nope + rotary, device=DEVICE)
+    results = []
+    for backend in ("torch", "triton"):
+        metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, backend=backend)
+        with torch.no_grad():
+            results.append(latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+
+
+def test_the_triton_backend_gives_generates_tokens(patched):
+    model, batch, references = family("deepseek_v2")
+    llm = patched(model, block_size=8, max_model_len=256, attention_backend="triton")
+    assert_same_greedy(llm.generate(batch[:2], GREEDY, use_tqdm=False), references[:2])
 
 
 def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
     """PEFT wraps the up-projection in a LoRA layer: decode rows then expand through the wrapper (its adapter
     included) rather than fold the base weight into the query, and the tokens are the adapted model's."""
-    model = LATENT["deepseek_v3"]()
+    model = LATENT["deepseek_v3"]().to(DEVICE)
     torch.manual_seed(3)
     config = LoraConfig(r=4, target_modules=["kv_b_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model, config).eval()
@@ -91,7 +119,7 @@ def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
 def test_a_declared_latent_layer_whose_keys_are_not_its_up_projection_is_refused():
     """The config says latent attention (kv_lora_rank), but the keys the attention function receives are not the
     up-projection's output (here: nudged after it): refused rather than paged as something else."""
-    model = LATENT["deepseek_v3"]()
+    model = LATENT["deepseek_v3"]().to(DEVICE)
     attention = model.model.layers[1].self_attn
     expand = attention.expand_kv
 
@@ -102,11 +130,4 @@ def test_a_declared_latent_layer_whose_keys_are_not_its_up_projection_is_refused
     attention.expand_kv = nudged
     with pytest.raises(ValueError, match=r"layer 1: its config declares multi-head latent attention.*not one linear"):
         hybridkv.patch(model, max_model_len=256)
-    assert not hybridkv.is_patched(model)
-
-
-def test_compile_and_tensor_parallel_are_refused_naming_the_fix():
-    model = LATENT["minicpm3"]()
-    with pytest.raises(ValueError, match=r"latent attention yet.*compile=False"):
-        hybridkv.patch(model, max_model_len=256, compile=True)
     assert not hybridkv.is_patched(model)
