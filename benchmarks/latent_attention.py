@@ -12,9 +12,11 @@ pool holds at once (its own block count) and a per-head K/V pool would.
 Speed: a tiny-to-mid DeepSeek-V3 (hidden 256, 4 layers, 8 heads, latent 64 + rotary 16, fp32, random weights),
 --requests prompts of 100-300 tokens, --new-tokens each, greedy: `model.generate` (padded batch, DynamicCache),
 `generate_batch` (transformers' continuous batching, if it serves the model) and hybridkv with its decode rows
-attended in latent space (the default) and expanded, each timed from the call to the last token with set-up
+attended in latent space (the default: on the CPU by the C decode kernel, and again through the torch path) and
+expanded, each timed from the call to the last token with set-up
 outside; tokens compared with generate's. `--speed-only` skips the memory part; `--device cuda` runs the speed part
-on a GPU (fp32: the Triton decode kernel's ieee dots).
+on a GPU (fp32: the Triton decode kernel's ieee dots). `--micro`: the decode rows' attention alone on random pages,
+the C decode kernel against the torch path (the CPU's choice).
 
     python benchmarks/latent_attention.py [--budget-requests 8] [--context 4096] [--requests 8] [--new-tokens 32]
 """
@@ -22,6 +24,7 @@ on a GPU (fp32: the Triton decode kernel's ieee dots).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -37,6 +40,7 @@ from transformers import (
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.kernels import cpu_decode
 
 LITE = dict(  # DeepSeek-V2-Lite's attention (its published config), a tiny MLP and vocabulary
     num_hidden_layers=27, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
@@ -111,13 +115,17 @@ def speed(num_requests: int, new_tokens: int, device: str = "cpu") -> None:
     except Exception as error:
         print(f"generate_batch does not serve this model: {type(error).__name__}: {str(error)[:200]}")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for name, absorb in (("hybridkv (decode absorbed)", True), ("hybridkv (decode expanded)", False)):
+    forms = [("hybridkv (decode absorbed)", True, False), ("hybridkv (decode expanded)", False, False)]
+    if device == "cpu":  # the absorbed rows through the torch path, not the C decode kernel
+        forms.insert(1, ("hybridkv (absorbed, no C kernel)", True, True))
+    for name, absorb, no_c_kernel in forms:
         llm = hybridkv.patch(model, block_size=16, max_model_len=1024)
         for layer in llm.runner.layers.values():
             layer.latent.absorb = absorb
-        start = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        with cpu_decode.disabled() if no_c_kernel else contextlib.nullcontext():
+            start = time.perf_counter()
+            results = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
         rows.append((name, seconds, [r.outputs[0].token_ids for r in results] == expected))
         hybridkv.unpatch(model)
     total = num_requests * new_tokens
@@ -129,6 +137,50 @@ def speed(num_requests: int, new_tokens: int, device: str = "cpu") -> None:
         print(f"  {name:<32}{total / seconds:>8.1f} tok/s  {ratio:.2f}x generate{same_text}")
 
 
+def decode_micro() -> None:
+    """The decode rows' attention alone (`latent_attention` on random pages, every row a decode row): the C decode
+    kernel against the torch path, median ms of 15 calls, each alternated twice."""
+    print("\nlatent decode rows alone (batch, heads, latent, rotary, context): median ms, C kernel / torch path")
+    for shape in [
+        (16, 16, 512, 64, 128, 128, 1000),  # DeepSeek-V2-Lite's attention
+        (32, 16, 512, 64, 128, 128, 300),
+        (8, 8, 64, 16, 32, 32, 250),  # the speed part's model
+    ]:
+        c_ms, torch_ms = _time_decode(*shape)
+        print(
+            f"  {shape[:4] + shape[-1:]!s:<28}{c_ms:>8.2f} / {torch_ms:>6.2f} ms  ({torch_ms / c_ms:.2f}x faster in C)"
+        )
+
+
+def _time_decode(batch, heads, latent, rotary, nope, value, context, block_size=16) -> tuple[float, float]:
+    from hybridkv.kernels import PagedAttentionMetadata
+    from hybridkv.kernels.contexts import latent_attention
+
+    per_seq = -(-context // block_size)
+    torch.manual_seed(0)
+    pages = torch.randn(batch * per_seq + 1, block_size, 1, latent + rotary)
+    up = torch.nn.Linear(latent, heads * (nope + value), bias=False)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+    query = torch.randn(batch, heads, nope + rotary)
+
+    def run():
+        metadata = PagedAttentionMetadata.build([1] * batch, [context] * batch, tables, block_size)
+        with torch.no_grad():
+            latent_attention(query, pages, pages[..., :latent], metadata, up, nope, 0.1)
+
+    times: dict[str, list[float]] = {"C kernel": [], "torch path": []}
+    for name in ["C kernel", "torch path"] * 2:
+        with cpu_decode.disabled() if name == "torch path" else contextlib.nullcontext():
+            run()
+            calls = []
+            for _ in range(15):
+                start = time.perf_counter()
+                run()
+                calls.append(time.perf_counter() - start)
+        times[name].append(sorted(calls)[7] * 1e3)
+    return min(times["C kernel"]), min(times["torch path"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-requests", type=int, default=8)
@@ -137,10 +189,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--speed-only", action="store_true")
+    parser.add_argument("--micro", action="store_true", help="only the decode rows' attention: C kernel / torch path")
     parser.add_argument("--device", default="cpu", help="where the speed part runs (cuda: a GPU)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.micro:
+        decode_micro()
+        return
     if not args.speed_only:
         memory(args.budget_requests, args.context)
     speed(args.requests, args.new_tokens, args.device)

@@ -103,11 +103,13 @@ def kv_page_views(
     head_dim: int,
     value_head_dim: int,
     dtype: torch.dtype | None = None,
+    value_in_key: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's K ``[num_blocks, block_size, heads, head_dim]`` and V ``[..., value_head_dim]`` views of
     its slot, which starts ``offset_bytes`` into every page: K rows, then V rows. ``dtype`` (default: the
     pages') reads the slot's bytes as that dtype, so layers of different KV dtypes share one page tensor
-    (allocate it as uint8); the slot must start at a multiple of the dtype's size."""
+    (allocate it as uint8); the slot must start at a multiple of the dtype's size. With ``value_in_key`` the slot
+    holds K rows only, and V is a view of each K row's first ``value_head_dim`` elements (latent attention)."""
     dtype = dtype or pages.dtype
     if dtype != pages.dtype:
         element_bytes = torch.empty((), dtype=dtype).element_size()
@@ -119,5 +121,7 @@ def kv_page_views(
     value_elements = block_size * num_kv_heads * value_head_dim
     num_blocks = pages.shape[0]
     keys = pages[:, start : start + key_elements].view(num_blocks, block_size, num_kv_heads, head_dim)
+    if value_in_key:
+        return keys, keys[..., :value_head_dim]
     values = pages[:, start + key_elements : start + key_elements + value_elements]
     return keys, values.view(num_blocks, block_size, num_kv_heads, value_head_dim)

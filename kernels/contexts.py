@@ -1,7 +1,8 @@
-"""Latent attention layers' attention (patches/latent.py): their pages hold a latent (K slot) and a rotary key (V
-slot) per token, one "head" each. `latent_attention` reads each sequence's whole context back from the pages
-(`gather_contexts`) and attends: a prompt's chunk expands it through the layer's up-projection, as the layer itself
-does, a decode row attends in latent space. Plain torch, on any device.
+"""Latent attention layers' attention (patches/latent.py): their pages hold one "head" per token, a K row of the
+latent then the rotary key, whose latent is also the V row (`value_in_key`, vLLM's layout). `latent_attention`
+attends a prompt's chunk by reading each sequence's context back from the pages (`gather_contexts`) and expanding
+it through the layer's up-projection, as the layer itself does; decode rows attend in latent space, through the
+kernels' own `attend` (the CPU decode kernel, the torch path) or kernels/triton_latent.py on the Triton backend.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .metadata import PagedAttentionMetadata
+from .dispatch import attend
+from .metadata import PagedAttentionMetadata, StepMetadata
 from .quant import is_fp8
 
 _CONTEXT_SLOTS = ("context slots",)  # the key of a step's gather index in its metadata's `torch_plans`
@@ -45,35 +47,32 @@ def gather_contexts(cache: torch.Tensor, metadata: PagedAttentionMetadata, scale
 
 def latent_attention(
     query: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rotary_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     metadata: PagedAttentionMetadata,
     up_proj: torch.nn.Module,
     nope_dim: int,
     scale: float,
     k_scale: float = 1.0,
-    v_scale: float = 1.0,
     absorb: bool = True,
 ) -> torch.Tensor:
-    """A latent attention layer's step (patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over each
-    sequence's latents `[tokens, latent]` and rotary keys `[tokens, rotary]` read from the pages (the step's rows
-    stored already). A sequence of several rows (a prompt's chunk) expands its context through `up_proj` into keys
-    `[tokens, heads, nope_dim + rotary]` and values, as the layer itself does, and attends per sequence. Decode rows,
-    where `absorb`, attend in latent space instead, all of them at once (`_absorbed_decode`). Returns `[rows, heads,
-    v_dim]`."""
+    """A latent attention layer's step (patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over its pages,
+    whose K rows `key_cache` `[blocks, block_size, 1, latent + rotary]` hold each token's latent then its rotary key,
+    and whose V rows `value_cache` are a view of the latents (the step's rows stored already). A sequence of several
+    rows (a prompt's chunk) expands its context through `up_proj` into keys `[tokens, heads, nope_dim + rotary]` and
+    values, as the layer itself does, and attends per sequence. Decode rows, where `absorb`, attend in latent space
+    instead, all of them at once (`_absorbed_decode`). Returns `[rows, heads, v_dim]`."""
     step = metadata.step
     dtype, heads = query.dtype, query.shape[1]
+    latent_dim = value_cache.shape[-1]
     out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
     decode = _decode_plan(metadata) if absorb else None
     if decode is not None:
-        triton = step.backend == "triton"
-        _absorbed_decode(
-            query, latent_cache, rotary_cache, decode, up_proj.weight, nope_dim, scale, k_scale, v_scale, out, triton
-        )
+        _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out)
         if decode.rows.numel() == query.shape[0]:
             return out
-    latents = gather_contexts(latent_cache, metadata, k_scale, dtype)
-    rotary = gather_contexts(rotary_cache, metadata, v_scale, dtype)
+    latents = gather_contexts(value_cache, metadata, k_scale, dtype)
+    rotary = gather_contexts(key_cache[..., latent_dim:], metadata, k_scale, dtype)
     row = key_start = 0
     for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
         if decode is None or query_len > 1:
@@ -89,25 +88,21 @@ def latent_attention(
 
 
 class _DecodePlan(NamedTuple):
-    """A step's decode rows (sequences of one query row) as one padded batch: their rows of the query, and per row
-    the block and offset of each context position up to the longest, with the positions past its length masked."""
+    """A step's decode rows (sequences of one query row): their rows of the query, and the metadata of a step of
+    those rows alone (their block tables and lengths), which the kernels attend with."""
 
     rows: torch.Tensor  # [batch]
-    blocks: torch.Tensor  # [batch, longest]
-    offsets: torch.Tensor  # [batch, longest]
-    hidden: torch.Tensor  # [batch, 1, longest]: True past the row's sequence
-    tables: torch.Tensor  # [batch, width]: the rows' block tables (the Triton kernel's)
-    lengths: torch.Tensor  # [batch] int32
+    metadata: PagedAttentionMetadata
 
 
 _DECODE_PLAN = ("latent decode plan",)
 
 
 def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
-    """The step's decode rows as one padded batch (built once per step and group), or None where it has none."""
+    """The step's decode rows as a step of their own (built once per step and group), or None where it has none."""
     if _DECODE_PLAN in metadata.torch_plans:
         return metadata.torch_plans[_DECODE_PLAN]
-    step, table, block_size = metadata.step, metadata.block_table, metadata.block_size
+    step, table = metadata.step, metadata.block_table
     rows, sequences, lengths, row = [], [], [], 0
     for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
         if query_len == 1:
@@ -118,54 +113,38 @@ def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
     plan = None
     if rows:
         device = table.device
-        longest = max(lengths)
-        positions = torch.arange(longest, device=device)
-        lengths_tensor = torch.tensor(lengths, device=device)
-        hidden = positions[None] >= lengths_tensor[:, None]
-        clamped = torch.where(hidden, 0, positions[None])  # a masked position reads position 0 of its sequence
-        tables = table[torch.tensor(sequences, device=device)]
-        blocks = tables.long().gather(1, clamped // block_size)
-        plan = _DecodePlan(
-            torch.tensor(rows, device=device), blocks, clamped % block_size, hidden[:, None], tables,
-            lengths_tensor.to(torch.int32),
-        )  # fmt: skip
+        decode_step = StepMetadata.build([1] * len(rows), lengths, device, step.backend)
+        tables = table.index_select(0, torch.tensor(sequences, device=device))
+        unused_slots = torch.full((len(rows),), -1, dtype=torch.int64, device=device)  # nothing is stored
+        decode = PagedAttentionMetadata(decode_step, tables, unused_slots, metadata.block_size, None)
+        plan = _DecodePlan(torch.tensor(rows, device=device), decode)
     metadata.torch_plans[_DECODE_PLAN] = plan
     return plan
 
 
-def _absorbed_decode(query, latent_cache, rotary_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, v_scale,
-                     out, triton: bool = False) -> None:  # fmt: skip
+def _absorbed_decode(query, key_cache, value_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, out) -> None:
     """The decode rows in latent space, vLLM's and FlashMLA's form: scores = q_nope . (W_k c) + q_rot . k_rot =
     (W_k^T q_nope) . c + q_rot . k_rot, and out = W_v (softmax . c): the up-projection (`weight`, `[heads * (nope_dim +
-    v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded. With `triton`
-    (the step's backend), 16/32-bit pages are attended by kernels/triton_latent.py."""
-    dtype, heads = query.dtype, query.shape[1]
-    weight = weight.view(heads, -1, latent_cache.shape[-1])  # [heads, nope + v, latent]
+    v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded. What is left is
+    multi-query attention with K rows `[latent | rotary key]` and V rows `latent`, the pages as they are: the kernels'
+    own `attend` (on the CPU the decode kernel, kernels/cpu_decode.c), or on the Triton backend with 16/32-bit pages
+    kernels/triton_latent.py."""
+    heads, latent_dim = query.shape[1], value_cache.shape[-1]
+    weight = weight.view(heads, -1, latent_dim)  # [heads, nope + v, latent]
     rows = query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
     absorbed = torch.einsum("bhn,hnl->bhl", rows[..., :nope_dim], weight[:, :nope_dim])
-    if triton and not is_fp8(latent_cache.dtype):
+    decode = plan.metadata
+    if decode.step.backend == "triton" and not is_fp8(key_cache.dtype):
         from .triton_latent import triton_latent_decode
 
         attended = triton_latent_decode(
-            absorbed, rows[..., nope_dim:], latent_cache, rotary_cache, plan.tables, plan.lengths, scale
-        )
-        out.index_copy_(0, plan.rows, torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:]))
-        return
-    context = _read(latent_cache, plan, k_scale, dtype)  # [batch, longest, latent]
-    rotary = _read(rotary_cache, plan, v_scale, dtype)  # [batch, longest, rotary]
-    scores = absorbed @ context.transpose(1, 2) + rows[..., nope_dim:] @ rotary.transpose(
-        1, 2
-    )  # [batch, heads, longest]
-    scores = (scores * scale).masked_fill_(plan.hidden, float("-inf"))
-    attended = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype) @ context  # [batch, heads, latent]
+            absorbed, rows[..., nope_dim:], value_cache, key_cache[..., latent_dim:], decode.block_table,
+            decode.seq_lens, scale,
+        )  # fmt: skip
+    else:
+        latent_query = torch.cat([absorbed, rows[..., nope_dim:]], dim=-1)
+        attended = attend(latent_query, key_cache, value_cache, decode, scale=scale, k_scale=k_scale, v_scale=k_scale)
     out.index_copy_(0, plan.rows, torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:]))
-
-
-def _read(cache: torch.Tensor, plan: _DecodePlan, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    rows = cache[plan.blocks, plan.offsets, 0]
-    if is_fp8(cache.dtype):
-        return (rows.float() * scale).to(dtype)
-    return rows.to(dtype)
 
 
 def _attend_one(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

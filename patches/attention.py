@@ -236,7 +236,7 @@ def paged_attention_op(
         plain = type(up) is torch.nn.Linear and up.bias is None and not (up._forward_hooks or up._forward_pre_hooks)
         return latent_attention(
             query, layer.key_cache, layer.value_cache, step.metadata[layer.metadata_index], up, layer.latent.nope_dim,
-            scale, layer.k_scale, layer.v_scale, absorb=layer.latent.absorb and plain,
+            scale, layer.k_scale, absorb=layer.latent.absorb and plain,
         )  # fmt: skip
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's

@@ -140,8 +140,10 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             continue
         call = calls[layer_idx][0]
         if isinstance(found, LatentLayer):
-            # The latent in the K slot, the rotary key in the V slot: one "head" each (patches/latent.py).
-            specs.append(LayerSpec(layer_idx, None, 1, found.latent_dim, kv_dtype.itemsize, v_head_dim=found.rope_dim))
+            # One "head": a K row is the latent then the rotary key, and V its latent (patches/latent.py).
+            row = found.latent_dim + found.rope_dim
+            spec = LayerSpec(layer_idx, None, 1, row, kv_dtype.itemsize, v_head_dim=found.latent_dim, value_in_key=True)
+            specs.append(spec)
             continue
         _, num_kv_heads, _, head_dim = call.key.shape
         source = _kv_source(call, [calls[earlier][0] for earlier in range(layer_idx) if earlier in calls])
@@ -175,7 +177,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
         spec.layer_idx: (_amax(calls[spec.layer_idx][0].key), _amax(calls[spec.layer_idx][0].value)) for spec in specs
     }
     latent = {idx: found for idx, found in latent.items() if isinstance(found, LatentLayer)}
-    kv_amax.update({idx: (found.latent_amax, found.rope_amax) for idx, found in latent.items()})
+    kv_amax.update({idx: (max(found.latent_amax, found.rope_amax),) * 2 for idx, found in latent.items()})
     return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax, states=states, latent=latent)
 
 

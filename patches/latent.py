@@ -5,11 +5,11 @@ Such a layer computes one compressed latent per token (`kv_lora_rank` values) an
 head (`qk_rope_head_dim`), hands those two to its cache (`cache.update(latent, rotary_key, layer_idx)`, as
 transformers' MLA modules do), and only then expands what the cache returns into per-head keys and values
 through one linear up-projection (`kv_b_proj`). hybridkv pages what the layer hands its cache, 576 values a token
-for DeepSeek's layout instead of the expanded heads' 5,120 or more: the latent in a layer's K slot and the rotary
-key in its V slot, one "head" each (`LayerSpec(num_kv_heads=1, head_dim=latent, v_head_dim=rotary)`). In a step, the
-cache's update stores the step's rows and returns each sequence's whole context read back from the pages
-(hybridkv/execution/latent_layers.py); the model expands it as it expands its own cache's, and the attention op
-attends over those dense rows (`LayerKV.dense`).
+for DeepSeek's layout instead of the expanded heads' 5,120 or more, as vLLM does: one "head" whose K row is the
+latent then the rotary key and whose V row is a view of the latent (`LayerSpec(num_kv_heads=1, head_dim=latent +
+rotary, v_head_dim=latent, value_in_key=True)`). In a step, the cache's update stores the step's rows
+(hybridkv/execution/latent_layers.py), and the attention op attends over the pages through the up-projection
+(`LayerKV.latent`, kernels/contexts.py).
 
 A layer is latent when the probe forward shows both: a linear layer inside its attention module whose output, per
 head, is exactly the keys' leading columns and the values the attention function received (`up_projection`), and,
@@ -27,8 +27,8 @@ import torch
 
 @dataclass(frozen=True)
 class LatentLayer:
-    """One latent attention layer as hybridkv pages it: `latent_dim` values in its K slot, `rope_dim` in its V slot,
-    and the largest magnitudes of each seen by the probe (fp8 pages' scales)."""
+    """One latent attention layer as hybridkv pages it: K rows of `latent_dim` + `rope_dim` values, and the largest
+    magnitudes of each part seen by the probe (fp8 pages' scale: one for the whole row)."""
 
     layer_idx: int
     latent_dim: int

@@ -30,7 +30,7 @@ def test_a_latent_layer_is_paged_as_its_latent_and_rotary_key(patched):
         latent = layout.latent[spec.layer_idx]
         assert (latent.latent_dim, latent.rope_dim, latent.nope_dim) == (16, 8, MLA["qk_nope_head_dim"])
         assert latent.up_proj == f"model.layers.{spec.layer_idx}.self_attn.kv_b_proj"
-        assert (spec.num_kv_heads, spec.head_dim, spec.value_head_dim) == (1, 16, 8)
+        assert (spec.num_kv_heads, spec.head_dim, spec.value_head_dim, spec.value_in_key) == (1, 24, 16, True)
     llm = patched(model, block_size=8, max_model_len=256)
     # (latent + rotary key) x layers x fp32: 1/4.25 of the expanded heads' (4 heads x (24 + 16)) K/V.
     assert llm.bytes_per_block == 8 * (16 + 8) * layers * 4
@@ -54,8 +54,7 @@ def test_the_absorbed_form_computes_what_the_expanded_form_computes():
     torch.manual_seed(0)
     heads, nope, rotary, value, latent, block_size = 4, 16, 8, 16, 12, 4
     up = torch.nn.Linear(latent, heads * (nope + value), bias=False).to(DEVICE)
-    latent_cache = torch.randn(20, block_size, 1, latent, device=DEVICE)
-    rotary_cache = torch.randn(20, block_size, 1, rotary, device=DEVICE)
+    pages = torch.randn(20, block_size, 1, latent + rotary, device=DEVICE)  # K rows: the latent, the rotary key
     query_lens, seq_lens = [1, 5, 1, 1], [9, 13, 1, 30]
     tables = [[3, 4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17, 18]]
     query = torch.randn(sum(query_lens), heads, nope + rotary, device=DEVICE)
@@ -63,7 +62,7 @@ def test_the_absorbed_form_computes_what_the_expanded_form_computes():
     for absorb in (True, False):
         metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, backend="torch")
         with torch.no_grad():
-            results.append(latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2, absorb=absorb))
+            results.append(latent_attention(query, pages, pages[..., :latent], metadata, up, nope, 0.2, absorb=absorb))
     absorbed, expanded = results
     torch.testing.assert_close(absorbed, expanded, rtol=1e-5, atol=1e-5)
     assert not torch.equal(absorbed[1:6], torch.zeros_like(absorbed[1:6]))
@@ -77,8 +76,7 @@ def test_the_triton_decode_kernel_computes_what_the_torch_path_computes(cache_dt
     torch.manual_seed(0)
     heads, nope, rotary, value, latent, block_size = 4, 16, 8, 16, 24, 4
     up = torch.nn.Linear(latent, heads * (nope + value), bias=False).to(DEVICE)
-    latent_cache = torch.randn(20, block_size, 1, latent, device=DEVICE).to(cache_dtype)
-    rotary_cache = torch.randn(20, block_size, 1, rotary, device=DEVICE).to(cache_dtype)
+    pages = torch.randn(20, block_size, 1, latent + rotary, device=DEVICE).to(cache_dtype)
     query_lens, seq_lens = [1, 5, 1, 1], [9, 13, 1, 30]
     tables = [[3, 4, 5], [6, 7, 8, 9], [10], [11, 12, 13, 14, 15, 16, 17, 18]]
     query = torch.randn(sum(query_lens), heads, nope + rotary, device=DEVICE)
@@ -86,7 +84,7 @@ def test_the_triton_decode_kernel_computes_what_the_torch_path_computes(cache_dt
     for backend in ("torch", "triton"):
         metadata = PagedAttentionMetadata.build(query_lens, seq_lens, tables, block_size, DEVICE, backend=backend)
         with torch.no_grad():
-            results.append(latent_attention(query, latent_cache, rotary_cache, metadata, up, nope, 0.2))
+            results.append(latent_attention(query, pages, pages[..., :latent], metadata, up, nope, 0.2))
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 

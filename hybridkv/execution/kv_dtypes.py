@@ -110,4 +110,7 @@ def resolve_layer_dtypes(
     resolved = [dataclasses.replace(spec, dtype_bytes=dtypes[spec.layer_idx].itemsize) for spec in specs]
     holders = [spec.layer_idx for spec in specs if spec.holds_pages]
     scales = {i: fp8_scales(*kv_amax[i]) if is_fp8(dtypes[i]) else (1.0, 1.0) for i in holders}
+    for spec in specs:  # a V read from the K row's bytes is scaled as they are
+        if spec.value_in_key and spec.layer_idx in scales:
+            scales[spec.layer_idx] = (scales[spec.layer_idx][0],) * 2
     return resolved, LayerDtypes({i: dtypes[i] for i in holders}, scales)

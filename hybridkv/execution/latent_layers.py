@@ -3,7 +3,8 @@ up-projection as the attention op reads it.
 
 Such a layer hands its cache the step's latent and rotary-key rows (`cache.update(latent, rotary_key, layer_idx)`)
 and expands whatever the cache returns into its keys and values. `StepKVCache.update` stores the rows into the
-layer's K and V slots (`store_kv`, at the step's slot mapping) and returns them as given: the layer expands only the
+layer's pages (`store_kv`, at the step's slot mapping: K rows of the latent then the rotary key, whose latent is
+also the V row) and returns them as given: the layer expands only the
 step's rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
 (kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them), as
 `PassThroughCache` does.
@@ -47,10 +48,11 @@ class StepKVCache(PassThroughCache):
         layer = context.layers[layer_idx]
         metadata = context.metadata[layer.metadata_index]
         # [1, 1, rows, dim] -> [rows, 1, dim]: one "head"
-        store_kv(
-            key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer.key_cache, layer.value_cache,
-            metadata, layer.k_scale, layer.v_scale,
-        )  # fmt: skip
+        # [1, 1, rows, dim] -> [rows, 1, dim]: a K row is the latent then the rotary key; the V rows, a view of the
+        # K rows' latents, get the same bytes again.
+        latent = key_states[0].transpose(0, 1)
+        row = torch.cat([latent, value_states[0].transpose(0, 1)], dim=-1)
+        store_kv(row, latent, layer.key_cache, layer.value_cache, metadata, layer.k_scale, layer.v_scale)
         return key_states, value_states
 
 

@@ -689,6 +689,7 @@ def layer_views(
                 spec.head_dim,
                 spec.value_head_dim,
                 layer_dtypes.dtypes[layer_idx],
+                spec.value_in_key,
             )
             check_layer_cache(keys, values)
             k_scale, v_scale = layer_dtypes.scales[layer_idx]

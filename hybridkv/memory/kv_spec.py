@@ -13,7 +13,9 @@ class LayerSpec:
     at position i sees the keys at positions (i - W, i]. With `attention_chunk_size` C set (chunked
     local attention, Llama 4) a query at i sees [C * (i // C), i]: only its own chunk. K rows have
     `head_dim` elements and V rows `v_head_dim` (None: the same). A layer with `kv_source` set reads the
-    K/V that layer wrote (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own.
+    K/V that layer wrote (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own. With
+    `value_in_key`, a V row is the first `v_head_dim` elements of its K row and takes no bytes of its own: a latent
+    attention layer's (patches/latent.py) K row is its latent then its rotary key, and the latent is also its V.
     """
 
     layer_idx: int
@@ -24,6 +26,7 @@ class LayerSpec:
     v_head_dim: int | None = None
     kv_source: int | None = None
     attention_chunk_size: int | None = None
+    value_in_key: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -35,6 +38,8 @@ class LayerSpec:
             )
         if self.num_kv_heads < 1 or self.head_dim < 1 or self.dtype_bytes < 1 or self.value_head_dim < 1:
             raise ValueError(f"layer {self.layer_idx}: kv heads, head dims and dtype bytes must be positive")
+        if self.value_in_key and self.value_head_dim > self.head_dim:
+            raise ValueError(f"layer {self.layer_idx}: a V read from the K row cannot be wider than it")
 
     @property
     def value_head_dim(self) -> int:
@@ -51,7 +56,8 @@ class LayerSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V for one token of this layer (what it needs if it holds pages)."""
-        return self.num_kv_heads * (self.head_dim + self.value_head_dim) * self.dtype_bytes
+        value_elements = 0 if self.value_in_key else self.value_head_dim
+        return self.num_kv_heads * (self.head_dim + value_elements) * self.dtype_bytes
 
     def page_bytes(self, block_size: int) -> int:
         """Bytes of one block of this layer (K and V)."""
