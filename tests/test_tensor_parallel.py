@@ -2,8 +2,9 @@
 `torchrun --nproc_per_node 2` (gloo), served by hybridkv (tests/tp_script.py runs on both ranks).
 
 Greedy tokens under TP equal the single-process engine's and `model.generate`'s, for a full-attention
-model and a Gemma-3-style hybrid, with chunked prefill, prefix caching and tiny pools (preemption by
-recompute and by swap); beam search too; each rank holds half the single-process KV bytes; a fault on
+model, a Gemma-3-style hybrid and DeepSeek-V3 (latent attention), with chunked prefill, prefix caching and
+tiny pools (preemption by recompute and by swap); beam search too; each rank holds half the single-process KV
+bytes (the whole latent: transformers' plan does not split DeepSeek's attention); a fault on
 rank 1 fails the step's requests on rank 0, which keeps serving; rank 1's public calls are refused;
 every process exits. And `hybridkv serve` under torchrun serves from rank 0.
 """
@@ -25,6 +26,7 @@ import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.tiny import tiny_model
 
+from model_zoo import LATENT
 from tiny_models import prompts
 from tiny_tokenizer import tiny_tokenizer
 
@@ -39,10 +41,14 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3"])
 def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
-    # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides).
-    model = tiny_model(family, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides). DeepSeek-V3's
+    # latent attention is not split by transformers' plan (its experts and MLPs are): every rank pages the latent.
+    if family in LATENT:
+        model = LATENT[family]()
+    else:
+        model = tiny_model(family, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     batch = prompts((9, 40, 70), seed=4)
     checkpoint = tmp_path / family
     model.save_pretrained(checkpoint)
@@ -83,7 +89,8 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     for name in ("default", "tiny_pool"):
         assert driver[f"{name}_num_blocks"] == worker[f"{name}_num_blocks"]
         assert driver[f"{name}_kv_cache_bytes"] == worker[f"{name}_kv_cache_bytes"]
-        assert driver[f"{name}_kv_cache_bytes"] / driver[f"{name}_num_blocks"] == one_process_bytes / 2
+        shards = 1 if family in LATENT else 2
+        assert driver[f"{name}_kv_cache_bytes"] / driver[f"{name}_num_blocks"] == one_process_bytes / shards
     # This test's own ranks only (their command lines hold its temporary folder), not another run's on the machine.
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)
     assert leftover.stdout == "", "a rank outlived torchrun"

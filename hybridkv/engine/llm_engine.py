@@ -176,11 +176,6 @@ class LLMEngine(RunLoops, EngineStats):
         compiled = compiled and not layout.latent
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
-        if self.tp is not None and layout.latent:
-            raise ValueError(
-                "latent attention is not served tensor-parallel yet (every rank would hold the whole latent); "
-                "serve the model on one device"
-            )
         if config.async_scheduling and self.tp is not None:
             raise ValueError(
                 "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
