@@ -68,7 +68,8 @@ def latent_attention(
     out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
     decode = _decode_plan(metadata) if absorb else None
     if decode is not None:
-        _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out)
+        triton = step.backend == "triton"
+        _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out, triton)
         if decode.rows.numel() == query.shape[0]:
             return out
     latents = gather_contexts(value_cache, metadata, k_scale, dtype)
@@ -113,7 +114,9 @@ def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
     plan = None
     if rows:
         device = table.device
-        decode_step = StepMetadata.build([1] * len(rows), lengths, device, step.backend)
+        # On the Triton backend the decode rows go to kernels/triton_latent.py, or, with fp8 pages, to the torch path
+        # (the unified kernel is not built for latent rows' widths): the step of decode rows takes the torch path.
+        decode_step = StepMetadata.build([1] * len(rows), lengths, device, "torch")
         tables = table.index_select(0, torch.tensor(sequences, device=device))
         unused_slots = torch.full((len(rows),), -1, dtype=torch.int64, device=device)  # nothing is stored
         decode = PagedAttentionMetadata(decode_step, tables, unused_slots, metadata.block_size, None)
@@ -122,19 +125,21 @@ def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
     return plan
 
 
-def _absorbed_decode(query, key_cache, value_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, out) -> None:
+def _absorbed_decode(
+    query, key_cache, value_cache, plan: _DecodePlan, weight, nope_dim, scale, k_scale, out, triton: bool
+) -> None:
     """The decode rows in latent space, vLLM's and FlashMLA's form: scores = q_nope . (W_k c) + q_rot . k_rot =
     (W_k^T q_nope) . c + q_rot . k_rot, and out = W_v (softmax . c): the up-projection (`weight`, `[heads * (nope_dim +
     v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded. What is left is
     multi-query attention with K rows `[latent | rotary key]` and V rows `latent`, the pages as they are: the kernels'
-    own `attend` (on the CPU the decode kernel, kernels/cpu_decode.c), or on the Triton backend with 16/32-bit pages
-    kernels/triton_latent.py."""
+    own torch path (on the CPU the decode kernel, kernels/cpu_decode.c), or with `triton` (the step's backend) and
+    16/32-bit pages kernels/triton_latent.py."""
     heads, latent_dim = query.shape[1], value_cache.shape[-1]
     weight = weight.view(heads, -1, latent_dim)  # [heads, nope + v, latent]
     rows = query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
     absorbed = torch.einsum("bhn,hnl->bhl", rows[..., :nope_dim], weight[:, :nope_dim])
     decode = plan.metadata
-    if decode.step.backend == "triton" and not is_fp8(key_cache.dtype):
+    if triton and not is_fp8(key_cache.dtype):
         from .triton_latent import triton_latent_decode
 
         attended = triton_latent_decode(

@@ -93,8 +93,8 @@ def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the
 
 
 def test_compile_and_graphs_leave_latent_attention_models_eager_with_a_clear_error(patched):
-    """A latent attention layer attends over its sequences' contexts read back from the pages (patches/latent.py),
-    whose length changes every step: compile=True is refused naming the fix, graph mode leaves steps unpadded."""
+    """A latent attention layer attends over each sequence's context read from the pages (kernels/contexts.py), whose
+    length changes every step: compile=True is refused naming the fix, graph mode leaves the steps unpadded."""
     model = LATENT["deepseek_v3"]()
     with pytest.raises(
         ValueError, match=r"compile=True does not compile models with latent attention yet.*compile=False"

@@ -184,7 +184,7 @@ class _SegmentView:
 
 class StepStateCache(StepKVCache):
     """The cache a step passes the model: attention updates return K/V as given (the paged attention op keeps
-    them), a latent attention layer's its sequences' contexts (hybridkv/execution/latent_layers.py); a state call goes
+    them; a latent attention layer's rows are stored first, hybridkv/execution/latent_layers.py); a state call goes
     to the segment whose layer is running (`view`, set by `segmented_forward`)."""
 
     def __init__(self, config: Any, pool: StatePool, **latent: Any) -> None:
