@@ -114,6 +114,25 @@ def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
     assert [t for t, _ in base] != [t for t, _ in references]  # the adapter changes the tokens
 
 
+def test_a_change_to_the_weights_is_followed(patched):
+    """The up-projection is read at every step and the pages hold the latents the weights computed: after an edit of
+    both (in place, as an optimizer step does), tokens are the changed model's, and no page computed before is hit."""
+    model = LATENT["deepseek_v3"]().to(DEVICE)
+    batch = prompts((33, 40))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    llm = patched(model, block_size=8, max_model_len=256)
+    before = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        attention.kv_b_proj.weight.mul_(1.5)
+        attention.kv_a_proj_with_mqa.weight.mul_(0.7)
+    references = [hf_greedy(model, prompt, 8) for prompt in batch]
+    hits = llm.stats()["prefix_cache_hits"]
+    assert_same_greedy(llm.generate(batch, params, use_tqdm=False), references)
+    assert llm.stats()["prefix_cache_hits"] == hits
+    assert [t for t, _ in references] != before  # the edit changes the tokens
+
+
 def test_a_declared_latent_layer_whose_keys_are_not_its_up_projection_is_refused():
     """The config says latent attention (kv_lora_rank), but the keys the attention function receives are not the
     up-projection's output (here: nudged after it): refused rather than paged as something else."""
