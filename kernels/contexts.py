@@ -19,26 +19,32 @@ from .quant import is_fp8
 _CONTEXT_SLOTS = ("context slots",)  # the key of a step's gather index in its metadata's `torch_plans`
 
 
-def context_slots(metadata: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block and the offset in it of every position of every sequence of the step, sequence after sequence
-    (int64 on the metadata's device; built once per step and group)."""
-    slots = metadata.torch_plans.get(_CONTEXT_SLOTS)
+def context_slots(metadata: PagedAttentionMetadata, chunks_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block and the offset in it of every position of every sequence of the step (with `chunks_only`, of every
+    sequence of several query rows), sequence after sequence (int64 on the metadata's device; built once per step
+    and group)."""
+    key = (*_CONTEXT_SLOTS, chunks_only)
+    slots = metadata.torch_plans.get(key)
     if slots is None:
-        block_size, table = metadata.block_size, metadata.block_table
+        block_size, table, step = metadata.block_size, metadata.block_table, metadata.step
         blocks, offsets = [], []
-        for seq, seq_len in enumerate(metadata.step.seq_lens_list):
+        for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
+            if chunks_only and query_len == 1:
+                continue
             positions = torch.arange(seq_len, device=table.device)
             blocks.append(table[seq].long()[positions // block_size])
             offsets.append(positions % block_size)
         slots = (torch.cat(blocks), torch.cat(offsets))
-        metadata.torch_plans[_CONTEXT_SLOTS] = slots
+        metadata.torch_plans[key] = slots
     return slots
 
 
-def gather_contexts(cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float, dtype: torch.dtype):
-    """Every sequence's context of one layer's K or V slot (`[blocks, block_size, 1, dim]`), `[tokens, dim]` in
-    `dtype`: fp8 rows times their scale, as the kernels read them."""
-    blocks, offsets = context_slots(metadata)
+def gather_contexts(
+    cache: torch.Tensor, metadata: PagedAttentionMetadata, scale: float, dtype: torch.dtype, chunks_only: bool = False
+) -> torch.Tensor:
+    """Every sequence's context (`chunks_only`: every prompt chunk's) of one layer's K or V slot (`[blocks,
+    block_size, 1, dim]`), `[tokens, dim]` in `dtype`: fp8 rows times their scale, as the kernels read them."""
+    blocks, offsets = context_slots(metadata, chunks_only)
     rows = cache[blocks, offsets, 0]
     if is_fp8(cache.dtype):
         return (rows.float() * scale).to(dtype)
@@ -72,19 +78,21 @@ def latent_attention(
         _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out, triton)
         if decode.rows.numel() == query.shape[0]:
             return out
-    latents = gather_contexts(value_cache, metadata, k_scale, dtype)
-    rotary = gather_contexts(key_cache[..., latent_dim:], metadata, k_scale, dtype)
+    # The contexts of the rows left (every sequence's, or with the decode rows done, the prompt chunks'), in order.
+    chunks_only = decode is not None
+    latents = gather_contexts(value_cache, metadata, k_scale, dtype, chunks_only)
+    rotary = gather_contexts(key_cache[..., latent_dim:], metadata, k_scale, dtype, chunks_only)
     row = key_start = 0
     for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
-        if decode is None or query_len > 1:
+        if not chunks_only or query_len > 1:
             context, rotary_keys = latents[key_start : key_start + seq_len], rotary[key_start : key_start + seq_len]
             expanded = up_proj(context).view(seq_len, heads, -1)
             keys = torch.cat([expanded[..., :nope_dim], rotary_keys[:, None].expand(-1, heads, -1)], dim=-1)
             out[row : row + query_len] = _attend_one(
                 query[row : row + query_len], keys, expanded[..., nope_dim:], scale
             )
+            key_start += seq_len
         row += query_len
-        key_start += seq_len
     return out
 
 
