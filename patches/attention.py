@@ -267,6 +267,28 @@ def paged_attention_op(
     return out
 
 
+@torch.library.custom_op("hybridkv::store_latent", mutates_args=())
+def store_latent_op(latent: torch.Tensor, rotary: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent attention layer's cache update in the running step (hybridkv/execution/latent_layers.py): its rows
+    `[1, 1, tokens, dim]` stored into its pages (a K row of the latent then the rotary key; the V row, a view of the
+    latent, gets the same bytes again), and returned (copies: an op's outputs may not alias its inputs), so that what
+    the layer expands depends on the store and compiled code keeps it in order. The pages are outside the
+    signature, as `paged_attention_op`'s are."""
+    step = current_step()
+    layer = step.layers[layer_idx]
+    rows = latent[0].transpose(0, 1)
+    store_kv(
+        torch.cat([rows, rotary[0].transpose(0, 1)], dim=-1), rows, layer.key_cache, layer.value_cache,
+        step.metadata[layer.metadata_index], layer.k_scale, layer.v_scale,
+    )  # fmt: skip
+    return latent.clone(), rotary.clone()
+
+
+@store_latent_op.register_fake
+def _store_latent_shape(latent, rotary, layer_idx):
+    return torch.empty_like(latent), torch.empty_like(rotary)
+
+
 @paged_attention_op.register_fake
 def _paged_attention_shape(query, key, value, sinks, layer_idx, scale, softcap, passed_window) -> torch.Tensor:
     return query.new_empty((query.shape[0], query.shape[1], value.shape[-1]))

@@ -162,18 +162,14 @@ class LLMEngine(RunLoops, EngineStats):
                 "compile=True does not compile models with state layers yet (each layer runs per request segment); "
                 "patch with compile=False"
             )
-        if layout.latent and config.compile:
-            raise ValueError(
-                "compile=True does not compile models with latent attention yet (a step's contexts, read back from "
-                "the pages, change length every step); patch with compile=False"
-            )
         # State layers run per request segment, and latent attention over contexts whose length changes every step,
-        # which no graph captures yet: their models' steps stay eager.
+        # which no graph captures yet: their models' steps are not padded to buckets (a latent model compiles when
+        # asked to, compile=True).
         graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not layout.latent
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
         captures = bool(buckets) and captures_graphs(model)
         compiled = config.compile if config.compile is not None else compiles_by_default(captures)
-        compiled = compiled and not layout.latent
+        compiled = compiled and (config.compile is True or not layout.latent)
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
         if config.async_scheduling and self.tp is not None:

@@ -249,12 +249,18 @@ PieceCompiler = Callable[[list[tuple[torch.fx.GraphModule, list[Any]]]], list[An
 
 
 def trace(
-    model: torch.nn.Module, step: Any, inputs: Sequence[torch.Tensor], compile_pieces: PieceCompiler
+    model: torch.nn.Module,
+    step: Any,
+    inputs: Sequence[torch.Tensor],
+    compile_pieces: PieceCompiler,
+    extra: dict[str, Any] | None = None,
 ) -> TracedProgram:
     """Trace `step_forward` over one step's inputs (their dynamic sizes marked), split the graph and compile its
     distinct pieces with `compile_pieces` (each piece's graph and fake inputs; inside the trace, whose shape
     environment they need). The caller runs it under `running_step`. Raises CannotCompile naming the cause when
-    the forward has a graph break or the graph reads what a program cannot find."""
+    the forward has a graph break or the graph reads what a program cannot find. `extra`: more keyword arguments of
+    the traced forward (a latent attention model's cache, whose updates trace into `store_latent` ops: the program
+    does not read it)."""
     import torch.fx.experimental._config as fx_config
 
     captured: list[TracedProgram] = []
@@ -275,7 +281,7 @@ def trace(
         torch._dynamo.mark_dynamic(tensor, DYNAMIC_INPUTS[name])
     try:
         with fx_config.patch(backed_size_oblivious=True):
-            compiled(model, step, *inputs)
+            compiled(model, step, *inputs, **(extra or {}))
     except CannotCompile:
         raise
     except Exception as exc:

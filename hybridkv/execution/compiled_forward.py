@@ -43,6 +43,8 @@ class CompiledForward:
         # How the current program was found ("traced", "disk", "memory"), and the seconds its set-up took.
         self.origin = ""
         self.trace_seconds = self.compile_seconds = self.load_seconds = 0.0
+        # More keyword arguments of the traced forward: a latent attention model's step cache (set by the runner).
+        self.trace_kwargs: dict[str, Any] = {}
 
     def prepare(self, example: ExampleStep) -> PiecewiseProgram:
         """The program for the model as it is now, checked over `example`; raises CannotCompile naming the cause."""
@@ -86,7 +88,7 @@ class CompiledForward:
         name = type(self.model).__name__
         logger.info("hybridkv: tracing %s's forward (torch.compile, once)", name)
         step, inputs = example()
-        traced = trace(self.model, step, inputs, self._compile_pieces)
+        traced = trace(self.model, step, inputs, self._compile_pieces, self.trace_kwargs)
         program = PiecewiseProgram(traced.spec, traced.pieces)
         program.bind(self.model)
         _run_once(program, example)

@@ -3,8 +3,8 @@ up-projection as the attention op reads it.
 
 Such a layer hands its cache the step's latent and rotary-key rows (`cache.update(latent, rotary_key, layer_idx)`)
 and expands whatever the cache returns into its keys and values. `StepKVCache.update` stores the rows into the
-layer's pages (`store_kv`, at the step's slot mapping: K rows of the latent then the rotary key, whose latent is
-also the V row) and returns them as given: the layer expands only the
+layer's pages (`torch.ops.hybridkv.store_latent`, patches/attention.py: K rows of the latent then the rotary key,
+whose latent is also the V row, at the step's slot mapping) and returns them: the layer expands only the
 step's rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
 (kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them), as
 `PassThroughCache` does.
@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.kernels import store_kv
-from hybridkv.patches.attention import LatentUp, StepContext
+from hybridkv.patches.attention import LatentUp
 from hybridkv.patches.latent import LatentLayer
 from hybridkv.patches.probe import PassThroughCache
 
@@ -33,27 +32,17 @@ def latent_ups(model: torch.nn.Module, latent: dict[int, LatentLayer]) -> dict[i
 
 
 class StepKVCache(PassThroughCache):
-    """The cache a step passes a model with latent attention layers (`latent_layers`, layer indices) whose pages and
-    metadata are in `context`."""
+    """The cache a step passes a model with latent attention layers (`latent_layers`, layer indices): their updates
+    go to the running step's pages (`store_latent`, which finds them as the attention op does)."""
 
-    def __init__(self, config: Any, context: StepContext | None = None, latent_layers: frozenset[int] = frozenset()):
+    def __init__(self, config: Any, latent_layers: frozenset[int] = frozenset()):
         super().__init__(config=config)
-        self.context = context
         self.latent_layers = latent_layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx not in self.latent_layers:
             return key_states, value_states
-        context = self.context
-        layer = context.layers[layer_idx]
-        metadata = context.metadata[layer.metadata_index]
-        # [1, 1, rows, dim] -> [rows, 1, dim]: one "head"
-        # [1, 1, rows, dim] -> [rows, 1, dim]: a K row is the latent then the rotary key; the V rows, a view of the
-        # K rows' latents, get the same bytes again.
-        latent = key_states[0].transpose(0, 1)
-        row = torch.cat([latent, value_states[0].transpose(0, 1)], dim=-1)
-        store_kv(row, latent, layer.key_cache, layer.value_cache, metadata, layer.k_scale, layer.v_scale)
-        return key_states, value_states
+        return torch.ops.hybridkv.store_latent(key_states, value_states, layer_idx)
 
 
 def cache_argument(model: torch.nn.Module) -> str:

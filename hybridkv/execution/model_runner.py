@@ -128,8 +128,10 @@ class ModelRunner:
         if self.states:
             self._wire_state_layers(named, num_state_slots)
         elif self.latent_layers:
-            cache = StepKVCache(text_config(model.config), self.context, self.latent_layers)
+            cache = StepKVCache(text_config(model.config), self.latent_layers)
             self.step_cache = {cache_argument(model): cache}
+            if self.compiled is not None:  # its updates trace into store ops
+                self.compiled.trace_kwargs = self.step_cache
         # A decode step's buffers are written from its lists (StepBuffers.decode_step) with one device, no decode
         # buckets (graph mode pads the step) and no state layers (their plan reads numpy arrays).
         self._plain_decode = len(self.devices) == 1 and not self.limits.decode_buckets and not self.states
@@ -167,7 +169,7 @@ class ModelRunner:
         state_devices = {spec.layer_idx: execution_device(named, spec.module_name) for spec in self.states}
         self.state_pool = StatePool(self.states, num_state_slots, state_devices)
         self.state_cache = StepStateCache(
-            text_config(self.model.config), self.state_pool, context=self.context, latent_layers=self.latent_layers
+            text_config(self.model.config), self.state_pool, latent_layers=self.latent_layers
         )
         self.step_cache = {cache_argument(self.model): self.state_cache}
         for spec in self.states:
