@@ -2,9 +2,9 @@
 copies of one model, one with `async_scheduling=True`, take the same seeded random requests (greedy and seeded sampled
 rows, stop tokens, stop strings, min_tokens, logit biases, penalties, logprobs, n > 1, beam searches, grammars,
 requests arriving mid-run, aborts at a token count, a pool small enough to preempt in both modes, chunked prefill,
-prefix caching, a model with state layers) and must give every request the same tokens, text, logprobs and finish;
-both keep their memory accounting whole after every step and hold nothing at the end, and the async engine must
-have planned steps ahead of their tokens."""
+prefix caching, a model with state layers, one with latent attention) and must give every request the same tokens,
+text, logprobs and finish; both keep their memory accounting whole after every step and hold nothing at the end, and
+the async engine must have planned steps ahead of their tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.memory.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
-from model_zoo import STATE
+from model_zoo import LATENT, STATE
 from tiny_models import DEVICE, new_request_id
 from tiny_tokenizer import tiny_tokenizer
 
@@ -125,7 +125,8 @@ def _script(rng: random.Random, grammars: bool, length: int) -> tuple[list[tuple
     ("seed", "family", "mode", "caching", "chunk", "spare"),
     [(0, "ministral", "recompute", True, 0, 40), (1, "ministral", "swap", True, 3, 8),
      (2, "ministral", "recompute", False, 0, 8), (3, "gemma3", "recompute", True, 5, 12),
-     (4, "qwen3_next", "recompute", True, 0, 40), (5, "qwen3_next", "swap", True, 4, 10)],
+     (4, "qwen3_next", "recompute", True, 0, 40), (5, "qwen3_next", "swap", True, 4, 10),
+     (9, "deepseek_v3", "swap", True, 4, 10)],
 )  # fmt: skip
 def test_async_scheduling_gives_the_synchronous_engines_tokens(
     seed: int, family: str, mode: str, caching: bool, chunk: int, spare: int
@@ -133,8 +134,8 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(
     """`spare`: blocks over the least a request needs (few: preemptions, some of requests whose token is pending)."""
     rng = random.Random(seed)
     tokenizer = tiny_tokenizer()
-    state = family in STATE
-    build = STATE[family] if state else lambda: tiny_model(family, vocab_size=len(tokenizer))
+    zoo = family in STATE or family in LATENT  # the zoo's builders (state layers, latent attention)
+    build = {**STATE, **LATENT}[family] if zoo else lambda: tiny_model(family, vocab_size=len(tokenizer))
     models = [build().to(DEVICE) for _ in range(2)]  # on the GPU under benchmarks/gpu_check.sh: graphs, pinned copies
     settings = dict(
         block_size=4, max_model_len=96, max_num_batched_tokens=32, enable_prefix_caching=caching,
@@ -152,7 +153,7 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(
         assert sync.async_steps is None and ahead.async_steps is not None
         for engine in (sync, ahead):
             engine.runner.verify_tables = engine.coordinator.block_tables
-        script, abort_at = _script(rng, grammars=not state, length=90)
+        script, abort_at = _script(rng, grammars=not zoo, length=90)
         expected = _run(sync, script, abort_at)
         assert _run(ahead, script, abort_at) == expected
         assert ahead.async_steps.num_overlapped > 10, ahead.async_steps.num_overlapped
