@@ -12,6 +12,7 @@ import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.kernels import PagedAttentionMetadata
 from hybridkv.kernels.contexts import latent_attention
+from hybridkv.patches.attention import running_step, store_latent_op
 from hybridkv.patches.inspection import inspect_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
@@ -112,6 +113,22 @@ def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert_same_greedy(outputs, base)
     assert [t for t, _ in base] != [t for t, _ in references]  # the adapter changes the tokens
+
+
+def test_the_store_op_passes_torch_librarys_opcheck(patched):
+    """`store_latent` (patches/attention.py), the cache update compiled code keeps: its fake and real outputs agree,
+    and its outputs alias none of its inputs."""
+    model = LATENT["deepseek_v3"]().to(DEVICE)
+    llm = patched(model, block_size=8, max_model_len=128)
+    request_id = llm.add_request("r", prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
+    llm.step()
+    plan = llm.scheduler.schedule()
+    llm.runner.context.metadata = llm.runner.prepare(llm.runner.step_inputs(plan)).metadata  # one decode row
+    latent = torch.randn(1, 1, 1, 16, device=DEVICE)
+    rotary = torch.randn(1, 1, 1, 8, device=DEVICE)
+    with running_step(llm.runner.context):
+        torch.library.opcheck(store_latent_op, (latent, rotary, 0))
+    llm.abort(request_id)
 
 
 def test_a_change_to_the_weights_is_followed(patched):
