@@ -16,6 +16,7 @@ from hybridkv.patches.attention import running_step, store_latent_op
 from hybridkv.patches.inspection import inspect_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
+from kv_rounding import kv_rounded_like
 from model_zoo import LATENT, MLA
 from tiny_models import DEVICE, hf_greedy, prompts
 
@@ -93,6 +94,20 @@ def test_the_triton_backend_gives_generates_tokens(patched):
     model, batch, references = family("deepseek_v2")
     llm = patched(model, block_size=8, max_model_len=256, attention_backend="triton")
     assert_same_greedy(llm.generate(batch[:2], GREEDY, use_tqdm=False), references[:2])
+
+
+def test_fp8_pages_on_the_triton_backend_give_generates_tokens_with_the_latent_rounded(patched):
+    """fp8 pages written by the Triton cache write and read back by the decode rows' torch path (the Triton latent
+    kernel takes 16/32-bit pages), against generate with what the layers hand their cache rounded as the pages hold
+    it (tests/kv_rounding.py)."""
+    model, batch, _ = family("deepseek_v2")
+    fp8 = dict(kv_cache_dtype=torch.float8_e4m3fn, attention_backend="triton")
+    llm = patched(model, block_size=8, max_model_len=256, **fp8)
+    outputs = llm.generate(batch[:2], GREEDY, use_tqdm=False)
+    hybridkv.unpatch(model)
+    with kv_rounded_like(model, llm):
+        rounded = [hf_greedy(model, prompt, MAX_NEW) for prompt in batch[:2]]
+    assert_same_greedy(outputs, rounded)
 
 
 def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
