@@ -118,16 +118,13 @@ def record_probe_calls(model: torch.nn.Module) -> tuple[Probe, list[StateCall]]:
     every state call. A model whose config declares state layers runs with a cache that records their states
     (`StateRecorder`); any other runs without a cache."""
     config = text_config(model.config)
-    probe = Probe(horizon=_mask_horizon(config))
     if any(layer.layer_type in STATE_LAYER_TYPES | HYBRID_LAYER_TYPES for layer in config_layers(config)):
-        recorder = StateRecorder(model)
         try:
-            with _recording_linears(model, probe):
-                _probe_forward(model, probe, config.vocab_size, recorder)
-            probe.updates = recorder.updates
+            probe, recorder = _recorded_forward(model)
             return probe, recorder.calls
         except ValueError:  # a model that needs a cache of its own kind (MiniMax's): probed without one
-            probe = Probe(horizon=_mask_horizon(config))
+            pass
+    probe = Probe(horizon=_mask_horizon(config))
     with _recording_linears(model, probe):
         _probe_forward(model, probe, config.vocab_size)
     return probe, []
@@ -136,13 +133,18 @@ def record_probe_calls(model: torch.nn.Module) -> tuple[Probe, list[StateCall]]:
 def record_cache_updates(model: torch.nn.Module) -> Probe:
     """The probe forward again, with a cache that records every update (`StateRecorder`): what each attention layer
     hands its cache (patches/latent.py reads a latent attention's latent from it)."""
+    return _recorded_forward(model)[0]
+
+
+def _recorded_forward(model: torch.nn.Module) -> tuple[Probe, StateRecorder]:
+    """The probe forward with a recording cache (`StateRecorder`): the recorder with its updates on `probe.updates`."""
     config = text_config(model.config)
     probe = Probe(horizon=_mask_horizon(config))
     recorder = StateRecorder(model)
     with _recording_linears(model, probe):
         _probe_forward(model, probe, config.vocab_size, recorder)
     probe.updates = recorder.updates
-    return probe
+    return probe, recorder
 
 
 @contextlib.contextmanager

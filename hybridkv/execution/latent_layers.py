@@ -12,6 +12,7 @@ step's rows, and its attention op reads the whole contexts from the pages and at
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -47,6 +48,4 @@ class StepKVCache(PassThroughCache):
 
 def cache_argument(model: torch.nn.Module) -> str:
     """The name the model's forward takes its cache by: `cache` (transformers 5.24), else `past_key_values`."""
-    import inspect
-
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -187,8 +187,8 @@ class StepStateCache(StepKVCache):
     them; a latent attention layer's rows are stored first, hybridkv/execution/latent_layers.py); a state call goes
     to the segment whose layer is running (`view`, set by `segmented_forward`)."""
 
-    def __init__(self, config: Any, pool: StatePool, **latent: Any) -> None:
-        super().__init__(config, **latent)
+    def __init__(self, config: Any, pool: StatePool, latent_layers: frozenset[int] = frozenset()) -> None:
+        super().__init__(config, latent_layers)
         self.pool = pool
         self.plan: StatePlan | None = None
         self.view: _SegmentView | None = None
