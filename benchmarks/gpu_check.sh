@@ -18,7 +18,8 @@
 #   profile     benchmarks/profile_gpu_step.py (PROFILE_ARGS, default the Gemma-3-1B shape at 64 running): a
 #               decode step's wall time, the GPU's busy share of it, host time by part
 #   latent      issue 49: tests/test_latent_attention.py on the device (the Triton decode kernel for latent attention
-#               against the torch path, DeepSeek-V2 on the Triton backend against generate) and
+#               against the torch path, DeepSeek-V2 on the Triton backend against generate), the latent families'
+#               CUDA graphs (tests/test_cuda_graphs.py: replay against the eager step bit for bit) and
 #               benchmarks/latent_attention.py --speed-only --device cuda (decode against generate, absorbed and expanded)
 #   throughput  benchmarks/throughput_gpu.py (THROUGHPUT_ARGS): Gemma-3-1B and Llama-3.2-1B shapes, 128 mixed
 #               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
@@ -62,8 +63,9 @@ for part in $parts; do
         tests/test_kernels_fp8.py tests/test_kernels_backend.py ;;
     graphs) run_part graphs "${GRAPHS_SECONDS:-240}" "${gpu_tests[@]}" tests/test_cuda_graphs.py ;;
     zoo) run_part zoo "${ZOO_SECONDS:-170}" "${gpu_tests[@]}" tests/test_patch_equivalence.py -k "default_settings or chunked_prefill or prefix_cache" ;;
-    latent) run_part latent "${LATENT_SECONDS:-60}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q \
-        -p no:cacheprovider -n 4 tests/test_latent_attention.py && python3 benchmarks/latent_attention.py --speed-only \
+    latent) run_part latent "${LATENT_SECONDS:-100}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q \
+        -p no:cacheprovider -n 4 tests/test_latent_attention.py && env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q \
+        -p no:cacheprovider -n 4 tests/test_cuda_graphs.py -k 'latent or deepseek or minicpm3' && python3 benchmarks/latent_attention.py --speed-only \
         --device cuda --requests 32" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;

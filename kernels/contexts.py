@@ -72,11 +72,19 @@ def latent_attention(
     dtype, heads = query.dtype, query.shape[1]
     latent_dim = value_cache.shape[-1]
     out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
-    decode = _decode_plan(metadata) if absorb else None
+    fp8 = is_fp8(key_cache.dtype)
+    decode = _decode_plan(metadata, fp8) if absorb else None
+    triton = step.backend == "triton" and not fp8
+    capturable = triton and decode is not None and decode.rows is None
+    if query.is_cuda and not capturable and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph's replay reads the step buffers only; every other path builds tensors from this step's lengths.
+        raise RuntimeError(
+            "latent attention is captured only as decode rows attended in latent space by the Triton kernel on "
+            "16/32-bit pages (not expanded through a LoRA, biased or hooked up-projection, nor over fp8 pages)"
+        )
     if decode is not None:
-        triton = step.backend == "triton"
         _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out, triton)
-        if decode.rows.numel() == query.shape[0]:
+        if decode.rows is None or decode.rows.numel() == query.shape[0]:
             return out
     # The contexts of the rows left (every sequence's, or with the decode rows done, the prompt chunks'), in order.
     chunks_only = decode is not None
@@ -97,21 +105,27 @@ def latent_attention(
 
 
 class _DecodePlan(NamedTuple):
-    """A step's decode rows (sequences of one query row): their rows of the query, and the metadata of a step of
-    those rows alone (their block tables and lengths), which the kernels attend with."""
+    """A step's decode rows (sequences of one query row): their rows of the query (None: every row, a step of decode
+    rows only), and the metadata of a step of those rows alone (their block tables and lengths), which the kernels
+    attend with."""
 
-    rows: torch.Tensor  # [batch]
+    rows: torch.Tensor | None  # [batch]
     metadata: PagedAttentionMetadata
 
 
 _DECODE_PLAN = ("latent decode plan",)
 
 
-def _decode_plan(metadata: PagedAttentionMetadata) -> _DecodePlan | None:
-    """The step's decode rows as a step of their own (built once per step and group), or None where it has none."""
+def _decode_plan(metadata: PagedAttentionMetadata, fp8: bool) -> _DecodePlan | None:
+    """The step's decode rows as a step of their own (built once per step and group), or None where it has none. A
+    step of decode rows only is its own plan (what a CUDA graph captures: the step buffers' tables and lengths, no
+    tensor built from this step's lengths), except for fp8 pages on the Triton backend, whose decode rows take the
+    torch path."""
+    step, table = metadata.step, metadata.block_table
+    if step.num_query_tokens == len(step.query_lens_list) and not (fp8 and step.backend == "triton"):
+        return _DecodePlan(None, metadata)
     if _DECODE_PLAN in metadata.torch_plans:
         return metadata.torch_plans[_DECODE_PLAN]
-    step, table = metadata.step, metadata.block_table
     rows, sequences, lengths, row = [], [], [], 0
     for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
         if query_len == 1:
@@ -144,10 +158,10 @@ def _absorbed_decode(
     16/32-bit pages kernels/triton_latent.py."""
     heads, latent_dim = query.shape[1], value_cache.shape[-1]
     weight = weight.view(heads, -1, latent_dim)  # [heads, nope + v, latent]
-    rows = query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
+    rows = query if plan.rows is None else query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]
     absorbed = torch.einsum("bhn,hnl->bhl", rows[..., :nope_dim], weight[:, :nope_dim])
     decode = plan.metadata
-    if triton and not is_fp8(key_cache.dtype):
+    if triton:
         from .triton_latent import triton_latent_decode
 
         attended = triton_latent_decode(
@@ -157,7 +171,11 @@ def _absorbed_decode(
     else:
         latent_query = torch.cat([absorbed, rows[..., nope_dim:]], dim=-1)
         attended = attend(latent_query, key_cache, value_cache, decode, scale=scale, k_scale=k_scale, v_scale=k_scale)
-    out.index_copy_(0, plan.rows, torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:]))
+    values = torch.einsum("bhl,hvl->bhv", attended, weight[:, nope_dim:])
+    if plan.rows is None:
+        out.copy_(values)
+    else:
+        out.index_copy_(0, plan.rows, values)
 
 
 def _attend_one(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

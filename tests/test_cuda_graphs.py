@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.execution.graphs import sync_is_an_error
 
@@ -50,8 +51,12 @@ def assert_replays_equal_steps(llm, num_steps: int, bucket: int) -> None:
 BF16_UNCAPTURED = {"afmoe", "beam", "phimoe", "step3p7"}
 
 
+# Latent attention families with state layers too (run per request segment: not captured).
+LATENT_WITH_STATE = {"kimi_linear", "bailing_hybrid"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE) - set(LATENT)))
+@pytest.mark.parametrize("name", sorted(set(ZOO) - set(STATE) - LATENT_WITH_STATE))
 def test_graph_replay_gives_the_eager_steps_logits_bit_for_bit(name, dtype, patched):
     model = ZOO[name]().to(DEVICE, dtype)
     with warnings.catch_warnings(record=True) as caught:
@@ -92,14 +97,13 @@ def test_graph_mode_serves_requests_of_every_batch_size_as_generate_does(patched
         assert got == expected[:size]
 
 
-@pytest.mark.parametrize("name", [*sorted(STATE), *sorted(LATENT), "qwen2_moe"])
+@pytest.mark.parametrize("name", [*sorted(STATE), *sorted(LATENT_WITH_STATE), "qwen2_moe"])
 def test_models_without_graphs_decode_eagerly_on_cuda_as_generate_does(name, patched):
-    """State layers run per request segment and latent attention over contexts of a new length every step (no graph
-    yet), and a model whose own code syncs with the host cannot
+    """State layers run per request segment (no graph yet), and a model whose own code syncs with the host cannot
     be captured (qwen2_moe in fp32: its experts loop): both decode eagerly, the capture's error in stats(), and
     give generate's tokens."""
     model = ZOO[name]().to(DEVICE)
-    if name in STATE or name in LATENT:
+    if name in STATE or name in LATENT_WITH_STATE:
         llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
         assert llm.stats()["cuda_graph_error"] is None
     else:
@@ -162,3 +166,19 @@ def test_the_default_on_one_gpu_compiles_and_captures_its_graphs_over_the_compil
         if first is not None:
             top2 = logits[first].topk(2).values
             assert (top2[0] - top2[1]).abs().item() < 1e-4, f"token {first}: {got} vs {expected}"
+
+
+def test_latent_attention_is_captured_on_16_bit_pages_and_not_over_fp8_pages(patched):
+    """MiniCPM3 (latent attention, no experts): its decode steps are captured and give generate's tokens; over fp8
+    pages its decode rows take the torch path, built per step, so graph mode does not
+    pad them, and nothing is captured (kernels/contexts.py)."""
+    model = LATENT["minicpm3"]().to(DEVICE)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
+    assert llm.stats()["cuda_graphs"] == [1, 2, 4, 8], llm.stats()["cuda_graph_error"]
+    batch = prompts((7, 33, 70))
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 8)[0]
+    hybridkv.unpatch(model)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8, kv_cache_dtype=torch.float8_e4m3fn)
+    assert llm.stats()["cuda_graphs"] == [] and llm.stats()["decode_buckets"] == []

@@ -96,19 +96,38 @@ def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the
     assert tokens(llm.generate(prompts((7,)), GREEDY, use_tqdm=False))[0] == hf_greedy(model, prompts((7,))[0], 12)[0]
 
 
-def test_latent_attention_models_compile_when_asked_and_stay_unpadded_in_graph_mode(patched, eager_pieces):
-    """A latent attention layer attends over each sequence's context read from the pages (kernels/contexts.py), whose
-    length changes every step: graph mode leaves the steps unpadded and does not compile by default; compile=True
-    traces the forward, its cache updates as `store_latent` ops, and gives eager mode's tokens."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_latent_attention_models_pad_decode_steps_in_graph_mode_and_compile_when_asked(backend, patched, eager_pieces):
+    """A latent attention model's decode steps are padded to buckets in graph mode: a step of decode rows only attends
+    over the step buffers' own tables and lengths (kernels/contexts.py, what a CUDA graph captures), padding rows
+    included, and gives eager mode's tokens, on the torch path (the CPU decode kernel) and the Triton latent kernel
+    (the interpreter). It does not compile by default; compile=True traces the forward, its cache updates as
+    `store_latent` ops, and gives eager mode's tokens too."""
     model = LATENT["deepseek_v3"]()
-    llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False)
-    assert llm.stats()["decode_buckets"] == [] and not llm.stats()["compiled"]
     batch = prompts((7, 33, 70))
-    expected = tokens(llm.generate(batch, GREEDY, use_tqdm=False))
+    common = dict(block_size=8, max_model_len=256, attention_backend=backend)
+    expected = tokens(patched(model, enforce_eager=True, **common).generate(batch, GREEDY, use_tqdm=False))
     hybridkv.unpatch(model)
-    llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32, compile=True)
-    assert llm.stats()["compiled"] and llm.stats()["compiled_from"] == "traced"
+    llm = patched(model, enforce_eager=False, **common)
+    assert llm.stats()["decode_buckets"] == list(decode_buckets(llm.config.max_num_seqs))
+    assert not llm.stats()["compiled"]
+    padded = []
+    forward = llm.runner.forward
+    llm.runner.forward = lambda prepared: padded.append(prepared.bucket) or forward(prepared)
     assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
+    assert 4 in padded  # three decode rows and one padding row
+    hybridkv.unpatch(model)
+    if backend == "torch":
+        llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32, compile=True)
+        assert llm.stats()["compiled"] and llm.stats()["compiled_from"] == "traced"
+        assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
+
+
+def test_latent_attention_over_fp8_pages_stays_unpadded_in_graph_mode(patched):
+    """fp8 pages' decode rows take the torch path on the Triton backend, built per step: no bucket to capture."""
+    model = LATENT["deepseek_v2"]()
+    llm = patched(model, block_size=8, max_model_len=256, enforce_eager=False, kv_cache_dtype=torch.float8_e4m3fn)
+    assert llm.stats()["decode_buckets"] == []
 
 
 def test_compile_and_graphs_leave_state_layer_models_eager_with_a_clear_error(patched):

@@ -46,6 +46,7 @@ from hybridkv.execution.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.execution.sizing import kv_layout, min_num_blocks, num_kv_blocks
 from hybridkv.execution.state_layers import scan_chunk
 from hybridkv.execution.step_check import check_step_exactness
+from hybridkv.kernels.quant import is_fp8
 from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.outputs import RequestOutput
 from hybridkv.patches.probe import attention_installed, image_attention_layers
@@ -162,10 +163,12 @@ class LLMEngine(RunLoops, EngineStats):
                 "compile=True does not compile models with state layers yet (each layer runs per request segment); "
                 "patch with compile=False"
             )
-        # State layers run per request segment, and latent attention over contexts whose length changes every step,
-        # which no graph captures yet: their models' steps are not padded to buckets (a latent model compiles when
-        # asked to, compile=True).
-        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not layout.latent
+        # State layers run per request segment, which no graph captures yet: their models' steps are not padded to
+        # buckets. Latent attention's decode steps are captured where its decode rows take the Triton latent kernel,
+        # over the step buffers alone; over fp8 pages they take the torch path, built per step: not padded either
+        # (kernels/contexts.py). A latent model compiles when asked to, compile=True.
+        latent_fp8 = any(is_fp8(self.layer_dtypes.dtypes[layer_idx]) for layer_idx in layout.latent)
+        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
         captures = bool(buckets) and captures_graphs(model)
         compiled = config.compile if config.compile is not None else compiles_by_default(captures)
