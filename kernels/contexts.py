@@ -71,7 +71,10 @@ def latent_attention(
     step = metadata.step
     dtype, heads = query.dtype, query.shape[1]
     latent_dim = value_cache.shape[-1]
-    out = query.new_empty(query.shape[0], heads, up_proj.out_features // heads - nope_dim)
+    # A plan that splits the heads across ranks gives this rank its heads' rows of the up-projection (a DTensor's
+    # local shard, while `out_features` stays the whole layer's).
+    weight = up_proj.weight.to_local() if hasattr(up_proj.weight, "to_local") else up_proj.weight
+    out = query.new_empty(query.shape[0], heads, weight.shape[0] // heads - nope_dim)
     fp8 = is_fp8(key_cache.dtype)
     decode = _decode_plan(metadata, fp8) if absorb else None
     triton = step.backend == "triton" and not fp8
@@ -83,7 +86,7 @@ def latent_attention(
             "16/32-bit pages (not expanded through a LoRA, biased or hooked up-projection, nor over fp8 pages)"
         )
     if decode is not None:
-        _absorbed_decode(query, key_cache, value_cache, decode, up_proj.weight, nope_dim, scale, k_scale, out, triton)
+        _absorbed_decode(query, key_cache, value_cache, decode, weight, nope_dim, scale, k_scale, out, triton)
         if decode.rows is None or decode.rows.numel() == query.shape[0]:
             return out
     # The contexts of the rows left (every sequence's, or with the decode rows done, the prompt chunks'), in order.

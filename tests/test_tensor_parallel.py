@@ -2,11 +2,12 @@
 `torchrun --nproc_per_node 2` (gloo), served by hybridkv (tests/tp_script.py runs on both ranks).
 
 Greedy tokens under TP equal the single-process engine's and `model.generate`'s, for a full-attention
-model, a Gemma-3-style hybrid and DeepSeek-V3 (latent attention), with chunked prefill, prefix caching and
-tiny pools (preemption by recompute and by swap); beam search too; each rank holds half the single-process KV
-bytes (the whole latent: transformers' plan does not split DeepSeek's attention); a fault on
-rank 1 fails the step's requests on rank 0, which keeps serving; rank 1's public calls are refused;
-every process exits. And `hybridkv serve` under torchrun serves from rank 0.
+model, a Gemma-3-style hybrid and DeepSeek-V3 (latent attention; with transformers' plan, and with a plan
+that splits its heads across the ranks), with chunked prefill, prefix caching and tiny pools (preemption
+by recompute and by swap); beam search too; each rank holds half the single-process KV bytes (the whole
+latent for DeepSeek, whose heads share it); a fault on rank 1 fails the step's requests on rank 0, which
+keeps serving; rank 1's public calls are refused; every process exits. And `hybridkv serve` under
+torchrun serves from rank 0.
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3", "deepseek_v3_heads_split"])
 def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides). DeepSeek-V3's
     # latent attention is not split by transformers' plan (its experts and MLPs are): every rank pages the latent.
-    if family in LATENT:
-        model = LATENT[family]()
+    # With a plan that splits its heads too (each rank: its heads' rows of q_b_proj and kv_b_proj, o_proj's columns),
+    # every rank still pages the whole latent, which its heads share, and attends through its own up-projection rows.
+    if family.startswith("deepseek_v3"):
+        model = LATENT["deepseek_v3"]()
     else:
         model = tiny_model(family, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     batch = prompts((9, 40, 70), seed=4)
     checkpoint = tmp_path / family
     model.save_pretrained(checkpoint)
     (checkpoint / "prompts.json").write_text(json.dumps(batch))
+    if family == "deepseek_v3_heads_split":  # rules over transformers' plan (tests/tp_script.py)
+        heads = {"q_b_proj": "colwise", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+        plan = {f"model.layers.*.self_attn.{name}": style for name, style in heads.items()}
+        (checkpoint / "tp_plan.json").write_text(json.dumps(plan))
     llm = patched(model, block_size=8, max_model_len=256)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     expected = [o.outputs[0].token_ids for o in llm.generate(batch, greedy, use_tqdm=False)]
@@ -73,6 +80,10 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     assert done.returncode == 0, done.stderr[-4000:]
     driver, worker = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1))
 
+    if family.startswith("deepseek_v3"):
+        rows = model.model.layers[0].self_attn.kv_b_proj.out_features
+        split = 2 if family == "deepseek_v3_heads_split" else 1
+        assert driver["up_projection_rows"] == worker["up_projection_rows"] == [rows // split]
     assert driver["generate"] == worker["generate"] == expected  # transformers' own TP generate agrees
     assert driver["default"] == expected
     assert driver["chunked_cached"] == [expected, expected] and driver["prefix_cache_hits"] > 0
@@ -89,7 +100,7 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     for name in ("default", "tiny_pool"):
         assert driver[f"{name}_num_blocks"] == worker[f"{name}_num_blocks"]
         assert driver[f"{name}_kv_cache_bytes"] == worker[f"{name}_kv_cache_bytes"]
-        shards = 1 if family in LATENT else 2
+        shards = 1 if family.startswith("deepseek_v3") else 2
         assert driver[f"{name}_kv_cache_bytes"] / driver[f"{name}_num_blocks"] == one_process_bytes / shards
     # This test's own ranks only (their command lines hold its temporary folder), not another run's on the machine.
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True)

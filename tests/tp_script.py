@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,17 @@ BASE = dict(block_size=8, max_model_len=256)
 
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
-    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    # transformers' plan, or with `tp_plan.json` in the checkpoint, that plan's rules over it.
+    plan_file = Path(path) / "tp_plan.json"
+    plan = json.loads(plan_file.read_text()) if plan_file.exists() else "auto"
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan=plan, dtype=torch.float32)
     rank = dist.get_rank()
     with open(f"{path}/prompts.json") as f:
         prompts = json.load(f)
     seen: dict = {"rank": rank}
+    # A latent attention model's up-projection rows on this rank (all of them unless the plan splits its heads).
+    ups = [m.weight for n, m in model.named_modules() if n.endswith("kv_b_proj")][:1]
+    seen["up_projection_rows"] = [getattr(w, "to_local", lambda w=w: w)().shape[0] for w in ups]
     with torch.inference_mode():
         seen["generate"] = [
             model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
