@@ -178,9 +178,11 @@ class StepBuffers:
         positions: np.ndarray,
         tables: Mapping[int, np.ndarray],
         rows: np.ndarray,
+        unstored: np.ndarray | None = None,
     ) -> dict[int, list[PagedAttentionMetadata]]:
         """Write one step's metadata and return it, per block size one `PagedAttentionMetadata` per group (in
-        the order of `tables[block_size]`'s first axis), all sharing one `StepMetadata`.
+        the order of `tables[block_size]`'s first axis), all sharing one `StepMetadata`. Rows in `unstored` (int64
+        row indices: speculative proposals, whose keys are only read in flight) get slot -1.
 
         `query_lens` and `seq_lens` (int, `[num_seqs]`, checked by the caller: 1 <= query <= seq), the rows'
         `positions` (`[num_tokens]`, sequence by sequence, each sequence's last rows), and per block size the
@@ -206,7 +208,7 @@ class StepBuffers:
         )
         rows, query_lens, positions = _int64(rows), _int64(query_lens), _int64(positions)
         addresses = (rows.ctypes.data, query_lens.ctypes.data, positions.ctypes.data) if self.fill is not None else None
-        return self._write_tables(step, tables, addresses, lambda: (rows, query_lens, positions))
+        return self._write_tables(step, tables, addresses, lambda: (rows, query_lens, positions), unstored=unstored)
 
     def decode_step(
         self,
@@ -289,6 +291,7 @@ class StepBuffers:
         addresses: tuple[int, int, int] | None,
         numpy_inputs: Callable[[], tuple[np.ndarray, np.ndarray, np.ndarray]],
         longest: int | None = None,
+        unstored: np.ndarray | None = None,
     ) -> dict[int, list[PagedAttentionMetadata]]:
         """The step's slot mapping and table rows per block size: by the C fill from the `addresses` of its rows,
         query lengths and positions (int64), or by numpy from the same, as arrays `numpy_inputs()` returns, where
@@ -334,6 +337,8 @@ class StepBuffers:
                 written += positions % block_size
                 written[entries <= 0] = -1
                 np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
+            if unstored is not None:
+                slots.host[:num_groups, unstored] = -1
             table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, block_width))
             slots.send(slice(0, num_groups), slice(0, num_tokens))
             tables_by_group = self._view(("tables", block_size), num_seqs)

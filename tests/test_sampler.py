@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from hybridkv.sampling.sampler import SamplingRow, _apply_penalties, _filtered_probs, greedy_tokens, sample
+from hybridkv.sampling.sampler import SamplingRow, _apply_penalties, filtered_probs, greedy_tokens, sample
 from hybridkv.scheduling.sampling_params import SamplingParams
 
 
@@ -25,23 +25,23 @@ def test_greedy_takes_the_argmax():
 
 
 def test_top_k_keeps_the_k_most_likely_tokens():
-    probs = _filtered_probs(LOGITS, [SamplingParams(top_k=2)])
+    probs = filtered_probs(LOGITS, [SamplingParams(top_k=2)])
     assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
 
 
 def test_top_p_drops_tokens_once_the_mass_above_reaches_p():
-    probs = _filtered_probs(LOGITS, [SamplingParams(top_p=0.7)])
+    probs = filtered_probs(LOGITS, [SamplingParams(top_p=0.7)])
     assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
-    assert _filtered_probs(LOGITS, [SamplingParams(top_p=0.01)])[0].tolist() == pytest.approx([1, 0, 0, 0])
+    assert filtered_probs(LOGITS, [SamplingParams(top_p=0.01)])[0].tolist() == pytest.approx([1, 0, 0, 0])
 
 
 def test_min_p_drops_tokens_below_a_share_of_the_top_probability():
-    probs = _filtered_probs(LOGITS, [SamplingParams(min_p=0.5)])
+    probs = filtered_probs(LOGITS, [SamplingParams(min_p=0.5)])
     assert probs[0].tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
 
 
 def test_temperature_sharpens_the_distribution():
-    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=0.5)])
+    probs = filtered_probs(LOGITS, [SamplingParams(temperature=0.5)])
     expected = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 2
     assert probs[0].tolist() == pytest.approx((expected / expected.sum()).tolist())
 

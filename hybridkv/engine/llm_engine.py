@@ -34,6 +34,7 @@ from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.output_processor import OutputProcessor, RequestState
 from hybridkv.engine.run_loops import RunLoops
+from hybridkv.engine.speculation import Speculator, check_draft
 from hybridkv.engine.stats import EngineStats
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
@@ -49,6 +50,7 @@ from hybridkv.execution.step_check import check_step_exactness
 from hybridkv.kernels.quant import is_fp8
 from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.outputs import RequestOutput
+from hybridkv.patches import attention
 from hybridkv.patches.probe import attention_installed, image_attention_layers
 from hybridkv.sampling import sampler
 from hybridkv.sampling.beam_search import BeamSearch, BeamSearchParams
@@ -113,6 +115,7 @@ class LLMEngine(RunLoops, EngineStats):
         self._wire_memory(memory)
         self._wire_runner(layout, memory, buckets, captures, compiled)
         self._wire_requests(layout)
+        self.speculator = self._speculator(layout)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
         self._unreported: list[RequestState] = []
@@ -135,7 +138,7 @@ class LLMEngine(RunLoops, EngineStats):
         self.model_watch = ModelWatch(model)
         self._model_checked = True
         on_cuda = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
-        ahead = config.async_scheduling if config.async_scheduling is not None else on_cuda
+        ahead = config.async_scheduling if config.async_scheduling is not None else on_cuda and not self.speculator
         self.async_steps = AsyncSteps(self) if ahead else None
 
     def _probe(self) -> Any:
@@ -256,6 +259,52 @@ class LLMEngine(RunLoops, EngineStats):
             if self.config.generation_config == "auto"
             else {}
         )
+
+    def _speculator(self, layout: Any) -> Speculator | None:
+        """Speculative decoding's proposer and check (hybridkv/engine/speculation.py), where `speculative_config` asks
+        for it; a draft model gets an engine of its own, with as many blocks as this one. Refuses what it cannot run."""
+        config = self.config
+        speculative = config.speculative_config
+        if speculative is None:
+            return None
+        if layout.latent:
+            raise ValueError(
+                "speculative_config: latent attention layers read a step's own rows from their pages, which a proposal "
+                "does not write; patch this model without speculative_config"
+            )
+        if self.tp is not None:
+            raise ValueError("speculative_config is not supported for a tensor-parallel model; patch without it")
+        if config.async_scheduling:
+            raise ValueError(
+                "speculative_config needs each step's kept tokens before the next is planned: patch with "
+                "async_scheduling=False (or None)"
+            )
+
+        def draft_engine(draft: torch.nn.Module) -> LLMEngine:
+            draft_vocab = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
+            check_draft(draft, self.model, self.inputs.vocab_size, getattr(draft_vocab, "vocab_size", None))
+            draft_config = EngineConfig(
+                block_size=config.block_size,
+                num_blocks=self.coordinator.pool.num_blocks,
+                kv_cache_dtype=config.kv_cache_dtype,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                generation_config="vllm",
+                attention_backend=config.attention_backend,
+                cpu_threads=None,
+                enforce_eager=config.enforce_eager,
+                compile=False,
+                use_tqdm=False,
+                async_scheduling=False,
+            )
+            engine = LLMEngine(draft, None, draft_config)
+            attention.install(draft)
+            return engine
+
+        speculator = Speculator(speculative, draft_engine)
+        self.scheduler.speculative = True
+        return speculator
 
     def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:
         """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to
@@ -464,6 +513,9 @@ class LLMEngine(RunLoops, EngineStats):
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         state = self.outputs.add(group, prompt_text, grammar)
+        if self.speculator is not None and self.speculator.speculates(params):
+            for member in group.members:  # its steps go through `_update`, which proposes after each
+                member.speculates, member.greedy_alone, member.overlaps = True, False, False
         if not self.scheduler.add_request(group.leader):
             self._unreported.append(state)
         elif isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
@@ -578,6 +630,8 @@ class LLMEngine(RunLoops, EngineStats):
             self.tp.stop()
         self.coordinator.pool.close()
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
         self.model_watch.close()
         self._closed = True
 
@@ -636,7 +690,7 @@ class LLMEngine(RunLoops, EngineStats):
 
     def _run(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Run a plan and update its requests (the synchronous step, after scheduling): the step's reports."""
-        alone = plan.greedy_alone and not touched
+        alone = plan.greedy_alone and not touched and not plan.spec_tokens
         try:
             sampling, tokens, logprobs = self._execute(plan, alone)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
@@ -661,6 +715,8 @@ class LLMEngine(RunLoops, EngineStats):
         """A step that failed or was interrupted: its state checkpoints are dropped, and its requests fail with
         those its swap copies touched."""
         self._discard_checkpoints()
+        if self.speculator is not None:
+            self.speculator.drop()
         self._fail(plan, self._touched_by(plan), error)
 
     def _update(
@@ -680,6 +736,9 @@ class LLMEngine(RunLoops, EngineStats):
             sampling, tokens, logprobs = ([values[i] for i in sampled] for values in (sampling, tokens, logprobs))
         for request, status, error in self.outputs.process(sampling, tokens, logprobs):
             self.scheduler.finish(request, status, error)
+        if self.speculator is not None:  # the kept tokens after each request's first, then the next proposals
+            self.num_generated_tokens += self.speculator.finish(self.scheduler, self.outputs)
+            self.speculator.propose(self.scheduler.running)
         states = self.outputs.states
         for request in [s.request for s in plan.scheduled] + plan.failed:
             request_id = request.group.request_id
@@ -751,6 +810,8 @@ class LLMEngine(RunLoops, EngineStats):
         logits = self._compute(plan)
         if logits is None:
             return [], [], []
+        if plan.spec_tokens:
+            return self._verify(plan, logits)
         if greedy_alone:  # the sampler's greedy_tokens, looked up there (benchmarks/host_overhead.py times it)
             tokens = sampler.greedy_tokens(logits).tolist()
             self.num_generated_tokens += len(tokens)
@@ -759,6 +820,32 @@ class LLMEngine(RunLoops, EngineStats):
         if not sampling:
             return [], [], []
         sampling, tokens, logprobs = self._sample(logits, plan, sampling)
+        self.num_generated_tokens += len(tokens)
+        return sampling, tokens, logprobs
+
+    def _verify(
+        self, plan: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
+        """`_execute`'s sampling for a step that checked proposals (hybridkv/engine/speculation.py): each such request
+        takes the first token it keeps (`_update` appends the rest), every other request samples its rows as usual."""
+        rows, kept = self.speculator.verify(plan, logits)
+        others = [request for request in plan.sampling if request not in kept]
+        drawn: dict[Request, tuple[int | None, SampledLogprobs | None]] = {}
+        if others:
+            sampled, tokens, logprobs = self._sample(logits[rows], plan, others)
+            drawn = {request: (token, entry) for request, token, entry in zip(sampled, tokens, logprobs, strict=True)}
+        sampling: list[Request] = []
+        tokens, logprobs = [], []
+        for request in plan.sampling:
+            if request in kept:
+                token, entry = kept[request][0], None
+            elif request in drawn:
+                token, entry = drawn[request]
+            else:  # its sampling failed: it left the plan
+                continue
+            sampling.append(request)
+            tokens.append(token)
+            logprobs.append(entry)
         self.num_generated_tokens += len(tokens)
         return sampling, tokens, logprobs
 
@@ -799,7 +886,7 @@ class LLMEngine(RunLoops, EngineStats):
                     wanted.append((request, start + 1, range(offset, offset + count)))
                 if start + num_new >= request.num_prompt_tokens - 1:
                     pending.discard(request.request_id)
-            offset += num_new
+            offset += num_new + len(plan.spec_tokens.get(request.request_id, ()))
         pending.intersection_update(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running))
         return wanted
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridkv.engine.speculation import speculation_stats
 from hybridkv.kernels import cpu_decode
 
 
@@ -109,6 +110,8 @@ class EngineStats:
             "num_overlapped_steps": self.async_steps.num_overlapped if self.async_steps is not None else 0,
             "token_wait_seconds": self.async_steps.wait_seconds if self.async_steps is not None else 0.0,
             "cpu_decode_kernel": all(device.type == "cpu" for device in self.runner.devices) and cpu_decode.available(),
+            # Speculative decoding (hybridkv/engine/speculation.py): proposals checked, kept, and the time proposing.
+            **speculation_stats(self.speculator),
         }
 
 

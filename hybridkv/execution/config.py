@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, get_args
 
 from hybridkv.execution.kv_dtypes import KVCacheDtype, normalize_kv_cache_dtype
+from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.kernels.backend import Backend
 from hybridkv.scheduling.scheduler import PREEMPTION_MODES
 from hybridkv.scheduling.validation import check_bool, check_choice, check_float, check_int
@@ -53,6 +54,9 @@ class EngineConfig:
     A model that takes images keeps up to `encoder_cache_bytes` of image embeddings by content hash, so that
     an image seen again skips the vision tower (hybridkv/execution/multimodal.py).
 
+    `speculative_config` (vLLM's dict: n-gram prompt lookup or a draft model; hybridkv/execution/speculative_config.py)
+    proposes tokens that each step checks in the same forward (hybridkv/engine/speculation.py).
+
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
     rule. `from_kwargs` also names the closest settings to an unknown one.
@@ -80,6 +84,7 @@ class EngineConfig:
     num_state_checkpoints: int | None = None
     state_checkpoint_interval: int | None = None
     encoder_cache_bytes: int = 256 << 20
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -115,6 +120,7 @@ class EngineConfig:
             )
         set_field("gpu_memory_utilization", utilization)
         set_field("kv_cache_dtype", normalize_kv_cache_dtype(self.kv_cache_dtype))
+        set_field("speculative_config", SpeculativeConfig.of(self.speculative_config))
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.compile is not None:
             check_bool("compile", self.compile)

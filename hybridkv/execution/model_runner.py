@@ -349,6 +349,7 @@ class ModelRunner:
             request_ids.append, input_ids.append, query_lens.append, seq_lens.append, sample_rows.append
         )  # fmt: skip
         num_rows = 0
+        proposals = plan.spec_tokens
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
@@ -370,6 +371,17 @@ class ModelRunner:
             else:
                 input_ids.extend(token_ids[start:end])
             num_rows += num_new
+            proposed = proposals.get(request.request_id) if proposals else None
+            if proposed:  # its last row and each proposal's give logits; the proposals' rows store nothing
+                input_ids.extend(proposed)
+                count = len(proposed)
+                sample_rows.extend(range(num_rows - 1, num_rows + count))
+                inputs.unstored_rows.extend(range(num_rows, num_rows + count))
+                inputs.spec_counts[request.request_id] = count
+                num_rows += count
+                add_query(num_new + count)
+                add_seq(end + count)
+                continue
             add_query(num_new)
             add_seq(end)
             if len(samples) == 1:
@@ -432,8 +444,9 @@ class ModelRunner:
             first_rows = np.cumsum(query_lens) - query_lens
             positions = np.repeat(seq_lens - query_lens - first_rows, query_lens) + self._all_rows[: len(input_ids)]
         metadata: list[PagedAttentionMetadata] = []
+        unstored = np.array(inputs.unstored_rows, dtype=np.int64) if inputs.unstored_rows else None
         for device in self.devices:
-            by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows)
+            by_size = self.buffers[device].step(query_lens, seq_lens, positions, self.batch.tables, rows, unstored)
             metadata.extend(by_size[block_size][index] for block_size, index in self._groups_in_order)
         state_plan = self._state_plan(inputs, query_lens, seq_lens, rows) if self.states else None
         num_rows = len(input_ids)
@@ -468,6 +481,7 @@ class ModelRunner:
             decode_slots = torch.from_numpy(slots[decode]).to(device)
         planned = inputs.state_checkpoints
         segments, after = [], []
+        proposed = inputs.spec_counts
         for request_id, first, length, total, slot, is_decode in zip(
             inputs.request_ids, first_rows, query_lens, seq_lens, slots, decode, strict=True
         ):
@@ -475,7 +489,9 @@ class ModelRunner:
             if is_decode:
                 after.extend((int(slot), checkpoint) for _, checkpoint in checkpoints)
             else:
-                segments.append((int(first), int(first + length), int(slot), bool(total > length), checkpoints))
+                spec = proposed.get(request_id, 0) if proposed else 0
+                segment = (int(first), int(first + length), int(slot), bool(total > length), checkpoints, spec)
+                segments.append(segment)
         return StatePlan(decode_rows, decode_slots, segments, after)
 
     def padding_step(self, bucket: int) -> PreparedStep:
@@ -639,6 +655,10 @@ class StepInputs:
     # Async scheduling: (row, request id) of each row whose token the step before sampled on the device and the
     # host has not read yet; the forward takes it from there (`ModelRunner.pending_tokens`).
     pending_rows: list[tuple[int, str]] = field(default_factory=list)
+    # Speculative decoding (hybridkv/engine/speculation.py): per request, the proposed tokens its rows end with; those
+    # rows store nothing (their keys are read in flight; a state layer runs them from a copy of the state).
+    spec_counts: dict[str, int] = field(default_factory=dict)
+    unstored_rows: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

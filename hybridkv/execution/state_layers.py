@@ -123,12 +123,14 @@ class StatePlan:
     """A step's request segments for the state layers: `decode_rows` (rows of the flattened batch that are a
     sequence's one new token after earlier ones) and their `decode_slots`, then `segments`, (first row, end
     row, slot, whether the slot holds the sequence's state so far, (rows into the segment, checkpoint slot) of
-    the checkpoints it writes) of every other sequence, and `after` (slot, checkpoint slot), the decode rows'
-    checkpoints, copied after the step."""
+    the checkpoints it writes, how many of its last rows are speculative proposals) of every other sequence, and
+    `after` (slot, checkpoint slot), the decode rows' checkpoints, copied after the step. A segment's proposals run
+    after its other rows, from a copy of the state they left, in the scratch slot: the request's own slot holds
+    only the state of tokens it keeps."""
 
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
-    segments: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+    segments: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...], int]] = field(default_factory=list)
     after: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -256,11 +258,11 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
             results = run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1), _decode_view(cache, layer_idx))
             for out, result in zip(outputs.like(results), results, strict=True):
                 out[0].index_copy_(0, rows, result[:, 0])
-        for start, end, slot, has_state, checkpoints in plan.segments:
+        for start, end, slot, has_state, checkpoints, proposed in plan.segments:
             slots = torch.tensor([slot], device=hidden_states.device)
             first_row = start
             # Pieces that end at each checkpoint (the layer copies its state there), then the rest.
-            for offset, checkpoint in (*checkpoints, (end - start, None)):
+            for offset, checkpoint in (*checkpoints, (end - proposed - start, None)):
                 stop = start + offset
                 if stop > first_row:
                     view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start)
@@ -270,6 +272,12 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
                     first_row = stop
                 if checkpoint is not None:
                     cache.pool.copy_layer(layer_idx, slot, checkpoint)
+            if proposed:  # speculative rows: from a copy of the state in the scratch slot, which they leave there
+                cache.pool.copy_layer(layer_idx, slot, SCRATCH_SLOT)
+                view = _SegmentView(cache.pool, layer_idx, _scratch(hidden_states.device), True)
+                results = run(slice(first_row, end), hidden_states[:, first_row:end], view)
+                for out, result in zip(outputs.like(results), results, strict=True):
+                    out[:, first_row:end] = result
         return outputs.result()
 
     return forward
@@ -291,6 +299,14 @@ class _SegmentOutputs:
     def result(self) -> Any:
         assert self.tensors is not None, "a step with state rows ran no segment"
         return self.tensors[0] if self.single else tuple(self.tensors)
+
+
+# The pool's slot 0: no request's, written by whatever needs a state thrown away after the step.
+SCRATCH_SLOT = 0
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    return torch.tensor([SCRATCH_SLOT], device=device)
 
 
 def _decode_view(cache: Any, layer_idx: int) -> _SegmentView:

@@ -95,7 +95,7 @@ def draw_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[index], [rows[i].params for i in random_rows])
+        probs = filtered_probs(logits[index], [rows[i].params for i in random_rows])
         tokens[index] = _race(probs, [rows[i].generator for i in random_rows])
     return tokens
 
@@ -189,7 +189,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     return logits
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature after top-k, top-p and min-p, row by row settings."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)

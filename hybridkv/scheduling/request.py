@@ -44,6 +44,8 @@ class Request(KVRequest):
         "sample_index",
         "sample_state",
         "sampling_row",
+        "spec_token_ids",
+        "speculates",
         "status",
         "stop_reason",
     )
@@ -81,6 +83,10 @@ class Request(KVRequest):
         # its sampling or output reads that token first (no grammar, penalty, logprobs, beam or other sample).
         # Every `greedy_alone` request overlaps.
         self.overlaps = False
+        # Speculative decoding (hybridkv/engine/speculation.py): whether its tokens may be proposed and checked several
+        # at a step (set when it is added), and the tokens proposed for its next step.
+        self.speculates = False
+        self.spec_token_ids: list[int] = []
 
     @property
     def output_token_ids(self) -> list[int]:

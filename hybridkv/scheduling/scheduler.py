@@ -107,6 +107,9 @@ class SchedulerOutput:
     greedy_alone: bool = True
     # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
     coordinator: KVCacheCoordinator | None = field(default=None, repr=False)
+    # Speculative decoding: per request id, the proposed tokens its step checks after its last token (rows beyond
+    # `num_new_tokens`, counted in `num_tokens`; they store nothing and take no block).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def block_tables(self) -> list[list[list[int]]]:
@@ -128,9 +131,11 @@ class SchedulerOutput:
         self.num_tokens += num_new_tokens
 
     def drop(self, requests: list[Request]) -> None:
-        """Take requests out of the batch (preempted after they were scheduled)."""
+        """Take requests out of the batch (preempted after they were scheduled), with their proposals."""
         kept = [s for s in self.scheduled if s.request not in requests]
-        self.num_tokens = sum(s.num_new_tokens for s in kept)
+        for request in requests:
+            self.spec_tokens.pop(request.request_id, None)
+        self.num_tokens = sum(s.num_new_tokens for s in kept) + sum(map(len, self.spec_tokens.values()))
         self.scheduled = kept
 
     @property
@@ -155,6 +160,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.max_num_running = 0
+        # Speculative decoding is on (the engine's): running requests' proposals join their steps (`_propose`).
+        self.speculative = False
         # The last plan, when it was a decode batch (`_decode_batch_of`): its requests and their scheduled entries.
         self._decode_batch: tuple[list[Request], list[ScheduledRequest]] | None = None
 
@@ -244,7 +251,7 @@ class Scheduler:
         nothing else changed, where the batch is not the same or an allocation fails (`_schedule` then preempts and
         finds what was allocated here in place). This is most decode steps: a step with no call per request."""
         batch = self._decode_batch
-        if batch is None or self.waiting or self.swapped:
+        if batch is None or self.waiting or self.swapped or self.speculative:
             return False
         requests, scheduled = batch
         if requests != self.running:
@@ -296,6 +303,8 @@ class Scheduler:
                     break
             else:
                 out.add(request, num_new)
+                if request.spec_token_ids and request.num_computed_tokens + num_new == num_known:
+                    self._propose(request, out)
         if out.preempted or not (self.swapped or self.waiting):
             return
         seated = {id(r.group): r.group for r in self.running}
@@ -325,6 +334,16 @@ class Scheduler:
             self.running.append(request)
             out.add(request, num_new)
             budget -= num_new
+
+    def _propose(self, request: Request, out: SchedulerOutput) -> None:
+        """A request whose step reaches its last token checks the tokens proposed for it too, as many as the step's
+        token budget and max_model_len leave room for (their rows store nothing: no block is allocated for them)."""
+        room = min(self.config.max_num_batched_tokens - out.num_tokens, self.config.max_model_len - request.num_tokens)
+        proposed = request.spec_token_ids[: max(0, room)]
+        request.spec_token_ids = []
+        if proposed:
+            out.spec_tokens[request.request_id] = proposed
+            out.num_tokens += len(proposed)
 
     def _take_model_key(self, request: Request, out: SchedulerOutput) -> bool:
         """A request about to be admitted that was hashed under another model (the model changed after it was added,

@@ -1,0 +1,189 @@
+"""Speculative decoding: tokens proposed for a request and checked, several at a step, in the same forward.
+
+After each step, every running request that speculates (`Speculator.speculates`: a request whose tokens depend on
+its logits alone: no penalty, bias, logprobs, grammar, beam or best_of) gets up to k proposals
+(hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy continuation. Its next
+step computes its unseen tokens as usual and, after its last one, one row per proposal (`SchedulerOutput.spec_tokens`,
+within the step's token budget); the k + 1 rows' logits decide which proposals it keeps and one more token of the
+model's own (hybridkv/sampling/speculative.py): `generate`'s tokens for a greedy request, the model's distribution for
+a sampled one.
+
+Nothing a proposal computes is kept, so nothing has to be rolled back, on any layer kind:
+
+- a proposal's row stores no K/V (slot -1: `StepInputs.unstored_rows`); the rows after it read its keys in flight, as
+  every layer reads the step's own keys, and no block is allocated for it, so a sliding window's blocks follow the
+  kept tokens only and no prefix-cache block is ever made from a proposal;
+- a state layer (Gated DeltaNet, Mamba, a short convolution) runs the proposals' rows from a copy of the state in the
+  scratch slot (hybridkv/execution/state_layers.py): the request's own slot holds the state of its kept tokens.
+
+The tokens a step keeps are appended like sampled ones (stop strings, EOS, max_tokens and min_tokens are checked
+token by token, so a stop inside a kept run ends the request there), and the next step computes them as the request's
+unseen tokens: an accepted proposal is computed twice, once as a proposal and once kept. That costs rows, not
+forwards, and is what lets every layer kind stay exact without snapshots (vLLM stores the proposals' K/V and rolls
+back the full-attention layers' pointers; it cannot roll back a state layer without per-position states).
+
+The draft model runs in an engine of its own (its own pages, prefix caching on): each round asks it for k greedy tokens
+after each request's tokens, which its prefix cache mostly holds already.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hybridkv.execution.speculative_config import SpeculativeConfig
+from hybridkv.patches import attention
+from hybridkv.sampling.speculative import accept, ngram_proposal
+from hybridkv.scheduling.request import Request, RequestStatus
+from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.scheduler import SchedulerOutput
+
+
+class Speculator:
+    """The engine's proposals and their check (module docstring), with the counts `stats()` reports."""
+
+    def __init__(self, config: SpeculativeConfig, draft_engine: Callable[[torch.nn.Module], Any] | None = None) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.draft = None
+        if config.method == "draft_model":
+            self.draft = draft_engine(config.model)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * self.k
+        self.propose_seconds = 0.0
+        self._kept: list[tuple[Request, list[int]]] = []
+
+    @staticmethod
+    def speculates(params: Any) -> bool:
+        """Whether a request's tokens may be proposed: they depend on its rows' logits alone."""
+        return (
+            isinstance(params, SamplingParams)
+            and not params.has_penalties
+            and not params.logit_bias
+            and not params.needs_logprob
+            and params.structured_outputs is None
+        )
+
+    def propose(self, requests: Sequence[Request]) -> None:
+        """Proposals for each running request that speculates and has sampled its first token (`spec_token_ids`, which
+        its next step checks), at most as many as it may still generate after the token its step adds."""
+        start = time.perf_counter()
+        wanted: list[tuple[Request, int]] = []
+        for request in requests:
+            if not request.speculates or request.status is not RequestStatus.RUNNING or request.num_output_tokens < 1:
+                continue
+            max_tokens = request.params.max_tokens
+            k = self.k if max_tokens is None else min(self.k, max_tokens - request.num_output_tokens - 1)
+            if k > 0:
+                wanted.append((request, k))
+        if self.draft is None:
+            config = self.config
+            for request, k in wanted:
+                request.spec_token_ids = ngram_proposal(
+                    request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
+                )
+        elif wanted:
+            prompts = [list(request.token_ids) for request, _ in wanted]
+            params = [SamplingParams(temperature=0, max_tokens=k) for _, k in wanted]
+            outputs = self.draft.generate(prompts, params, use_tqdm=False)
+            for (request, _), output in zip(wanted, outputs, strict=True):
+                request.spec_token_ids = list(output.outputs[0].token_ids)
+        self.propose_seconds += time.perf_counter() - start
+
+    def verify(self, plan: SchedulerOutput, logits: torch.Tensor) -> tuple[list[int], dict[Request, list[int]]]:
+        """Split a step's logits rows: the rows of the requests that sample as usual (one per sample, in
+        `plan.sampling`'s order), and for each request that checked proposals, the tokens it keeps (the first is
+        its step's token; the rest `finish` appends)."""
+        normal: list[int] = []
+        kept: dict[Request, list[int]] = {}
+        row = 0
+        for request, _, samples in plan.scheduled:
+            proposed = plan.spec_tokens.get(request.request_id)
+            if not proposed:
+                normal.extend(range(row, row + len(samples)))
+                row += len(samples)
+                continue
+            count = len(proposed)
+            tokens = accept(logits[row : row + count + 1], proposed, request.sampling_row)
+            row += count + 1
+            kept[request] = tokens
+            accepted = len(tokens) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += count
+            self.num_accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
+        self._kept = [(request, tokens[1:]) for request, tokens in kept.items() if len(tokens) > 1]
+        return normal, kept
+
+    def finish(self, scheduler: Any, outputs: Any) -> int:
+        """Append the step's kept tokens after each request's first (`verify`), each checked for a stop as a sampled
+        token is (the request ends at the first that stops it); returns how many were appended."""
+        appended = 0
+        kept, self._kept = self._kept, []
+        for request, tokens in kept:
+            for token in tokens:
+                if request.status.is_finished:
+                    break
+                request.append_token(token)
+                appended += 1
+                for stopped, status, error in outputs.process([request], [token], [None]):
+                    scheduler.finish(stopped, status, error)
+        return appended
+
+    def drop(self) -> None:
+        """A failed step's kept tokens are not appended."""
+        self._kept = []
+
+    def close(self) -> None:
+        """Release the draft model's engine and give the draft its own attention back."""
+        if self.draft is not None:
+            self.draft.close()
+            attention.uninstall(self.config.model)
+            self.draft = None
+
+
+def check_draft(draft: torch.nn.Module, target: torch.nn.Module, target_vocab: int, draft_vocab: int) -> None:
+    """A draft model hybridkv can run beside `target`: another module, not patched, of the same vocabulary."""
+    if not isinstance(draft, torch.nn.Module):
+        raise TypeError(f"speculative_config's model must be a transformers causal LM, got {type(draft).__name__}")
+    if draft is target:
+        raise ValueError("speculative_config's draft model is the model itself; give a smaller model (or use 'ngram')")
+    if "_hybridkv_engine" in draft.__dict__:
+        raise ValueError("speculative_config's draft model is patched already; hybridkv.unpatch(draft) first")
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's ({target_vocab}); a draft must "
+            "share the model's tokenizer"
+        )
+
+
+def speculation_stats(speculator: Speculator | None) -> dict[str, Any]:
+    """`stats()`'s speculative decoding counts (zeros without it): the method, proposals checked (drafts: a request's
+    step that checked any), proposed and kept tokens, per position how many drafts kept their proposal there (vLLM's
+    num_accepted_tokens_per_pos), and the seconds spent proposing."""
+    if speculator is None:
+        return {
+            "spec_method": None,
+            "spec_num_drafts": 0,
+            "spec_num_draft_tokens": 0,
+            "spec_num_accepted_tokens": 0,
+            "spec_acceptance_rate": 0.0,
+            "spec_accepted_per_position": [],
+            "spec_propose_seconds": 0.0,
+        }
+    drafts = speculator.num_draft_tokens
+    return {
+        "spec_method": speculator.config.method,
+        "spec_num_drafts": speculator.num_drafts,
+        "spec_num_draft_tokens": drafts,
+        "spec_num_accepted_tokens": speculator.num_accepted_tokens,
+        "spec_acceptance_rate": speculator.num_accepted_tokens / drafts if drafts else 0.0,
+        "spec_accepted_per_position": list(speculator.accepted_per_position),
+        "spec_propose_seconds": speculator.propose_seconds,
+    }

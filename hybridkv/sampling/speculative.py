@@ -1,0 +1,66 @@
+"""Speculative decoding's proposals and their check (hybridkv/engine/speculation.py runs them).
+
+`ngram_proposal` is prompt lookup (vLLM's `ngram` method, transformers' `prompt_lookup_num_tokens`): the longest
+run of the sequence's last tokens (`prompt_lookup_max` down to `prompt_lookup_min` tokens) found earlier in it, at
+its earliest place, and the tokens that followed it there.
+
+`accept` checks a request's k proposals against the k + 1 rows of logits its step computed (row i: the distribution
+of the token after the i-th proposal's prefix): a greedy request keeps the proposals equal to each row's argmax
+and then the first row's argmax that differs (or the last row's), so its tokens are `generate`'s; a sampled request
+takes each proposal x with probability p(x) of its row (after temperature, top-k, top-p and min-p) and, at the first
+rejection, draws from p with x removed (renormalised), else from the last row. Proposals are deterministic given the
+sequence (the proposal distribution is a point mass), and this is the rejection rule that leaves each token
+distributed as p (Leviathan et al. 2023, Chen et al. 2023, with q a point mass), whatever the proposer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hybridkv.sampling.sampler import SamplingRow, filtered_probs, greedy_tokens
+
+
+def ngram_proposal(token_ids: Sequence[int], k: int, low: int, high: int) -> list[int]:
+    """Up to `k` tokens that followed the earliest earlier occurrence of the longest suffix of `token_ids` of
+    `high` down to `low` tokens (fewer when the sequence ends sooner after it; none without a match)."""
+    length = len(token_ids)
+    if length <= low or k < 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(high, length - 1), low - 1, -1):
+        # Windows that end before the last token: an occurrence of the suffix followed by at least one token.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        found = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if found.size:
+            start = int(found[0]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+def accept(logits: torch.Tensor, proposed: Sequence[int], row: SamplingRow) -> list[int]:
+    """The tokens a request keeps from a step that checked `proposed` (`logits`: its `len(proposed) + 1` rows,
+    float32): the accepted proposals, then one token of the model's own (see the module docstring)."""
+    if row.params.greedy:
+        chosen = greedy_tokens(logits).tolist()
+        kept = 0
+        while kept < len(proposed) and proposed[kept] == chosen[kept]:
+            kept += 1
+        return chosen[: kept + 1]
+    probs = filtered_probs(logits, [row.params] * logits.shape[0])
+    device = probs.device
+    proposal = torch.tensor(list(proposed), dtype=torch.long, device=device)
+    generator = row.generator
+    uniforms = torch.rand(len(proposed), device=device, generator=generator)
+    taken = probs[torch.arange(len(proposed), device=device), proposal]
+    rejected = (uniforms >= taken).nonzero()
+    if rejected.numel() == 0:
+        last = probs[-1]
+        return [*proposed, int(torch.multinomial(last, 1, generator=generator))]
+    first = int(rejected[0])
+    residual = probs[first].clone()
+    residual[proposal[first]] = 0.0
+    token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return [*proposed[:first], token]
