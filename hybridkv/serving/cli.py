@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,6 +31,18 @@ def cpu_threads_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count, got {text!r}") from None
 
 
+def speculative_config_flag(text: str) -> dict[str, Any]:
+    """`--speculative-config`: vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; a draft model's
+    "model" is a local checkpoint folder, loaded with the served model's dtype."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 PATCH_FLAGS: dict[str, Any] = {
     "block_size": int,
     "num_blocks": int,
@@ -53,6 +66,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "num_state_checkpoints": int,
     "state_checkpoint_interval": int,
     "encoder_cache_bytes": int,
+    "speculative_config": speculative_config_flag,
 }
 DEMO_PROMPTS = [
     "Once upon a time",
@@ -197,8 +211,14 @@ def add_patch_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def patch_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The patch settings given on the command line (the rest keep `EngineConfig`'s defaults)."""
-    return {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
+    """The patch settings given on the command line (the rest keep `EngineConfig`'s defaults); a speculative draft
+    model given as a folder is loaded here, in `--dtype`."""
+    settings = {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
+    speculative = settings.get("speculative_config")
+    if speculative is not None and isinstance(speculative.get("model"), str):
+        draft, _ = load_checkpoint(speculative["model"], getattr(args, "dtype", "auto"))
+        settings["speculative_config"] = {**speculative, "model": draft}
+    return settings
 
 
 def serve(args: argparse.Namespace) -> None:
