@@ -256,10 +256,13 @@ def test_the_command_line_takes_vllms_json(tmp_path):
         build_parser().parse_args(["serve", str(tmp_path), "--speculative-config", "ngram"])
 
 
-def test_one_request_at_a_time_adds_its_rows_and_nothing_else(patched):
-    """A lone request: each check step computes its kept tokens and its proposals, and the step's forward rows are
-    exactly those (`num_forward_tokens`)."""
-    model = ZOO["llama"]()
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_one_request_at_a_time_adds_its_rows_and_nothing_else(name, patched):
+    """A lone request. Llama (full attention only) keeps a kept proposal's K/V where its row stored them: each step
+    after the prompt computes the last token and the proposals. Gemma 3 (sliding windows) stores no proposal: each
+    step computes the tokens the step before kept, then the proposals; the last step's kept tokens (1 to k + 1) are
+    never computed. `num_forward_tokens` counts exactly those rows."""
+    model = ZOO[name]()
     prompt = prompts((20,))[0]
     expected, _ = hf_greedy(model, prompt, 12)
     llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
@@ -272,8 +275,10 @@ def test_one_request_at_a_time_adds_its_rows_and_nothing_else(patched):
             tokens = output.outputs[0].token_ids
     assert tokens == expected
     stats = llm.stats()
-    # The prompt, then per step the tokens the step before kept and the proposals; the last step's kept tokens (1 to
-    # k + 1) are never computed.
-    rows = 20 + stats["spec_num_draft_tokens"] + stats["num_generated_tokens"]
-    assert rows - 5 <= stats["num_forward_tokens"] <= rows - 1
-    assert stats["num_generated_tokens"] == 12
+    assert stats["num_generated_tokens"] == 12 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["spec_proposals_stored"] == (name == "llama")
+    if name == "llama":
+        assert stats["num_forward_tokens"] == 20 + stats["num_steps"] - 1 + stats["spec_num_draft_tokens"]
+    else:
+        rows = 20 + stats["spec_num_draft_tokens"] + stats["num_generated_tokens"]
+        assert rows - 5 <= stats["num_forward_tokens"] <= rows - 1

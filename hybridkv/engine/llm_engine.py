@@ -304,6 +304,12 @@ class LLMEngine(RunLoops, EngineStats):
 
         speculator = Speculator(speculative, draft_engine)
         self.scheduler.speculative = True
+        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way); a window
+        # could have moved a block the kept tokens still need, and a state cannot be rolled back.
+        self.scheduler.stores_proposals = not layout.states and all(
+            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
+        )
+        speculator.stores_proposals = self.scheduler.stores_proposals
         return speculator
 
     def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:

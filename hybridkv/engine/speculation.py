@@ -22,6 +22,9 @@ unseen tokens: an accepted proposal is computed twice, once as a proposal and on
 forwards, and is what lets every layer kind stay exact without snapshots (vLLM stores the proposals' K/V and rolls
 back the full-attention layers' pointers; it cannot roll back a state layer without per-position states).
 
+What trying costs is bounded: a request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps
+(at most `MAX_SKIPS`), and one kept proposal ends the backoff.
+
 The draft model runs in an engine of its own (its own pages, prefix caching on): each round asks it for k greedy tokens
 after each request's tokens, which its prefix cache mostly holds already.
 """
@@ -41,6 +44,9 @@ from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.scheduler import SchedulerOutput
 
+# The most steps a request whose proposals keep failing skips proposing for (`Speculator.verify`'s backoff).
+MAX_SKIPS = 15
+
 
 class Speculator:
     """The engine's proposals and their check (module docstring), with the counts `stats()` reports."""
@@ -56,6 +62,9 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.k
         self.propose_seconds = 0.0
+        self.num_skipped = 0
+        self.stores_proposals = False  # set by the engine (`Scheduler.stores_proposals`)
+        self._stored = False
         self._kept: list[tuple[Request, list[int]]] = []
 
     @staticmethod
@@ -76,6 +85,10 @@ class Speculator:
         wanted: list[tuple[Request, int]] = []
         for request in requests:
             if not request.speculates or request.status is not RequestStatus.RUNNING or request.num_output_tokens < 1:
+                continue
+            if request.spec_skips:
+                request.spec_skips -= 1
+                self.num_skipped += 1
                 continue
             max_tokens = request.params.max_tokens
             k = self.k if max_tokens is None else min(self.k, max_tokens - request.num_output_tokens - 1)
@@ -113,12 +126,17 @@ class Speculator:
             row += count + 1
             kept[request] = tokens
             accepted = len(tokens) - 1
+            # Backoff: after n checks in a row that kept nothing, the request skips 2^n - 1 steps (at most
+            # MAX_SKIPS) before its next proposals; one kept proposal ends it.
+            request.spec_misses = 0 if accepted else request.spec_misses + 1
+            request.spec_skips = min(2**request.spec_misses - 1, MAX_SKIPS)
             self.num_drafts += 1
             self.num_draft_tokens += count
             self.num_accepted_tokens += accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
         self._kept = [(request, tokens[1:]) for request, tokens in kept.items() if len(tokens) > 1]
+        self._stored = plan.spec_stored
         return normal, kept
 
     def finish(self, scheduler: Any, outputs: Any) -> int:
@@ -134,6 +152,10 @@ class Speculator:
                 appended += 1
                 for stopped, status, error in outputs.process([request], [token], [None]):
                     scheduler.finish(stopped, status, error)
+            if self._stored and not request.status.is_finished:
+                # The kept proposals' K/V are in their blocks: computed (the model's own last token is not yet).
+                request.num_computed_tokens += len(tokens)
+                scheduler.coordinator.update_computed(request)
         return appended
 
     def drop(self) -> None:
@@ -170,20 +192,27 @@ def speculation_stats(speculator: Speculator | None) -> dict[str, Any]:
     if speculator is None:
         return {
             "spec_method": None,
+            "spec_proposals_stored": False,
             "spec_num_drafts": 0,
             "spec_num_draft_tokens": 0,
             "spec_num_accepted_tokens": 0,
             "spec_acceptance_rate": 0.0,
             "spec_accepted_per_position": [],
             "spec_propose_seconds": 0.0,
+            "spec_skipped_steps": 0,
         }
     drafts = speculator.num_draft_tokens
     return {
         "spec_method": speculator.config.method,
+        # Whether a kept proposal's K/V stays where its row stored them (full-attention groups only), else it is
+        # computed again in the next step.
+        "spec_proposals_stored": speculator.stores_proposals,
         "spec_num_drafts": speculator.num_drafts,
         "spec_num_draft_tokens": drafts,
         "spec_num_accepted_tokens": speculator.num_accepted_tokens,
         "spec_acceptance_rate": speculator.num_accepted_tokens / drafts if drafts else 0.0,
         "spec_accepted_per_position": list(speculator.accepted_per_position),
         "spec_propose_seconds": speculator.propose_seconds,
+        # Steps a request made without proposals because its last checks kept none (the backoff).
+        "spec_skipped_steps": speculator.num_skipped,
     }

@@ -349,7 +349,7 @@ class ModelRunner:
             request_ids.append, input_ids.append, query_lens.append, seq_lens.append, sample_rows.append
         )  # fmt: skip
         num_rows = 0
-        proposals = plan.spec_tokens
+        proposals, stored = plan.spec_tokens, plan.spec_stored
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
             end = start + num_new
@@ -372,12 +372,14 @@ class ModelRunner:
                 input_ids.extend(token_ids[start:end])
             num_rows += num_new
             proposed = proposals.get(request.request_id) if proposals else None
-            if proposed:  # its last row and each proposal's give logits; the proposals' rows store nothing
+            if proposed:  # its last row and each proposal's give logits; the proposals' rows store nothing unless
+                # their blocks are allocated (`SchedulerOutput.spec_stored`)
                 input_ids.extend(proposed)
                 count = len(proposed)
                 sample_rows.extend(range(num_rows - 1, num_rows + count))
-                inputs.unstored_rows.extend(range(num_rows, num_rows + count))
-                inputs.spec_counts[request.request_id] = count
+                if not stored:
+                    inputs.unstored_rows.extend(range(num_rows, num_rows + count))
+                    inputs.spec_counts[request.request_id] = count
                 num_rows += count
                 add_query(num_new + count)
                 add_seq(end + count)

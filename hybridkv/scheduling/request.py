@@ -44,6 +44,8 @@ class Request(KVRequest):
         "sample_index",
         "sample_state",
         "sampling_row",
+        "spec_misses",
+        "spec_skips",
         "spec_token_ids",
         "speculates",
         "status",
@@ -87,6 +89,9 @@ class Request(KVRequest):
         # at a step (set when it is added), and the tokens proposed for its next step.
         self.speculates = False
         self.spec_token_ids: list[int] = []
+        # Its checks in a row that kept no proposal, and the steps it still skips proposing for (a backoff).
+        self.spec_misses = 0
+        self.spec_skips = 0
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -110,6 +110,8 @@ class SchedulerOutput:
     # Speculative decoding: per request id, the proposed tokens its step checks after its last token (rows beyond
     # `num_new_tokens`, counted in `num_tokens`; they store nothing and take no block).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Whether the proposals' rows store their K/V (`Scheduler.stores_proposals`).
+    spec_stored: bool = False
 
     @property
     def block_tables(self) -> list[list[list[int]]]:
@@ -160,8 +162,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps = 0
         self.max_num_running = 0
-        # Speculative decoding is on (the engine's): running requests' proposals join their steps (`_propose`).
+        # Speculative decoding is on (the engine's): running requests' proposals join their steps (`_propose`); with
+        # `stores_proposals` (a model of full-attention groups only) their rows store K/V into blocks allocated for
+        # them, and a kept proposal's stays (else they store nothing: hybridkv/engine/speculation.py).
         self.speculative = False
+        self.stores_proposals = False
         # The last plan, when it was a decode batch (`_decode_batch_of`): its requests and their scheduled entries.
         self._decode_batch: tuple[list[Request], list[ScheduledRequest]] | None = None
 
@@ -211,6 +216,7 @@ class Scheduler:
         out = SchedulerOutput()
         if self.coordinator.state_slots is not None:  # forks' copies, before this plan frees or gives a slot
             out.state_fork_copies = self.coordinator.take_state_copies()
+        out.spec_stored = self.stores_proposals
         if not self._schedule_decode_batch(out):
             self._schedule(out)
             self._decode_batch = self._decode_batch_of(out)
@@ -341,6 +347,10 @@ class Scheduler:
         room = min(self.config.max_num_batched_tokens - out.num_tokens, self.config.max_model_len - request.num_tokens)
         proposed = request.spec_token_ids[: max(0, room)]
         request.spec_token_ids = []
+        if proposed and self.stores_proposals:  # blocks for their K/V too, or no proposal (never a preemption)
+            num_new = len(request.token_ids) - request.num_computed_tokens
+            if not self.coordinator.allocate_slots(request, num_new + len(proposed)):
+                proposed = []
         if proposed:
             out.spec_tokens[request.request_id] = proposed
             out.num_tokens += len(proposed)

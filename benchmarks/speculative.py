@@ -1,0 +1,222 @@
+"""Speculative decoding (issue 50), one request at a time on the CPU: hybridkv with n-gram lookup and with a draft
+model, against hybridkv without speculation and transformers' own `generate` (plain, with
+`prompt_lookup_num_tokens=k`, with `assistant_model=draft` at a constant k), same model, prompts and k, in one run.
+
+Random weights rarely repeat themselves (tests/test_speculative.py measures 3 n-gram hits in 60 tokens), so the model is
+trained here to copy: a Llama of 4 layers (hidden 256, vocabulary 512), --train-steps steps of AdamW on sequences that
+are a random document of --doc tokens, a separator, and the document again (about a minute on 2 cores; kept in
+--cache for the next run). It then copies exactly, and the task is input-grounded as retrieval and editing are: the
+prompt is a new document, the separator and its first 4 tokens, and the model writes the rest. The draft is the
+trained model's first --draft-layers layers with its own final norm and head (a truncated copy, nothing trained).
+
+Where proposals are mostly kept (the copy task): every system's tokens are compared with plain generate's and the
+ratios printed against hybridkv without speculation and against transformers' assisted generation at the same k.
+Where nothing is kept (what trying costs): the same model on random prompts that never repeat (n-gram lookup finds
+next to nothing), and a random draft model, whose proposals are rejected.
+
+Each system runs --rounds times, in turn, each round timing every request from its call to its last token (set-up,
+patch included, outside); the median round is reported.
+
+    python benchmarks/speculative.py [--k 4] [--requests 6] [--doc 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hybridkv
+from hybridkv import SamplingParams
+
+VOCAB, SEP = 512, 1
+
+
+def copy_model(doc: int, steps: int, cache: str) -> LlamaForCausalLM:
+    """The Llama trained to copy a document after the separator (trained once, then loaded from `cache`)."""
+    path = os.path.join(cache, f"copy-doc{doc}-steps{steps}")
+    if os.path.isdir(path):
+        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=4 * doc, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    start = time.perf_counter()
+    for step in range(steps):
+        document = torch.randint(2, VOCAB, (32, doc))
+        batch = torch.cat([document, torch.full((32, 1), SEP), document], dim=1)
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  training to copy: step {step}, loss {loss.item():.3f}, {time.perf_counter() - start:.0f} s")
+    model.eval()
+    # Half the tokens are random: a model that copies the other half exactly reaches ln(510) / 2 = 3.1.
+    if loss.item() > 3.5:
+        raise SystemExit(
+            f"the model did not learn to copy in {steps} steps (loss {loss.item():.2f}); raise --train-steps"
+        )
+    model.save_pretrained(path)
+    return model
+
+
+def truncated(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    return draft
+
+
+def copy_prompts(count: int, doc: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    documents = [torch.randint(2, VOCAB, (doc,), generator=generator).tolist() for _ in range(count)]
+    return [document + [SEP] + document[:4] for document in documents]
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def hf_system(model: LlamaForCausalLM, new_tokens: int, **options):
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        outputs = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                    do_sample=False, pad_token_id=0, **options,
+                )  # fmt: skip
+                outputs.append(out[0, len(prompt) :].tolist())
+        return outputs
+
+    return run
+
+
+def hybridkv_system(llm, new_tokens: int):
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        return [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for prompt in prompts]
+
+    return run
+
+
+def compare(title: str, systems: dict, prompts: list[list[int]], rounds: int, stats: dict) -> dict[str, float]:
+    """Run each system `rounds` times, in turn; print median seconds, tokens/s and tokens equal to generate's."""
+    seconds: dict[str, list[float]] = {name: [] for name in systems}
+    tokens: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for name, run in systems.items():
+            start = time.perf_counter()
+            tokens[name] = run(prompts)
+            seconds[name].append(time.perf_counter() - start)
+    reference = tokens["generate"]
+    count = sum(map(len, reference))
+    median = {name: statistics.median(times) for name, times in seconds.items()}
+    print(f"\n{title}: {len(prompts)} requests one at a time, {count} new tokens, median of {rounds} rounds")
+    for name in systems:
+        extra = f"  {stats[name]()}" if name in stats else ""
+        print(
+            f"  {name:34s} {count / median[name]:8.1f} tok/s  {median['generate'] / median[name]:5.2f}x generate"
+            f"  tokens equal generate's: {tokens[name] == reference}{extra}"
+        )
+    return median
+
+
+def acceptance(llm) -> str:
+    stats = llm.stats()
+    return (
+        f"(kept {stats['spec_acceptance_rate']:.0%} of {stats['spec_num_draft_tokens']} proposals, by position "
+        f"{stats['spec_accepted_per_position']} of {stats['spec_num_drafts']})"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--doc", type=int, default=48, help="document tokens (the copy task writes doc - 4)")
+    parser.add_argument("--train-steps", type=int, default=160)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "hybridkv-bench"))
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    k, new_tokens = args.k, args.doc - 4
+    model = copy_model(args.doc, args.train_steps, args.cache)
+    draft = truncated(model, args.draft_layers)
+    draft_hf = truncated(model, args.draft_layers)  # transformers' assistant: its own copy
+    draft_hf.generation_config.num_assistant_tokens = k
+    draft_hf.generation_config.num_assistant_tokens_schedule = "constant"
+    draft_hf.generation_config.assistant_confidence_threshold = 0.0
+    settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+    def systems(spec_draft) -> tuple[dict, dict, list]:
+        plain_model, spec_model, draft_model = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+        plain = hybridkv.patch(plain_model, **settings)
+        with_ngram = hybridkv.patch(spec_model, **settings, speculative_config=ngram)
+        with_draft = hybridkv.patch(
+            draft_model, **settings, speculative_config={"model": spec_draft, "num_speculative_tokens": k}
+        )
+        table = {
+            "generate": hf_system(model, new_tokens),
+            f"generate prompt_lookup k={k}": hf_system(model, new_tokens, prompt_lookup_num_tokens=k),
+            f"generate assistant_model k={k}": hf_system(model, new_tokens, assistant_model=draft_hf),
+            "hybridkv": hybridkv_system(plain, new_tokens),
+            f"hybridkv ngram k={k}": hybridkv_system(with_ngram, new_tokens),
+            f"hybridkv draft_model k={k}": hybridkv_system(with_draft, new_tokens),
+        }
+        stats = {
+            f"hybridkv ngram k={k}": lambda: acceptance(with_ngram),
+            f"hybridkv draft_model k={k}": lambda: acceptance(with_draft),
+        }
+        return table, stats, [plain_model, spec_model, draft_model]
+
+    table, stats, held = systems(draft)
+    median = compare(
+        "Copy task (proposals mostly kept)", table, copy_prompts(args.requests, args.doc, 1), args.rounds, stats
+    )
+    base = median["hybridkv"]
+    print(
+        f"  hybridkv ngram: {base / median[f'hybridkv ngram k={k}']:.2f}x hybridkv, "
+        f"{median[f'generate prompt_lookup k={k}'] / median[f'hybridkv ngram k={k}']:.2f}x generate prompt_lookup; "
+        f"hybridkv draft_model: {base / median[f'hybridkv draft_model k={k}']:.2f}x hybridkv, "
+        f"{median[f'generate assistant_model k={k}'] / median[f'hybridkv draft_model k={k}']:.2f}x generate assistant_model"
+    )
+    for patched in held:
+        hybridkv.unpatch(patched)
+
+    torch.manual_seed(1)
+    random_draft = LlamaForCausalLM(copy.deepcopy(draft.config)).eval()
+    table, stats, held = systems(random_draft)
+    for name in (f"generate prompt_lookup k={k}", f"generate assistant_model k={k}"):
+        del table[name]
+    median = compare(
+        "Random prompts, a random draft (proposals almost never kept)",
+        table,
+        random_prompts(args.requests, args.doc + 5, 2),
+        args.rounds,
+        stats,
+    )
+    base = median["hybridkv"]
+    print(
+        f"  what trying costs: hybridkv ngram {base / median[f'hybridkv ngram k={k}']:.2f}x hybridkv, "
+        f"hybridkv draft_model {base / median[f'hybridkv draft_model k={k}']:.2f}x hybridkv"
+    )
+
+
+if __name__ == "__main__":
+    main()
