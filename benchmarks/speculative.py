@@ -11,8 +11,8 @@ trained model's first --draft-layers layers with its own final norm and head (a 
 
 Where proposals are mostly kept (the copy task): every system's tokens are compared with plain generate's and the
 ratios printed against hybridkv without speculation and against transformers' assisted generation at the same k.
-Where nothing is kept (what trying costs): the same model on random prompts that never repeat (n-gram lookup finds
-next to nothing), and a random draft model, whose proposals are rejected.
+Where nothing is kept (what trying costs): the copy task with every n-gram proposal made wrong after its lookup (a
+hook in this script), and an untrained draft.
 
 Each system runs --rounds times, in turn, each round timing every request from its call to its last token (set-up,
 patch included, outside); the median round is reported.
@@ -83,11 +83,6 @@ def copy_prompts(count: int, doc: int, seed: int) -> list[list[int]]:
     return [document + [SEP] + document[:4] for document in documents]
 
 
-def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (length,), generator=generator).tolist() for _ in range(count)]
-
-
 def hf_system(model: LlamaForCausalLM, new_tokens: int, **options):
     def run(prompts: list[list[int]]) -> list[list[int]]:
         outputs = []
@@ -135,6 +130,19 @@ def compare(title: str, systems: dict, prompts: list[list[int]], rounds: int, st
     return median
 
 
+def spoil(model: torch.nn.Module) -> None:
+    """Make every n-gram proposal of `model`'s engine wrong (each token + 1), after the lookup it costs."""
+    speculator = model.__dict__["_hybridkv_engine"].speculator
+    propose = speculator.propose
+
+    def spoiled(requests) -> None:
+        propose(requests)
+        for request in requests:
+            request.spec_token_ids = [(token + 1) % VOCAB for token in request.spec_token_ids]
+
+    speculator.propose = spoiled
+
+
 def acceptance(llm) -> str:
     stats = llm.stats()
     return (
@@ -164,58 +172,55 @@ def main() -> None:
     settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False)
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
-    def systems(spec_draft) -> tuple[dict, dict, list]:
-        plain_model, spec_model, draft_model = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    def systems(target, spec_draft, lookup) -> tuple[dict, dict, list]:
+        plain_model, spec_model, draft_model = copy.deepcopy(target), copy.deepcopy(target), copy.deepcopy(target)
         plain = hybridkv.patch(plain_model, **settings)
-        with_ngram = hybridkv.patch(spec_model, **settings, speculative_config=ngram)
+        with_ngram = hybridkv.patch(spec_model, **settings, speculative_config=lookup)
         with_draft = hybridkv.patch(
             draft_model, **settings, speculative_config={"model": spec_draft, "num_speculative_tokens": k}
         )
+        ngram_name, draft_name = f"hybridkv ngram k={k}", f"hybridkv draft_model k={k}"
         table = {
-            "generate": hf_system(model, new_tokens),
-            f"generate prompt_lookup k={k}": hf_system(model, new_tokens, prompt_lookup_num_tokens=k),
-            f"generate assistant_model k={k}": hf_system(model, new_tokens, assistant_model=draft_hf),
+            "generate": hf_system(target, new_tokens),
+            f"generate prompt_lookup k={k}": hf_system(target, new_tokens, prompt_lookup_num_tokens=k),
+            f"generate assistant_model k={k}": hf_system(target, new_tokens, assistant_model=draft_hf),
             "hybridkv": hybridkv_system(plain, new_tokens),
-            f"hybridkv ngram k={k}": hybridkv_system(with_ngram, new_tokens),
-            f"hybridkv draft_model k={k}": hybridkv_system(with_draft, new_tokens),
+            ngram_name: hybridkv_system(with_ngram, new_tokens),
+            draft_name: hybridkv_system(with_draft, new_tokens),
         }
-        stats = {
-            f"hybridkv ngram k={k}": lambda: acceptance(with_ngram),
-            f"hybridkv draft_model k={k}": lambda: acceptance(with_draft),
-        }
+        stats = {ngram_name: lambda: acceptance(with_ngram), draft_name: lambda: acceptance(with_draft)}
         return table, stats, [plain_model, spec_model, draft_model]
 
-    table, stats, held = systems(draft)
-    median = compare(
-        "Copy task (proposals mostly kept)", table, copy_prompts(args.requests, args.doc, 1), args.rounds, stats
-    )
-    base = median["hybridkv"]
+    table, stats, held = systems(model, draft, ngram)
+    prompts = copy_prompts(args.requests, args.doc, 1)
+    median = compare("Copy task (proposals mostly kept)", table, prompts, args.rounds, stats)
+    ngram_time, draft_time = median[f"hybridkv ngram k={k}"], median[f"hybridkv draft_model k={k}"]
     print(
-        f"  hybridkv ngram: {base / median[f'hybridkv ngram k={k}']:.2f}x hybridkv, "
-        f"{median[f'generate prompt_lookup k={k}'] / median[f'hybridkv ngram k={k}']:.2f}x generate prompt_lookup; "
-        f"hybridkv draft_model: {base / median[f'hybridkv draft_model k={k}']:.2f}x hybridkv, "
-        f"{median[f'generate assistant_model k={k}'] / median[f'hybridkv draft_model k={k}']:.2f}x generate assistant_model"
+        f"  hybridkv ngram: {median['hybridkv'] / ngram_time:.2f}x hybridkv, "
+        f"{median[f'generate prompt_lookup k={k}'] / ngram_time:.2f}x generate prompt_lookup; hybridkv draft_model: "
+        f"{median['hybridkv'] / draft_time:.2f}x hybridkv, "
+        f"{median[f'generate assistant_model k={k}'] / draft_time:.2f}x generate assistant_model"
     )
     for patched in held:
         hybridkv.unpatch(patched)
 
+    # What trying costs: the copy task again, every n-gram proposal made wrong (each token + 1, after the lookup), and
+    # an untrained draft.
     torch.manual_seed(1)
     random_draft = LlamaForCausalLM(copy.deepcopy(draft.config)).eval()
-    table, stats, held = systems(random_draft)
+    table, stats, held = systems(model, random_draft, ngram)
+    spoil(held[1])
     for name in (f"generate prompt_lookup k={k}", f"generate assistant_model k={k}"):
         del table[name]
-    median = compare(
-        "Random prompts, a random draft (proposals almost never kept)",
-        table,
-        random_prompts(args.requests, args.doc + 5, 2),
-        args.rounds,
-        stats,
-    )
+    prompts = copy_prompts(args.requests, args.doc, 1)
+    median = compare("Proposals never kept (n-gram spoiled, untrained draft)", table, prompts, args.rounds, stats)
     base = median["hybridkv"]
     print(
         f"  what trying costs: hybridkv ngram {base / median[f'hybridkv ngram k={k}']:.2f}x hybridkv, "
         f"hybridkv draft_model {base / median[f'hybridkv draft_model k={k}']:.2f}x hybridkv"
     )
+    for patched in held:
+        hybridkv.unpatch(patched)
 
 
 if __name__ == "__main__":

@@ -118,8 +118,12 @@ def torch_paged_attention(
     batch_decodes = query.device.type == "cpu" and cpu_decode.accepts(
         num_q_heads // key_cache.shape[2], head_dim, value_head_dim
     )
-    plan = torch_plan(metadata, sliding_window, attention_chunk_size, batch_decodes)
-    if key_limits is not None and key_limits.rows:
+    limited = key_limits is not None and bool(key_limits.rows)
+    # Short chunks' rows to the decode kernel, which reads their chunk's earlier keys from the pages: only where this
+    # call stores the step's rows (and no row sees later keys).
+    short_chunks = store and key is not None and value is not None and not limited
+    plan = torch_plan(metadata, sliding_window, attention_chunk_size, batch_decodes, short_chunks)
+    if limited:
         plan = _with_key_limits(metadata, plan, key_limits, sliding_window, attention_chunk_size, batch_decodes)
     out = torch.empty((num_tokens, num_q_heads, value_head_dim), dtype=query.dtype, device=query.device)
     if num_tokens > num_query_tokens:
@@ -130,9 +134,13 @@ def torch_paged_attention(
         result = _WORKSPACE.get("out", tuple(out.shape), torch.float32, query.device)
     rows = _RowOptions(scale, softcap, sinks, key, value, k_scale, v_scale)
     stored = False
+    if plan.stores_first:
+        torch_write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
+        stored = True
     if plan.decode is not None:
-        stored = store and not plan.sequences and key is not None and value is not None
-        store_slots = metadata.slot_mapping if stored else None
+        kernel_stores = not stored and store and not plan.sequences and key is not None and value is not None
+        stored = stored or kernel_stores
+        store_slots = metadata.slot_mapping if kernel_stores else None
         _decode_rows(plan.decode, query, key_cache, value_cache, metadata, result, rows, store_slots)
     if plan.sequences:
         _gathered_rows(plan, query[:num_query_tokens], key_cache, value_cache, result, rows)

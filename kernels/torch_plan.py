@@ -68,6 +68,8 @@ class TorchLayout:
     row_keys: torch.Tensor
     gathered_rows: torch.Tensor | None
     decode: DecodeRows | None
+    # Short chunks' rows are among the decode rows (`SHORT_CHUNK_ROWS`): the step's rows must be stored first.
+    stores_first: bool = False
 
 
 @dataclass(slots=True)
@@ -80,10 +82,17 @@ class TorchAttentionPlan:
     row_keys: torch.Tensor
     gathered_rows: torch.Tensor | None
     decode: DecodeRows | None
+    stores_first: bool = False
 
     @property
     def num_gathered_blocks(self) -> int:
         return self.gather_block_ids.numel()
+
+
+# The longest sequence of query rows (a speculative step's proposals, a prompt's last few tokens) that the CPU decode
+# kernel attends row by row instead of gathering its keys (`short_chunks`): its rows read no more keys than a gather
+# would, and skip the gather and mask (benchmarks/speculative.py).
+SHORT_CHUNK_ROWS = 8
 
 
 def torch_plan(
@@ -91,19 +100,26 @@ def torch_plan(
     sliding_window: int | None,
     attention_chunk_size: int | None = None,
     batch_decodes: bool = False,
+    short_chunks: bool = False,
 ) -> TorchAttentionPlan:
     """The gather plan of a group for a window or a chunk size (neither: full attention); with
-    ``batch_decodes``, decode rows are listed for the CPU decode kernel instead of gathered."""
-    visibility = (sliding_window, attention_chunk_size, batch_decodes)
+    ``batch_decodes``, decode rows are listed for the CPU decode kernel instead of gathered, and with
+    ``short_chunks`` too (full attention only) the rows of a sequence of at most ``SHORT_CHUNK_ROWS``
+    rows, each over its keys up to its own, which the caller stores first (``stores_first``)."""
+    visibility = (sliding_window, attention_chunk_size, batch_decodes, short_chunks)
     plan = metadata.torch_plans.get(visibility)
     if plan is None:
-        layout = torch_layout(metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes)
+        layout = torch_layout(
+            metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks
+        )
         block_ids = layout.gather_blocks  # empty when nothing is gathered (a step of decode rows only)
         if layout.sequences:
             table = metadata.block_table
             flat_index = layout.gather_seqs * table.shape[1] + layout.gather_blocks
             block_ids = table.view(-1).index_select(0, flat_index).to(torch.int64)
-        plan = TorchAttentionPlan(block_ids, layout.sequences, layout.row_keys, layout.gathered_rows, layout.decode)
+        plan = TorchAttentionPlan(
+            block_ids, layout.sequences, layout.row_keys, layout.gathered_rows, layout.decode, layout.stores_first
+        )
         metadata.torch_plans[visibility] = plan
     return plan
 
@@ -114,15 +130,25 @@ def torch_layout(
     sliding_window: int | None,
     attention_chunk_size: int | None,
     batch_decodes: bool = False,
+    short_chunks: bool = False,
 ) -> TorchLayout:
     """The step's layout for a block size and visibility, built on first use and kept on the step."""
-    key = (block_size, sliding_window, attention_chunk_size, batch_decodes)
+    short_chunks = (
+        short_chunks
+        and batch_decodes
+        and sliding_window is None
+        and attention_chunk_size is None
+        and not step.has_unstored_rows
+    )
+    key = (block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks)
     layout = step.torch_layouts.get(key)
     if layout is None:
         if batch_decodes and step.num_query_tokens == step.num_seqs:
             layout = _decode_only_layout(step, sliding_window, attention_chunk_size)
         else:
-            layout = _general_layout(step, block_size, sliding_window, attention_chunk_size, batch_decodes)
+            layout = _general_layout(
+                step, block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks
+            )
         step.torch_layouts[key] = layout
     return layout
 
@@ -133,8 +159,11 @@ def _general_layout(
     sliding_window: int | None,
     attention_chunk_size: int | None,
     batch_decodes: bool,
+    short_chunks: bool = False,
 ) -> TorchLayout:
-    """Any step: sequences of more than one row (all of them without ``batch_decodes``) are gathered."""
+    """Any step: sequences of more than one row (all of them without ``batch_decodes``) are gathered, but for
+    those of at most ``SHORT_CHUNK_ROWS`` rows with ``short_chunks`` (full attention), whose rows go to the decode
+    kernel one by one, each seeing the positions up to its own (read from the pages: stored first)."""
     device = step.device
     sequences: list[SequencePlan] = []
     # Decode rows for the kernel: (sequence, row, first visible position, length).
@@ -148,6 +177,7 @@ def _general_layout(
     row_shifts: list[int] = []
     num_gathered = 0
     query_start = 0
+    stores_first = False
     for seq, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
         first_query_position = seq_len - query_len
         first_key_position = 0
@@ -159,6 +189,13 @@ def _general_layout(
             for column, value in zip(decodes, (seq, query_start, first_key_position, seq_len), strict=True):
                 column.append(value)
             query_start += 1
+            continue
+        if short_chunks and query_len <= SHORT_CHUNK_ROWS:
+            for i in range(query_len):
+                for column, value in zip(decodes, (seq, query_start + i, 0, first_query_position + i + 1), strict=True):
+                    column.append(value)
+            query_start += query_len
+            stores_first = True
             continue
         gathered_seqs.append(seq)
         gathered_rows.extend(range(query_start, query_start + query_len))
@@ -218,6 +255,7 @@ def _general_layout(
         row_keys,
         None if all_gathered else rows,
         decode,
+        stores_first,
     )
 
 

@@ -520,8 +520,8 @@ class LLMEngine(RunLoops, EngineStats):
             grammar = self.grammars.compile(params.structured_outputs)
         state = self.outputs.add(group, prompt_text, grammar)
         if self.speculator is not None and self.speculator.speculates(params):
-            for member in group.members:  # its steps go through `_update`, which proposes after each
-                member.speculates, member.greedy_alone, member.overlaps = True, False, False
+            for member in group.members:  # proposed for after each step (`_update`, `_update_alone`)
+                member.speculates = True
         if not self.scheduler.add_request(group.leader):
             self._unreported.append(state)
         elif isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
@@ -765,6 +765,8 @@ class LLMEngine(RunLoops, EngineStats):
         for request, status, state in stopped:
             self.scheduler.finish(request, status)
             self.outputs.output(state)
+        if self.speculator is not None:  # a step that checked no proposal: the next one's
+            self.speculator.propose(self.scheduler.running)
         return reports
 
     def _record_alone(

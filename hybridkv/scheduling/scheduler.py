@@ -257,10 +257,10 @@ class Scheduler:
         nothing else changed, where the batch is not the same or an allocation fails (`_schedule` then preempts and
         finds what was allocated here in place). This is most decode steps: a step with no call per request."""
         batch = self._decode_batch
-        if batch is None or self.waiting or self.swapped or self.speculative:
+        if batch is None or self.waiting or self.swapped:
             return False
         requests, scheduled = batch
-        if requests != self.running:
+        if requests != self.running or (self.speculative and any(r.spec_token_ids for r in requests)):
             return False
         needs = self.coordinator.decode_needs(requests)
         if needs is None:
