@@ -112,6 +112,11 @@ def torch_plan(
         layout = torch_layout(
             metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks
         )
+        if layout.stores_first and bool((metadata.slot_mapping[: metadata.num_query_tokens] < 0).any()):
+            # A row of the group has no slot (the null block): it cannot be read back from the pages.
+            layout = torch_layout(
+                metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes
+            )
         block_ids = layout.gather_blocks  # empty when nothing is gathered (a step of decode rows only)
         if layout.sequences:
             table = metadata.block_table

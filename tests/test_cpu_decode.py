@@ -13,7 +13,7 @@ import torch
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, cpu_decode, paged_attention, store_kv
 from hybridkv.kernels.quant import FP8_DTYPES
-from hybridkv.kernels.torch_plan import _decode_only_layout, _general_layout, torch_plan
+from hybridkv.kernels.torch_plan import SHORT_CHUNK_ROWS, _decode_only_layout, _general_layout, torch_plan
 
 from kernel_reference import make_paged_batch, max_abs_error, reference_attention
 
@@ -155,9 +155,10 @@ def test_the_library_is_built_once_into_the_cache_directory(tmp_path):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, *FP8_DTYPES])
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 6, 1]], ids=["decode-only", "mixed"])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 9, 1]], ids=["decode-only", "mixed"])
 def test_attend_with_store_leaves_the_pages_as_a_separate_store_does(cache_dtype, query_lens):
-    """On a decode-only step the kernel stores the rows itself; either way the pages end the same."""
+    """On a decode-only step the kernel stores the rows itself; either way the pages end the same. (A chunk of 9 rows
+    is gathered either way; a shorter one is the next test's.)"""
     scales = {"k_scale": 0.05, "v_scale": 0.03} if cache_dtype in FP8_DTYPES else {}
     pages = []
     outputs = []
@@ -178,6 +179,45 @@ def test_attend_with_store_leaves_the_pages_as_a_separate_store_does(cache_dtype
     assert torch.equal(outputs[0], outputs[1])
     for fused_pages, stored_pages in zip(*pages, strict=True):
         assert torch.equal(fused_pages.view(torch.uint8), stored_pages.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, *FP8_DTYPES])
+@pytest.mark.parametrize("window", [None, 24])
+def test_short_chunks_attended_row_by_row_over_rows_stored_first(cache_dtype, window):
+    """A step's sequences of at most SHORT_CHUNK_ROWS rows (a speculative check) go to the decode kernel row by row,
+    each over its keys up to its own, the rows stored first, where `attend` stores them and the layer has full
+    attention; their outputs are the gathered path's to fp32 rounding and the pages end as a separate store leaves
+    them. A sliding window's layer gathers them as before (its rows are stored after attending). The step's rows have
+    blocks of their own here (the batch stores them beforehand, as the store writes them again); a row whose slot
+    is the null block's (-1) turns the path off (the next test)."""
+    scales = {"k_scale": 0.05, "v_scale": 0.03} if cache_dtype in FP8_DTYPES else {}
+    query_lens = [1, SHORT_CHUNK_ROWS, 3, 1]
+    results = []
+    for fused in (True, False):
+        batch = make_paged_batch(query_lens, [40, 70, 19, 33], cache_dtype=cache_dtype, **scales)
+        options = {"scale": 0.125, "key": batch.step_keys, "value": batch.step_values, "sliding_window": window}
+        caches = (batch.key_cache, batch.value_cache, batch.metadata)
+        out = attend(batch.query, *caches, store=fused, **options, **scales)
+        if not fused:
+            store_kv(batch.step_keys, batch.step_values, *caches, **scales)
+        plan = torch_plan(batch.metadata, window, None, True, short_chunks=fused)
+        assert plan.stores_first == (fused and window is None)
+        results.append((out, batch.key_cache.clone(), batch.value_cache.clone()))
+    (fused_out, *fused_pages), (plain_out, *plain_pages) = results
+    torch.testing.assert_close(fused_out, plain_out, rtol=1e-5, atol=1e-5)
+    for fused_page, plain_page in zip(fused_pages, plain_pages, strict=True):
+        assert torch.equal(fused_page.view(torch.uint8), plain_page.view(torch.uint8))
+
+
+def test_short_chunks_whose_rows_have_no_slot_are_gathered():
+    """The step's rows on the null block (slot -1: nothing to read back) keep the gathered path, bit for bit."""
+    outputs = []
+    for fused in (True, False):
+        batch = make_paged_batch([1, SHORT_CHUNK_ROWS, 1], [40, 70, 19], in_pages=True, in_flight=True)
+        options = {"scale": 0.125, "key": batch.step_keys, "value": batch.step_values}
+        outputs.append(attend(batch.query, batch.key_cache, batch.value_cache, batch.metadata, store=fused, **options))
+        assert not torch_plan(batch.metadata, None, None, True, short_chunks=fused).stores_first
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize(("window", "chunk"), [(None, None), (24, None), (None, 32)])

@@ -341,7 +341,7 @@ def test_a_state_layer_taking_its_cache_by_position_runs_per_segment():
     pool.recurrent[0][0][1:3] = before
     hidden = torch.randn(1, 5, 4, generator=generator)  # rows 0 and 1: decodes of slots 1, 2; rows 2-4: a prompt
     scale = torch.arange(1.0, 6.0).view(1, 5, 1)
-    cache.plan = StatePlan(torch.tensor([0, 1]), torch.tensor([1, 2]), [(2, 5, 3, False, ())])
+    cache.plan = StatePlan(torch.tensor([0, 1]), torch.tensor([1, 2]), [(2, 5, 3, False, (), 0)])
     layer.forward = segmented_forward(layer.forward, 0)
     sums, negated = layer(hidden, cache, scale, extra="kept")
     expected = torch.cat([before[0] + hidden[0, 0], before[1] + hidden[0, 1]]).view(2, 4)
