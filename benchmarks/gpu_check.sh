@@ -24,7 +24,8 @@
 #   throughput  benchmarks/throughput_gpu.py (THROUGHPUT_ARGS): Gemma-3-1B and Llama-3.2-1B shapes, 128 mixed
 #               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
 #               generate and its plain generate (the two baselines' bf16 agreement is the yardstick)
-# Other parts: "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
+# Other parts: "speculative" (issue 50: tests/test_speculative.py on the device and benchmarks/speculative.py --device
+# cuda, which trains its copy model first, about a minute), "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
 # benchmarks/host_profile.py --every-step), "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
 # (benchmarks/compile_startup.py, issue 46). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
 set -u -o pipefail
@@ -67,6 +68,9 @@ for part in $parts; do
         -p no:cacheprovider -n 4 tests/test_latent_attention.py && env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q \
         -p no:cacheprovider -n 4 tests/test_cuda_graphs.py -k 'latent or deepseek or minicpm3' && python3 benchmarks/latent_attention.py --speed-only \
         --device cuda --requests 32" ;;
+    speculative) run_part speculative "${SPECULATIVE_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m \
+        pytest -q -p no:cacheprovider -n 4 tests/test_speculative.py && python3 benchmarks/speculative.py --device cuda \
+        --cache /tmp/hybridkv-bench --rounds 3" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-240}" python3 benchmarks/throughput_gpu.py $throughput_args ;;

@@ -14,8 +14,9 @@ ratios printed against hybridkv without speculation and against transformers' as
 Where nothing is kept (what trying costs): the copy task with every n-gram proposal made wrong after its lookup (a
 hook in this script), and an untrained draft.
 
-Each system runs --rounds times, in turn, each round timing every request from its call to its last token (set-up,
-patch included, outside); the median round is reported.
+Each system runs --rounds times, in turn (the order reversed every other round), each round timing every request from
+its call to its last token (set-up, patch included, outside); the median round is reported. `--device cuda` runs the
+same on a GPU (benchmarks/gpu_check.sh, its `speculative` part).
 
     python benchmarks/speculative.py [--k 4] [--requests 6] [--doc 64] [--rounds 3]
 """
@@ -88,7 +89,7 @@ def hf_system(model: LlamaForCausalLM, new_tokens: int, **options):
         outputs = []
         with torch.inference_mode():
             for prompt in prompts:
-                ids = torch.tensor([prompt])
+                ids = torch.tensor([prompt], device=model.device)
                 out = model.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                     do_sample=False, pad_token_id=0, **options,
@@ -112,8 +113,9 @@ def compare(title: str, systems: dict, prompts: list[list[int]], rounds: int, st
     """Run each system `rounds` times, in turn; print median seconds, tokens/s and tokens equal to generate's."""
     seconds: dict[str, list[float]] = {name: [] for name in systems}
     tokens: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        for name, run in systems.items():
+    for round_index in range(rounds):  # in turn, the order reversed every other round (drift hits all alike)
+        order = list(systems.items())
+        for name, run in order if round_index % 2 == 0 else reversed(order):
             start = time.perf_counter()
             tokens[name] = run(prompts)
             seconds[name].append(time.perf_counter() - start)
@@ -158,18 +160,20 @@ def main() -> None:
     parser.add_argument("--doc", type=int, default=48, help="document tokens (the copy task writes doc - 4)")
     parser.add_argument("--train-steps", type=int, default=160)
     parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (benchmarks/gpu_check.sh)")
     parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "hybridkv-bench"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     k, new_tokens = args.k, args.doc - 4
-    model = copy_model(args.doc, args.train_steps, args.cache)
+    model = copy_model(args.doc, args.train_steps, args.cache).to(args.device)
     draft = truncated(model, args.draft_layers)
     draft_hf = truncated(model, args.draft_layers)  # transformers' assistant: its own copy
     draft_hf.generation_config.num_assistant_tokens = k
     draft_hf.generation_config.num_assistant_tokens_schedule = "constant"
     draft_hf.generation_config.assistant_confidence_threshold = 0.0
-    settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False)
+    # The compiled forward is left out on a GPU (minutes of start-up for three engines; CUDA graphs stay on).
+    settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False, compile=False)
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
     def systems(target, spec_draft, lookup) -> tuple[dict, dict, list]:
@@ -207,7 +211,7 @@ def main() -> None:
     # What trying costs: the copy task again, every n-gram proposal made wrong (each token + 1, after the lookup), and
     # an untrained draft.
     torch.manual_seed(1)
-    random_draft = LlamaForCausalLM(copy.deepcopy(draft.config)).eval()
+    random_draft = LlamaForCausalLM(copy.deepcopy(draft.config)).eval().to(args.device)
     table, stats, held = systems(model, random_draft, ngram)
     spoil(held[1])
     for name in (f"generate prompt_lookup k={k}", f"generate assistant_model k={k}"):
