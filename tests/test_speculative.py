@@ -127,8 +127,9 @@ def test_a_stop_inside_a_kept_run_ends_the_request_there(patched):
 
 
 def test_requests_that_cannot_speculate_run_beside_those_that_do(patched):
-    """Logprobs, penalties and n > 1: the first two decode a token a step beside speculating requests, the samples
-    of n > 1 speculate each; every request's tokens are generate's."""
+    """Logprobs, penalties and n > 1: penalties decode a token a step beside speculating requests; logprobs and the
+    samples of n > 1 speculate, each kept token's logprobs read off its own row (generate's, to fp32 rounding);
+    every request's tokens are generate's."""
     model, batch, references = family("gemma3_text")
     llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
     use_oracle(llm, batch, references)
@@ -140,11 +141,20 @@ def test_requests_that_cannot_speculate_run_beside_those_that_do(patched):
     ]
     outputs = llm.generate(batch, params, use_tqdm=False)
     assert_same_greedy(outputs[:2], references[:2])
-    assert len(outputs[0].outputs[0].logprobs) == MAX_NEW
+    completion = outputs[0].outputs[0]
+    assert len(completion.logprobs) == MAX_NEW
+    for position, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        expected = torch.log_softmax(references[0][1][position], dim=-1)
+        assert entries[token].logprob == pytest.approx(expected[token].item(), abs=1e-4)
+        assert entries[token].rank == 1  # greedy
+    kept = zip(completion.token_ids, completion.logprobs, strict=True)
+    assert completion.cumulative_logprob == pytest.approx(sum(entries[token].logprob for token, entries in kept))
     assert outputs[2].outputs[0].token_ids == references[2][0]
     assert outputs[3].outputs[0].token_ids == outputs[3].outputs[1].token_ids == references[3][0]
     stats = llm.stats()
     assert stats["spec_num_accepted_tokens"] > 0 and stats["blocks_in_use"] == 0
+    logprobs_only = llm.generate(batch[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    assert logprobs_only.token_ids == references[0][0] and llm.stats()["spec_num_drafts"] > stats["spec_num_drafts"]
 
 
 def test_streaming_gives_every_kept_token(patched):

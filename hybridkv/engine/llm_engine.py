@@ -846,7 +846,7 @@ class LLMEngine(RunLoops, EngineStats):
         tokens, logprobs = [], []
         for request in plan.sampling:
             if request in kept:
-                token, entry = kept[request][0], None
+                token, entry = kept[request][0]
             elif request in drawn:
                 token, entry = drawn[request]
             else:  # its sampling failed: it left the plan

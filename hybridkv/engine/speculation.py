@@ -1,14 +1,14 @@
 """Speculative decoding: tokens proposed for a request and checked, several at a step, in the same forward.
 
 After each step, every running request that speculates (`Speculator.speculates`: a request whose tokens depend on
-its logits alone: no penalty, bias, logprobs, grammar, beam or best_of) gets up to k proposals
-(hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy continuation. Its next
-step computes its unseen tokens as usual and, after its last one, one row per proposal (`SchedulerOutput.spec_tokens`,
-within the step's token budget); the k + 1 rows' logits decide which proposals it keeps and one more token of the
-model's own (hybridkv/sampling/speculative.py): `generate`'s tokens for a greedy request, the model's distribution for
-a sampled one.
+its logits alone: no penalty, bias, grammar, beam or best_of; logprobs are read off the same rows) gets up to k
+proposals (hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy continuation. Its
+next step computes its unseen tokens as usual and, after its last one, one row per proposal
+(`SchedulerOutput.spec_tokens`, within the step's token budget); the k + 1 rows' logits decide which proposals it
+keeps and one more token of the model's own (hybridkv/sampling/speculative.py): `generate`'s tokens for a greedy
+request, the model's distribution for a sampled one.
 
-Nothing a proposal computes is kept, so nothing has to be rolled back, on any layer kind:
+By default nothing a proposal computes is kept, so nothing has to be rolled back, on any layer kind:
 
 - a proposal's row stores no K/V (slot -1: `StepInputs.unstored_rows`); the rows after it read its keys in flight, as
   every layer reads the step's own keys, and no block is allocated for it, so a sliding window's blocks follow the
@@ -18,9 +18,13 @@ Nothing a proposal computes is kept, so nothing has to be rolled back, on any la
 
 The tokens a step keeps are appended like sampled ones (stop strings, EOS, max_tokens and min_tokens are checked
 token by token, so a stop inside a kept run ends the request there), and the next step computes them as the request's
-unseen tokens: an accepted proposal is computed twice, once as a proposal and once kept. That costs rows, not
-forwards, and is what lets every layer kind stay exact without snapshots (vLLM stores the proposals' K/V and rolls
-back the full-attention layers' pointers; it cannot roll back a state layer without per-position states).
+unseen tokens: a kept proposal is computed twice, once as a proposal and once kept. That costs rows, not forwards,
+and is what lets every layer kind stay exact without snapshots of states or windows.
+
+On a model of full-attention groups only (`Scheduler.stores_proposals`, vLLM's way) the proposals' rows store their
+K/V into blocks allocated for them, and a kept proposal's stays: `finish` counts it computed, and a step is the last
+token and the proposals. A rejected proposal's K/V lies past the computed tokens and is overwritten before its block
+can fill and be hashed.
 
 What trying costs is bounded: a request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps
 (at most `MAX_SKIPS`), and one kept proposal ends the backoff.
@@ -39,6 +43,7 @@ import torch
 
 from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
+from hybridkv.sampling.sampler import SampledLogprobs, token_logprobs
 from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams
@@ -69,12 +74,13 @@ class Speculator:
 
     @staticmethod
     def speculates(params: Any) -> bool:
-        """Whether a request's tokens may be proposed: they depend on its rows' logits alone."""
+        """Whether a request's tokens may be proposed: they depend on its rows' logits alone (logprobs are read off
+        the same rows)."""
         return (
             isinstance(params, SamplingParams)
             and not params.has_penalties
             and not params.logit_bias
-            and not params.needs_logprob
+            and params.num_samples == params.n
             and params.structured_outputs is None
         )
 
@@ -108,12 +114,14 @@ class Speculator:
                 request.spec_token_ids = list(output.outputs[0].token_ids)
         self.propose_seconds += time.perf_counter() - start
 
-    def verify(self, plan: SchedulerOutput, logits: torch.Tensor) -> tuple[list[int], dict[Request, list[int]]]:
+    def verify(
+        self, plan: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[int], dict[Request, list[tuple[int, SampledLogprobs | None]]]]:
         """Split a step's logits rows: the rows of the requests that sample as usual (one per sample, in
-        `plan.sampling`'s order), and for each request that checked proposals, the tokens it keeps (the first is
-        its step's token; the rest `finish` appends)."""
+        `plan.sampling`'s order), and for each request that checked proposals, the tokens it keeps with their
+        logprobs where it asks for them (the first is its step's token; the rest `finish` appends)."""
         normal: list[int] = []
-        kept: dict[Request, list[int]] = {}
+        kept: dict[Request, list[tuple[int, SampledLogprobs | None]]] = {}
         row = 0
         for request, _, samples in plan.scheduled:
             proposed = plan.spec_tokens.get(request.request_id)
@@ -122,9 +130,15 @@ class Speculator:
                 row += len(samples)
                 continue
             count = len(proposed)
-            tokens = accept(logits[row : row + count + 1], proposed, request.sampling_row)
+            rows = logits[row : row + count + 1]
+            tokens = accept(rows, proposed, request.sampling_row)
             row += count + 1
-            kept[request] = tokens
+            entries: list[SampledLogprobs | None] = [None] * len(tokens)
+            wanted = request.params.logprobs
+            if wanted is not None:  # each kept token's from its own row, the model's raw distribution
+                raw = torch.log_softmax(rows[: len(tokens)], dim=-1)
+                entries = [token_logprobs(raw[i], token, wanted) for i, token in enumerate(tokens)]
+            kept[request] = list(zip(tokens, entries, strict=True))
             accepted = len(tokens) - 1
             # Backoff: after n checks in a row that kept nothing, the request skips 2^n - 1 steps (at most
             # MAX_SKIPS) before its next proposals; one kept proposal ends it.
@@ -135,7 +149,7 @@ class Speculator:
             self.num_accepted_tokens += accepted
             for position in range(accepted):
                 self.accepted_per_position[position] += 1
-        self._kept = [(request, tokens[1:]) for request, tokens in kept.items() if len(tokens) > 1]
+        self._kept = [(request, pairs[1:]) for request, pairs in kept.items() if len(pairs) > 1]
         self._stored = plan.spec_stored
         return normal, kept
 
@@ -144,17 +158,17 @@ class Speculator:
         token is (the request ends at the first that stops it); returns how many were appended."""
         appended = 0
         kept, self._kept = self._kept, []
-        for request, tokens in kept:
-            for token in tokens:
+        for request, pairs in kept:
+            for token, entry in pairs:
                 if request.status.is_finished:
                     break
                 request.append_token(token)
                 appended += 1
-                for stopped, status, error in outputs.process([request], [token], [None]):
+                for stopped, status, error in outputs.process([request], [token], [entry]):
                     scheduler.finish(stopped, status, error)
             if self._stored and not request.status.is_finished:
                 # The kept proposals' K/V are in their blocks: computed (the model's own last token is not yet).
-                request.num_computed_tokens += len(tokens)
+                request.num_computed_tokens += len(pairs)
                 scheduler.coordinator.update_computed(request)
         return appended
 
