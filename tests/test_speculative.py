@@ -14,14 +14,16 @@ import pytest
 import torch
 
 import hybridkv
-from hybridkv import SamplingParams
+from hybridkv import SamplingParams, StructuredOutputsParams
 from hybridkv.sampling.sampler import SamplingRow
 from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.serving.cli import build_parser, patch_settings
+from hybridkv.tiny import tiny_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from model_zoo import LATENT, ZOO
 from tiny_models import hf_greedy, new_request_id, prompts
+from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -292,3 +294,39 @@ def test_one_request_at_a_time_adds_its_rows_and_nothing_else(name, patched):
     else:
         rows = 20 + stats["spec_num_draft_tokens"] + stats["num_generated_tokens"]
         assert rows - 5 <= stats["num_forward_tokens"] <= rows - 1
+
+
+def test_structured_outputs_and_stop_strings_keep_their_tokens(patched):
+    """A grammar masks each proposal's row as it stands after the proposals before it, and keeps only proposals it
+    would accept; a stop string completed inside a kept run ends the request there. Greedy tokens and texts equal
+    the engine's without speculation (proposals: the reference continuation, spoiled at moving places, some of them
+    into tokens the grammar refuses, which the check leaves out)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("gemma3", vocab_size=len(tokenizer), sliding_window=8)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 5}}}
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(
+            temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{4}")
+        ),
+        SamplingParams(
+            temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(choice=["yes", "no way"])
+        ),
+        SamplingParams(temperature=0, max_tokens=24),
+    ]
+    texts = ["The quick brown fox", "Once upon a time", "héllo wörld", "Sliding windows forget"]
+    batch = [tokenizer.encode(text) for text in texts]
+    plain = patched(model, tokenizer=tokenizer, max_model_len=256, block_size=8).generate(batch, params, use_tqdm=False)
+    references = [(output.outputs[0].token_ids, None) for output in plain]
+    hybridkv.unpatch(model)
+    llm = patched(model, tokenizer=tokenizer, max_model_len=256, block_size=8, speculative_config=NGRAM)
+    use_oracle(llm, batch, references)
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    for got, expected in zip(outputs, plain, strict=True):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert got.outputs[0].text == expected.outputs[0].text
+    assert llm.stats()["spec_num_accepted_tokens"] > 0 and llm.stats()["structured_output_masks"] > 0
+    stop = plain[3].outputs[0].text[6:9]
+    cut = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    assert llm.generate([batch[3]], cut, use_tqdm=False)[0].outputs[0].text == plain[3].outputs[0].text.split(stop)[0]
+    assert llm.stats()["blocks_in_use"] == 0

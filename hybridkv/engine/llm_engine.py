@@ -837,7 +837,9 @@ class LLMEngine(RunLoops, EngineStats):
         """`_execute`'s sampling for a step that checked proposals (hybridkv/engine/speculation.py): each such request
         takes the first token it keeps (`_update` appends the rest), every other request samples its rows as usual."""
         rows, kept = self.speculator.verify(plan, logits)
-        others = [request for request in plan.sampling if request not in kept]
+        for request, error in self.speculator.errors.items():
+            self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
+        others = [request for request in plan.sampling if request not in kept and request not in self.speculator.errors]
         drawn: dict[Request, tuple[int | None, SampledLogprobs | None]] = {}
         if others:
             sampled, tokens, logprobs = self._sample(logits[rows], plan, others)

@@ -1,12 +1,12 @@
 """Speculative decoding: tokens proposed for a request and checked, several at a step, in the same forward.
 
 After each step, every running request that speculates (`Speculator.speculates`: a request whose tokens depend on
-its logits alone: no penalty, bias, grammar, beam or best_of; logprobs are read off the same rows) gets up to k
-proposals (hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy continuation. Its
-next step computes its unseen tokens as usual and, after its last one, one row per proposal
-(`SchedulerOutput.spec_tokens`, within the step's token budget); the k + 1 rows' logits decide which proposals it
-keeps and one more token of the model's own (hybridkv/sampling/speculative.py): `generate`'s tokens for a greedy
-request, the model's distribution for a sampled one.
+its logits alone: no penalty, bias, beam or best_of; logprobs are read off the same rows, a grammar masks them) gets
+up to k proposals (hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy
+continuation (a grammar keeps those it would accept). Its next step computes its unseen tokens as usual and, after
+its last one, one row per proposal (`SchedulerOutput.spec_tokens`, within the step's token budget); the k + 1 rows'
+logits decide which proposals it keeps and one more token of the model's own (hybridkv/sampling/speculative.py):
+`generate`'s tokens for a greedy request, the model's distribution for a sampled one.
 
 By default nothing a proposal computes is kept, so nothing has to be rolled back, on any layer kind:
 
@@ -45,6 +45,7 @@ from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
 from hybridkv.sampling.sampler import SampledLogprobs, token_logprobs
 from hybridkv.sampling.speculative import accept, ngram_proposal
+from hybridkv.sampling.structured_outputs import mask_along
 from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.scheduler import SchedulerOutput
@@ -68,6 +69,8 @@ class Speculator:
         self.accepted_per_position = [0] * self.k
         self.propose_seconds = 0.0
         self.num_skipped = 0
+        # The requests whose check failed in the last `verify` (a grammar that cannot go on), with the error.
+        self.errors: dict[Request, Exception] = {}
         self.stores_proposals = False  # set by the engine (`Scheduler.stores_proposals`)
         self._stored = False
         self._kept: list[tuple[Request, list[int]]] = []
@@ -81,7 +84,6 @@ class Speculator:
             and not params.has_penalties
             and not params.logit_bias
             and params.num_samples == params.n
-            and params.structured_outputs is None
         )
 
     def propose(self, requests: Sequence[Request]) -> None:
@@ -112,6 +114,10 @@ class Speculator:
             outputs = self.draft.generate(prompts, params, use_tqdm=False)
             for (request, _), output in zip(wanted, outputs, strict=True):
                 request.spec_token_ids = list(output.outputs[0].token_ids)
+        for request, _ in wanted:  # a grammar keeps the proposals it would accept, in order
+            matcher = request.sampling_row.matcher
+            if matcher is not None and request.spec_token_ids:
+                del request.spec_token_ids[matcher.valid_prefix(request.spec_token_ids) :]
         self.propose_seconds += time.perf_counter() - start
 
     def verify(
@@ -122,6 +128,7 @@ class Speculator:
         logprobs where it asks for them (the first is its step's token; the rest `finish` appends)."""
         normal: list[int] = []
         kept: dict[Request, list[tuple[int, SampledLogprobs | None]]] = {}
+        self.errors = {}
         row = 0
         for request, _, samples in plan.scheduled:
             proposed = plan.spec_tokens.get(request.request_id)
@@ -131,8 +138,17 @@ class Speculator:
                 continue
             count = len(proposed)
             rows = logits[row : row + count + 1]
-            tokens = accept(rows, proposed, request.sampling_row)
             row += count + 1
+            matcher = request.sampling_row.matcher
+            try:
+                if matcher is not None:  # checked against the grammar's rows up to its first refused proposal
+                    proposed = proposed[: matcher.valid_prefix(proposed)]
+                    rows = rows[: len(proposed) + 1]
+                masked = rows if matcher is None else mask_along(rows, proposed, matcher)
+                tokens = accept(masked, proposed, request.sampling_row)
+            except Exception as error:  # the request fails alone, as a row of the sampler does (`_verify`)
+                self.errors[request] = error
+                continue
             entries: list[SampledLogprobs | None] = [None] * len(tokens)
             wanted = request.params.logprobs
             if wanted is not None:  # each kept token's from its own row, the model's raw distribution

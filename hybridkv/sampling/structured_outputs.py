@@ -150,14 +150,49 @@ class GrammarMatcher:
         """Whether the grammar has ended: no token but EOS may follow."""
         return self._matcher.is_stopped()
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the start, the grammar would accept one after another (nothing advances)."""
+        return self._matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def fill_bitmasks_along(self, bitmask: torch.Tensor, tokens: Sequence[int]) -> None:
+        """Rows 0..len(tokens) of `bitmask`: the tokens allowed before each of `tokens` (each accepted in turn) and
+        after the last; the matcher ends where it began (rolled back), also on an error."""
+        consumed = 0
+        try:
+            for row in range(len(tokens) + 1):
+                self.fill_bitmask(bitmask, row)
+                if row < len(tokens):
+                    error = self.accept(tokens[row])
+                    if error is not None:
+                        raise ValueError(f"structured outputs: a proposed token breaks the grammar: {error}")
+                    consumed += 1
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+
 
 def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
     """`logits` with every token a row's matcher disallows at -inf (a copy when anything is masked)."""
     start = time.perf_counter()
-    vocab = logits.shape[-1]
     bitmask = torch.empty(len(rows), matchers[0].num_words, dtype=torch.int32)
     for index, matcher in enumerate(matchers):
         matcher.fill_bitmask(bitmask, index)
+    return _masked(logits, rows, bitmask, matchers[0].counters, start)
+
+
+def mask_along(logits: torch.Tensor, tokens: Sequence[int], matcher: GrammarMatcher) -> torch.Tensor:
+    """A speculative check's `len(tokens) + 1` rows of `logits`, each masked as the grammar stands before the
+    proposal at its place (after the proposals before it), the last after them all."""
+    start = time.perf_counter()
+    bitmask = torch.empty(len(tokens) + 1, matcher.num_words, dtype=torch.int32)
+    matcher.fill_bitmasks_along(bitmask, tokens)
+    return _masked(logits, range(len(tokens) + 1), bitmask, matcher.counters, start)
+
+
+def _masked(
+    logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor, counters: MaskCounters, start: float
+) -> torch.Tensor:
+    vocab = logits.shape[-1]
     # Unpacked where the logits are, a byte per token (bit i of the little-endian words is token i).
     packed = bitmask.to(logits.device, non_blocking=True).view(torch.uint8)
     bits = torch.arange(8, dtype=torch.uint8, device=logits.device)
@@ -167,8 +202,7 @@ def apply_bitmasks(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence
     index = torch.tensor(list(rows), device=logits.device)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    counters = matchers[0].counters  # every matcher of an engine shares its compiler's counters
-    counters.num_masks += len(rows)
+    counters.num_masks += len(rows)  # every matcher of an engine shares its compiler's counters
     counters.seconds += time.perf_counter() - start
     return logits
 
