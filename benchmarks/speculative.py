@@ -16,7 +16,8 @@ hook in this script), and an untrained draft.
 
 Each system runs --rounds times, in turn (the order reversed every other round), each round timing every request from
 its call to its last token (set-up, patch included, outside); the median round is reported. `--device cuda` runs the
-same on a GPU (benchmarks/gpu_check.sh, its `speculative` part).
+same on a GPU (benchmarks/gpu_check.sh, its `speculative` part); `--compile` patches hybridkv's engines with
+compile=True (their set-up, printed, is not timed, as transformers' has none).
 
     python benchmarks/speculative.py [--k 4] [--requests 6] [--doc 64] [--rounds 3]
 """
@@ -162,6 +163,9 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU (benchmarks/gpu_check.sh)")
+    parser.add_argument(
+        "--compile", action="store_true", help="hybridkv's engines with compile=True (set-up, not timed, is printed)"
+    )
     parser.add_argument("--cache", default=os.path.join(os.path.expanduser("~"), ".cache", "hybridkv-bench"))
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -172,17 +176,19 @@ def main() -> None:
     draft_hf.generation_config.num_assistant_tokens = k
     draft_hf.generation_config.num_assistant_tokens_schedule = "constant"
     draft_hf.generation_config.assistant_confidence_threshold = 0.0
-    # The compiled forward is left out on a GPU (minutes of start-up for three engines; CUDA graphs stay on).
-    settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False, compile=False)
+    # Not compiled unless --compile (on a GPU: minutes of start-up for three engines; CUDA graphs stay on).
+    settings = dict(block_size=16, max_model_len=4 * args.doc, enable_prefix_caching=False, compile=args.compile)
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
     def systems(target, spec_draft, lookup) -> tuple[dict, dict, list]:
         plain_model, spec_model, draft_model = copy.deepcopy(target), copy.deepcopy(target), copy.deepcopy(target)
+        start = time.perf_counter()
         plain = hybridkv.patch(plain_model, **settings)
         with_ngram = hybridkv.patch(spec_model, **settings, speculative_config=lookup)
         with_draft = hybridkv.patch(
             draft_model, **settings, speculative_config={"model": spec_draft, "num_speculative_tokens": k}
         )
+        print(f"  set-up of hybridkv's three engines (patch, not timed below): {time.perf_counter() - start:.1f} s")
         ngram_name, draft_name = f"hybridkv ngram k={k}", f"hybridkv draft_model k={k}"
         table = {
             "generate": hf_system(target, new_tokens),

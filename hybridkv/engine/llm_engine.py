@@ -294,7 +294,7 @@ class LLMEngine(RunLoops, EngineStats):
                 attention_backend=config.attention_backend,
                 cpu_threads=None,
                 enforce_eager=config.enforce_eager,
-                compile=False,
+                compile=config.compile,
                 use_tqdm=False,
                 async_scheduling=False,
             )
