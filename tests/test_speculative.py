@@ -330,3 +330,21 @@ def test_structured_outputs_and_stop_strings_keep_their_tokens(patched):
     cut = SamplingParams(temperature=0, max_tokens=24, stop=[stop])
     assert llm.generate([batch[3]], cut, use_tqdm=False)[0].outputs[0].text == plain[3].outputs[0].text.split(stop)[0]
     assert llm.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_next"])
+def test_a_change_to_the_weights_between_two_generates_is_followed(name, patched):
+    """With speculation on (proposals stored on Llama, not on Qwen3-Next), an in-place edit of the weights between two
+    generates of the same prompts: the second gives the edited model's tokens, no block of the first is hit."""
+    model = ZOO[name]()
+    batch = prompts((9, 40))
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
+    first = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert first == [hf_greedy(model, prompt, MAX_NEW)[0] for prompt in batch]
+    hits = llm.stats()["prefix_cache_hits"]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.25)
+    second = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert second == [hf_greedy(model, prompt, MAX_NEW)[0] for prompt in batch] != first
+    assert llm.stats()["prefix_cache_hits"] == hits and llm.stats()["model_weight_changes"] == 1

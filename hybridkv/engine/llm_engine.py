@@ -309,7 +309,6 @@ class LLMEngine(RunLoops, EngineStats):
         self.scheduler.stores_proposals = not layout.states and all(
             group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
         )
-        speculator.stores_proposals = self.scheduler.stores_proposals
         return speculator
 
     def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:

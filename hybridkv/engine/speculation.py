@@ -71,7 +71,6 @@ class Speculator:
         self.num_skipped = 0
         # The requests whose check failed in the last `verify` (a grammar that cannot go on), with the error.
         self.errors: dict[Request, Exception] = {}
-        self.stores_proposals = False  # set by the engine (`Scheduler.stores_proposals`)
         self._stored = False
         self._kept: list[tuple[Request, list[int]]] = []
 
@@ -215,7 +214,7 @@ def check_draft(draft: torch.nn.Module, target: torch.nn.Module, target_vocab: i
         )
 
 
-def speculation_stats(speculator: Speculator | None) -> dict[str, Any]:
+def speculation_stats(speculator: Speculator | None, stores_proposals: bool) -> dict[str, Any]:
     """`stats()`'s speculative decoding counts (zeros without it): the method, proposals checked (drafts: a request's
     step that checked any), proposed and kept tokens, per position how many drafts kept their proposal there (vLLM's
     num_accepted_tokens_per_pos), and the seconds spent proposing."""
@@ -236,7 +235,7 @@ def speculation_stats(speculator: Speculator | None) -> dict[str, Any]:
         "spec_method": speculator.config.method,
         # Whether a kept proposal's K/V stays where its row stored them (full-attention groups only), else it is
         # computed again in the next step.
-        "spec_proposals_stored": speculator.stores_proposals,
+        "spec_proposals_stored": stores_proposals,
         "spec_num_drafts": speculator.num_drafts,
         "spec_num_draft_tokens": drafts,
         "spec_num_accepted_tokens": speculator.num_accepted_tokens,

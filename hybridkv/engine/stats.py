@@ -111,7 +111,7 @@ class EngineStats:
             "token_wait_seconds": self.async_steps.wait_seconds if self.async_steps is not None else 0.0,
             "cpu_decode_kernel": all(device.type == "cpu" for device in self.runner.devices) and cpu_decode.available(),
             # Speculative decoding (hybridkv/engine/speculation.py): proposals checked, kept, and the time proposing.
-            **speculation_stats(self.speculator),
+            **speculation_stats(self.speculator, self.scheduler.stores_proposals),
         }
 
 
