@@ -7,6 +7,7 @@ token spoiled at a place that moves from step to step, so that every number of k
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 
@@ -15,6 +16,7 @@ import torch
 
 import hybridkv
 from hybridkv import SamplingParams, StructuredOutputsParams
+from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.sampling.sampler import SamplingRow
 from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.serving.cli import build_parser, patch_settings
@@ -348,3 +350,26 @@ def test_a_change_to_the_weights_between_two_generates_is_followed(name, patched
     second = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert second == [hf_greedy(model, prompt, MAX_NEW)[0] for prompt in batch] != first
     assert llm.stats()["prefix_cache_hits"] == hits and llm.stats()["model_weight_changes"] == 1
+
+
+def test_the_async_engine_speculates_as_the_engine_does(patched):
+    """AsyncLLMEngine over a speculating engine (Gated DeltaNet layers): concurrent generates, generate's tokens."""
+    model, batch, references = family("qwen3_next")
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
+    use_oracle(llm, batch, references)
+    engine = AsyncLLMEngine(llm)
+
+    async def one(prompt):
+        last = None
+        async for output in engine.generate(prompt, GREEDY):
+            last = output
+        return last
+
+    async def run_all():
+        return await asyncio.gather(*(one(prompt) for prompt in batch))
+
+    try:
+        assert_same_greedy(asyncio.run(run_all()), references)
+    finally:
+        engine.shutdown()
+    assert llm.stats()["spec_num_accepted_tokens"] > 0
