@@ -72,7 +72,7 @@ class Speculator:
         # The requests whose check failed in the last `verify` (a grammar that cannot go on), with the error.
         self.errors: dict[Request, Exception] = {}
         self._stored = False
-        self._kept: list[tuple[Request, list[int]]] = []
+        self._kept: list[tuple[Request, list[tuple[int, SampledLogprobs | None]]]] = []
 
     @staticmethod
     def speculates(params: Any) -> bool:
