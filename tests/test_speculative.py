@@ -373,3 +373,18 @@ def test_the_async_engine_speculates_as_the_engine_does(patched):
     finally:
         engine.shutdown()
     assert llm.stats()["spec_num_accepted_tokens"] > 0
+
+
+def test_a_request_can_turn_speculation_off(patched):
+    """`SamplingParams(speculative=False)`: the request decodes a token a step (no proposal is made for it) beside
+    requests that speculate; a non-bool is refused naming the setting."""
+    model, batch, references = family("llama")
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
+    use_oracle(llm, batch, references)
+    off = SamplingParams(temperature=0, max_tokens=MAX_NEW, speculative=False)
+    assert_same_greedy(llm.generate(batch[:1], off, use_tqdm=False), references[:1])
+    assert llm.stats()["spec_num_drafts"] == 0 and llm.stats()["num_steps"] == MAX_NEW
+    assert_same_greedy(llm.generate(batch, [off, GREEDY, GREEDY, GREEDY], use_tqdm=False), references)
+    assert llm.stats()["spec_num_drafts"] > 0
+    with pytest.raises(TypeError, match="speculative must be True or False"):
+        SamplingParams(speculative=1)

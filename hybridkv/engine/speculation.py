@@ -76,10 +76,11 @@ class Speculator:
 
     @staticmethod
     def speculates(params: Any) -> bool:
-        """Whether a request's tokens may be proposed: they depend on its rows' logits alone (logprobs are read off
-        the same rows)."""
+        """Whether a request's tokens may be proposed: it did not turn speculation off (`SamplingParams.speculative`)
+        and its tokens depend on its rows' logits alone (logprobs are read off the same rows)."""
         return (
             isinstance(params, SamplingParams)
+            and params.speculative
             and not params.has_penalties
             and not params.logit_bias
             and params.num_samples == params.n

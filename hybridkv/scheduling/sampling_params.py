@@ -17,7 +17,7 @@ from hybridkv.scheduling.validation import check_bool, check_float, check_int, i
 GREEDY_TEMPERATURE = 1e-5
 LOGIT_BIAS_LIMIT = 100.0  # vLLM's and OpenAI's bound on one token's bias
 _FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_BOOL_SETTINGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+_BOOL_SETTINGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative")
 # The generation-config fields vLLM takes as a model's default sampling settings (`generation_config="auto"`), with
 # the SamplingParams field each sets.
 GENERATION_CONFIG_FIELDS = {
@@ -49,7 +49,8 @@ class SamplingParams:
     grammar is complete.
 
     hybridkv's extras: best_of >= n samples best_of completions and returns the n with the highest cumulative
-    logprob; cache_salt keeps a request's prefix-cache blocks apart from those of other salts.
+    logprob; cache_salt keeps a request's prefix-cache blocks apart from those of other salts; speculative=False turns
+    speculative decoding off for the request (on an engine patched with `speculative_config`).
 
     Everything is checked on construction and again when a request is added (a request takes its own copy: changing
     the object afterwards changes no request): counts must be ints (not bools), the rest finite numbers, stop a
@@ -80,6 +81,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None
     cache_salt: str | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if self.logprobs is True:
