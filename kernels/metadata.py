@@ -81,9 +81,6 @@ class StepMetadata:
     _slot_indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     # The StepBuffers the step was written into (step_buffers.py), which then hold its Triton tiles too.
     buffers: Any = field(default=None, repr=False)
-    # Some rows store nothing though their positions are real (speculative proposals: slot -1), so no kernel may read
-    # a row of the step back from the pages (torch_plan.py's short chunks).
-    has_unstored_rows: bool = False
 
     @classmethod
     def build(

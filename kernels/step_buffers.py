@@ -339,7 +339,6 @@ class StepBuffers:
                 np.abs(groups[:, rows, :block_width], out=table.host[:num_groups, :num_seqs, :block_width])
             if unstored is not None:
                 slots.host[:num_groups, unstored] = -1
-                step.has_unstored_rows = True
             table.send(slice(0, num_groups), slice(0, num_seqs), slice(0, block_width))
             slots.send(slice(0, num_groups), slice(0, num_tokens))
             tables_by_group = self._view(("tables", block_size), num_seqs)

@@ -113,7 +113,8 @@ def torch_plan(
             metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks
         )
         if layout.stores_first and bool((metadata.slot_mapping[: metadata.num_query_tokens] < 0).any()):
-            # A row of the group has no slot (the null block): it cannot be read back from the pages.
+            # A row of the group has no slot (the null block, or a speculative proposal that stores nothing): it cannot
+            # be read back from the pages.
             layout = torch_layout(
                 metadata.step, metadata.block_size, sliding_window, attention_chunk_size, batch_decodes
             )
@@ -138,13 +139,7 @@ def torch_layout(
     short_chunks: bool = False,
 ) -> TorchLayout:
     """The step's layout for a block size and visibility, built on first use and kept on the step."""
-    short_chunks = (
-        short_chunks
-        and batch_decodes
-        and sliding_window is None
-        and attention_chunk_size is None
-        and not step.has_unstored_rows
-    )
+    short_chunks = short_chunks and batch_decodes and sliding_window is None and attention_chunk_size is None
     key = (block_size, sliding_window, attention_chunk_size, batch_decodes, short_chunks)
     layout = step.torch_layouts.get(key)
     if layout is None:

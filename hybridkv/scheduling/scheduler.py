@@ -310,7 +310,7 @@ class Scheduler:
             else:
                 out.add(request, num_new)
                 if request.spec_token_ids and request.num_computed_tokens + num_new == num_known:
-                    self._propose(request, out)
+                    self._propose(request, num_new, out)
         if out.preempted or not (self.swapped or self.waiting):
             return
         seated = {id(r.group): r.group for r in self.running}
@@ -341,16 +341,15 @@ class Scheduler:
             out.add(request, num_new)
             budget -= num_new
 
-    def _propose(self, request: Request, out: SchedulerOutput) -> None:
+    def _propose(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """A request whose step reaches its last token checks the tokens proposed for it too, as many as the step's
         token budget and max_model_len leave room for (their rows store nothing: no block is allocated for them)."""
         room = min(self.config.max_num_batched_tokens - out.num_tokens, self.config.max_model_len - request.num_tokens)
         proposed = request.spec_token_ids[: max(0, room)]
         request.spec_token_ids = []
-        if proposed and self.stores_proposals:  # blocks for their K/V too, or no proposal (never a preemption)
-            num_new = len(request.token_ids) - request.num_computed_tokens
-            if not self.coordinator.allocate_slots(request, num_new + len(proposed)):
-                proposed = []
+        # Stored proposals take blocks for their K/V too, or there is no proposal (never a preemption).
+        if proposed and self.stores_proposals and not self.coordinator.allocate_slots(request, num_new + len(proposed)):
+            proposed = []
         if proposed:
             out.spec_tokens[request.request_id] = proposed
             out.num_tokens += len(proposed)
