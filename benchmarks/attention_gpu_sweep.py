@@ -2,7 +2,7 @@
 stages, kernel time from torch's profiler (launch overhead excluded), on the attention_cpu shapes (16 q
 heads, 4 kv heads of 64, block size 16), bf16 and fp32. The decodes of 2,048-token sequences also print
 the K/V bytes read per second as a share of a device-to-device copy's (bytes read and written). This is
-how `kernels/triton_attention.launch_config` was chosen (docs/kernels.md); every configuration's output is
+how `hybridkv/kernels/triton_attention.launch_config` was chosen (docs/kernels.md); every configuration's output is
 checked against the current choice's.
 
     python benchmarks/attention_gpu_sweep.py

@@ -31,8 +31,7 @@ change when the first token of the 40-token prompt does); a type where none does
     python benchmarks/causal_lm_sweep.py --image-text     # also the image-text-to-text mapping's types
 
 It imports whichever hybridkv Python finds (the first output line names it): to sweep another revision,
-put a copy of it laid out as an installed package (hybridkv/, with patches/ and kernels/ inside as
-hybridkv/patches and hybridkv/kernels) first on PYTHONPATH.
+put a copy of its hybridkv/ folder first on PYTHONPATH.
 
 Types whose configs set `is_decoder` (BERT-style encoders behind a causal-LM head) are built with
 `is_decoder=True`, the setting that makes them causal.

@@ -35,6 +35,33 @@ from hybridkv.tiny import tiny_model
 
 from tiny_models import COMMON, FAMILIES, VOCAB, WINDOW
 
+
+class _RoutedLoop(torch.nn.Module):
+    """An MLP run only for the routes its rows pick, in a Python loop over them, as MoE experts that loop over the
+    experts a router picked do: data-dependent, so torch.compile(fullgraph=True) cannot trace it."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = mlp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        route = hidden[..., 0] > 0
+        for picked in torch.unique(route).tolist():
+            rows = route == picked
+            out[rows] = self.inner(hidden[rows])
+        return out
+
+
+def untraceable_llama() -> PreTrainedModel:
+    """A tiny Llama whose MLPs loop over routes (`_RoutedLoop`): a model dynamo cannot trace whole on every
+    transformers version (Step3p7's experts were one until 5.25)."""
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.mlp = _RoutedLoop(layer.mlp)
+    return model
+
+
 S, F = "sliding_attention", "full_attention"
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 SIGLIP_TINY = dict(  # one 2 x 2-patch image -> 4 soft tokens
@@ -641,7 +668,8 @@ MLA = dict(  # multi-head latent attention: K/V are projected from a shared late
 )
 
 
-# Multi-head latent attention (patches/latent.py): paged as the latent and the rotary key each layer hands its cache.
+# Multi-head latent attention (hybridkv/patches/latent.py): paged as the latent and the rotary key each layer hands its
+# cache.
 LATENT = {
     "deepseek_v2": lambda: _build(
         hf.deepseek_v2.DeepseekV2ForCausalLM, hf.deepseek_v2.DeepseekV2Config, num_hidden_layers=2, **MLA, **MOE,

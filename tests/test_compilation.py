@@ -292,10 +292,10 @@ def test_compile_is_off_by_default_on_the_cpu(patched):
 def test_when_compiling_is_the_default_an_untraceable_model_runs_eagerly_with_a_warning(patched, monkeypatch):
     """compile=None compiles where CUDA graphs are captured; a model dynamo cannot trace whole then runs eagerly,
     with a warning naming the cause, never an error (compile=True makes it one: tests/test_graph_ready.py)."""
-    from model_zoo import ZOO
+    from model_zoo import untraceable_llama
 
     monkeypatch.setattr(hybridkv.engine.llm_engine, "compiles_by_default", lambda captures: True)
-    model = ZOO["step3p7"]()
+    model = untraceable_llama()
     with pytest.warns(UserWarning, match="forward cannot be compiled: torch.compile.*cannot trace.*runs eagerly"):
         llm = patched(model, block_size=8, max_model_len=128)
     assert not llm.stats()["compiled"] and "cannot trace" in llm.stats()["compile_error"]

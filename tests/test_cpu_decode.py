@@ -1,4 +1,4 @@
-"""The CPU decode kernel (kernels/cpu_decode.c): which rows it takes, every page format against the
+"""The CPU decode kernel (hybridkv/kernels/cpu_decode.c): which rows it takes, every page format against the
 per-sequence torch path, and what happens where it cannot be built."""
 
 from __future__ import annotations

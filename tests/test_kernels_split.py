@@ -1,8 +1,8 @@
-"""Split-KV decode (kernels/triton_attention.py): each sequence's keys in segments run by programs of their own,
-combined by `reduce_segments_kernel`. Under the interpreter (or compiled, with HYBRIDKV_TEST_ON_GPU=1) it must match
-the dense fp64 reference as the unsplit kernel does, and the unsplit kernel itself up to summation order, with
-windows, sinks, softcaps, GQA, in-flight keys, 16-bit and fp8 pages, padding rows and segments left empty; and the
-split it takes is a function of the step's shape alone (a CUDA graph replays the one it captured)."""
+"""Split-KV decode (hybridkv/kernels/triton_attention.py): each sequence's keys in segments run by programs of their
+own, combined by `reduce_segments_kernel`. Under the interpreter (or compiled, with HYBRIDKV_TEST_ON_GPU=1) it must
+match the dense fp64 reference as the unsplit kernel does, and the unsplit kernel itself up to summation order, with
+windows, sinks, softcaps, GQA, in-flight keys, 16-bit and fp8 pages, padding rows and segments left empty; and the split
+it takes is a function of the step's shape alone (a CUDA graph replays the one it captured)."""
 
 from __future__ import annotations
 

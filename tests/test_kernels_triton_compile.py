@@ -126,7 +126,7 @@ def _write_variant(
 def _latent_variant(
     dtype: str, latent: int, rotary: int, cache_dtype: str | None = None, capability: int = 90
 ) -> Variant:
-    """Latent attention's decode kernel (kernels/triton_latent.py), as `triton_latent_decode` launches it."""
+    """Latent attention's decode kernel (hybridkv/kernels/triton_latent.py), as `triton_latent_decode` launches it."""
     latent_padded = 1 << (latent - 1).bit_length()
     constexprs = {
         "LATENT": latent,

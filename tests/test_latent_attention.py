@@ -72,7 +72,7 @@ def test_the_absorbed_form_computes_what_the_expanded_form_computes():
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_decode_kernel_computes_what_the_torch_path_computes(cache_dtype):
-    """kernels/triton_latent.py (run by the Triton interpreter here; compiled for sm_80 and sm_90 by
+    """hybridkv/kernels/triton_latent.py (run by the Triton interpreter here; compiled for sm_80 and sm_90 by
     tests/test_kernels_triton_compile.py) against the torch path's absorbed form, on decode rows of several lengths
     (tiles cut mid-block, a one-token sequence) beside a prompt's chunk."""
     torch.manual_seed(0)
@@ -131,7 +131,8 @@ def test_a_lora_adapter_on_the_up_projection_is_attended_through(patched):
 
 
 def test_the_store_op_passes_torch_librarys_opcheck(patched):
-    """`store_latent` (patches/attention.py), the cache update compiled code keeps: its fake and real outputs agree,
+    """`store_latent` (hybridkv/patches/attention.py), the cache update compiled code keeps: its fake and real
+    outputs agree,
     and its outputs alias none of its inputs."""
     model = LATENT["deepseek_v3"]().to(DEVICE)
     llm = patched(model, block_size=8, max_model_len=128)

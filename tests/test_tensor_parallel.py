@@ -45,7 +45,8 @@ def free_port() -> int:
 @pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3", "deepseek_v3_heads_split"])
 def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides). DeepSeek-V3's
-    # latent attention is not split by transformers' plan (its experts and MLPs are): every rank pages the latent.
+    # latent attention is not split by transformers 5.24's plan (its experts and MLPs are; 5.25's splits its heads):
+    # every rank pages the latent.
     # With a plan that splits its heads too (each rank: its heads' rows of q_b_proj and kv_b_proj, o_proj's columns),
     # every rank still pages the whole latent, which its heads share, and attends through its own up-projection rows.
     if family.startswith("deepseek_v3"):
@@ -82,7 +83,9 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
 
     if family.startswith("deepseek_v3"):
         rows = model.model.layers[0].self_attn.kv_b_proj.out_features
-        split = 2 if family == "deepseek_v3_heads_split" else 1
+        # transformers 5.25's own plan splits the heads too (5.24's split the experts and MLPs only).
+        splits_heads = (model.config.base_model_tp_plan or {}).get("layers.*.self_attn.kv_b_proj") == "colwise"
+        split = 2 if family == "deepseek_v3_heads_split" or splits_heads else 1
         assert driver["up_projection_rows"] == worker["up_projection_rows"] == [rows // split]
     assert driver["generate"] == worker["generate"] == expected  # transformers' own TP generate agrees
     assert driver["default"] == expected

@@ -169,7 +169,7 @@ class LLMEngine(RunLoops, EngineStats):
         # State layers run per request segment, which no graph captures yet: their models' steps are not padded to
         # buckets. Latent attention's decode steps are captured where its decode rows take the Triton latent kernel,
         # over the step buffers alone; over fp8 pages they take the torch path, built per step: not padded either
-        # (kernels/contexts.py). A latent model compiles when asked to, compile=True.
+        # (hybridkv/kernels/contexts.py). A latent model compiles when asked to, compile=True.
         latent_fp8 = any(is_fp8(self.layer_dtypes.dtypes[layer_idx]) for layer_idx in layout.latent)
         graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
@@ -346,7 +346,7 @@ class LLMEngine(RunLoops, EngineStats):
 
     def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
         """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
-        image's tokens attend both ways is read from the model's own masks (patches/probe.py). A model that
+        image's tokens attend both ways is read from the model's own masks (hybridkv/patches/probe.py). A model that
         cannot say, or whose images would need what hybridkv does not run with them (state layers,
         chunked local attention, tensor parallelism), gets None: a prompt with images is then refused."""
         encoder = ImageEncoder(model, processor, bidirectional=False, cache_bytes=self.config.encoder_cache_bytes)

@@ -8,5 +8,5 @@ the step's tensors, the forward), state layers on the flattened batch (`state_la
 the watch on a model that changes (`model_watch.py`), the CPU thread count (`cpu_threads.py`) and the progress a
 person watches (`progress.py`).
 
-Imports: `hybridkv.scheduling`, `hybridkv.memory`, `hybridkv.outputs`, kernels/ and patches/; torch.
+Imports: `hybridkv.scheduling`, `hybridkv.memory`, `hybridkv.outputs`, hybridkv/kernels/ and hybridkv/patches/; torch.
 """

@@ -4,7 +4,7 @@ On a GPU a decode step of a small model is hundreds of small kernels launched on
 (transformers' layers: norms, projections, rotary embeddings, activations), and the host's launches,
 not the GPU, set the step's time. A CUDA graph records the launches of one forward and replays them
 in one call. A graph replays the same kernels over the same addresses, so what a decode step reads
-lives at fixed addresses (the step buffers, kernels/step_buffers.py; the pages; the weights),
+lives at fixed addresses (the step buffers, hybridkv/kernels/step_buffers.py; the pages; the weights),
 and a step of n sequences runs in the graph of the smallest bucket >= n, its extra rows padding:
 a sequence of one token at position 0 whose block table is all null, which stores nothing (slot -1),
 attends to its own key only, and whose logits are never sampled.

@@ -4,10 +4,10 @@
 (`{"full": torch.float8_e4m3fn, "sliding": torch.bfloat16}`; a kind not named keeps the model's
 dtype). A dtype is a torch dtype or its name, and vLLM's names are understood too ("fp8" is e4m3fn,
 "fp8_e4m3", "fp8_e5m2", "auto" the model's dtype). Pages may be fp32, fp16, bf16 or fp8; attention
-computes in fp32 whatever they hold (kernels/quant.py).
+computes in fp32 whatever they hold (hybridkv/kernels/quant.py).
 
 fp8 pages store K / k_scale and V / v_scale with one pair of scales per layer (vLLM's convention),
-chosen at patch time from the probe forward's own K and V of that layer (`patches/probe.py`, 40 tokens):
+chosen at patch time from the probe forward's own K and V of that layer (`hybridkv/patches/probe.py`, 40 tokens):
 k_scale = max |K| / 200 and v_scale = max |V| / 100, vLLM's calibration rule, so the probe's largest
 key is stored as 200 of e4m3's 448 (values 2.2x larger saturate rather than overflow; V has 4.5x
 headroom). A KV-sharing layer reads its source's pages with the source's scales.

@@ -1,14 +1,13 @@
-"""Latent attention layers in a step (patches/latent.py): the cache a step passes the model, and each layer's
+"""Latent attention layers in a step (hybridkv/patches/latent.py): the cache a step passes the model, and each layer's
 up-projection as the attention op reads it.
 
 Such a layer hands its cache the step's latent and rotary-key rows (`cache.update(latent, rotary_key, layer_idx)`)
 and expands whatever the cache returns into its keys and values. `StepKVCache.update` stores the rows into the
-layer's pages (`torch.ops.hybridkv.store_latent`, patches/attention.py: K rows of the latent then the rotary key,
-whose latent is also the V row, at the step's slot mapping) and returns them: the layer expands only the
-step's rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
-(kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them), as
-`PassThroughCache` does.
-"""
+layer's pages (`torch.ops.hybridkv.store_latent`, hybridkv/patches/attention.py: K rows of the latent then the rotary
+key, whose latent is also the V row, at the step's slot mapping) and returns them: the layer expands only the step's
+rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
+(hybridkv/kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them),
+as `PassThroughCache` does."""
 
 from __future__ import annotations
 

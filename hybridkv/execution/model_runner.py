@@ -71,7 +71,7 @@ class ModelRunner:
     hybridkv/memory/grouping.py); each layer that holds pages gets K and V views of its slot in its own dtype
     (hybridkv/execution/kv_dtypes.py), and a KV-sharing layer reads its source layer's views. A step's tokens,
     positions, lengths, block tables and slots are written into `StepBuffers` (one per device, allocated
-    once: kernels/step_buffers.py) from the persistent batch (`InputBatch`: each request's block
+    once: hybridkv/kernels/step_buffers.py) from the persistent batch (`InputBatch`: each request's block
     table row kept between steps, hybridkv/execution/input_batch.py).
     """
 

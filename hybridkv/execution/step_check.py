@@ -1,6 +1,6 @@
 """The end-to-end check of `patch`: hybridkv's own step machinery against the model's own forward.
 
-The probe (patches/inspection.py) checks each attention layer; this check catches whatever it cannot
+The probe (hybridkv/patches/inspection.py) checks each attention layer; this check catches whatever it cannot
 see: a model that derives positions from its cache or its input length instead of `position_ids` (the
 learned position embeddings of BART-family decoders), attention that is not causal (PaliGemma's
 prefix-LM), rows of one sequence that depend on the others of a step, or anything else. Two prompts run

@@ -8,5 +8,5 @@ and attention kind (`managers.py` full attention, `window_managers.py` sliding a
 (`coordinator.py`, its invariants in `integrity.py`, the request as it sees one in `kv_request.py`).
 
 Imports: nothing of hybridkv but `hybridkv.outputs`, and never torch (pyproject.toml's import-linter contracts):
-memory is bookkeeping over integers; the tensors live in kernels/ and `hybridkv.execution`.
+memory is bookkeeping over integers; the tensors live in hybridkv/kernels/ and `hybridkv.execution`.
 """

@@ -11,8 +11,8 @@ Free queue layout (an intrusive doubly linked list through the blocks themselves
 Allocation pops the head, so blocks that hold nothing reusable go first and the least recently used
 cached block is the next to be evicted.
 
-The block arithmetic every layer shares lives here too (`NULL_BLOCK_ID`, `cdiv`). kernels/ imports nothing
-of hybridkv/ (kernels/__init__.py says why), so kernels/cache.py states the null block id again and
+The block arithmetic every layer shares lives here too (`NULL_BLOCK_ID`, `cdiv`). hybridkv/kernels/ imports nothing
+of hybridkv/ (hybridkv/kernels/__init__.py says why), so hybridkv/kernels/cache.py states the null block id again and
 tests/test_kernels_backend.py pins the two equal.
 """
 

@@ -15,8 +15,8 @@ class LayerSpec:
     `head_dim` elements and V rows `v_head_dim` (None: the same). A layer with `kv_source` set reads the
     K/V that layer wrote (Gemma 3n's and Gemma 4's KV-sharing layers) and holds no pages of its own. With
     `value_in_key`, a V row is the first `v_head_dim` elements of its K row and takes no bytes of its own: a latent
-    attention layer's (patches/latent.py) K row is its latent then its rotary key, and the latent is also its V.
-    """
+    attention layer's (hybridkv/patches/latent.py) K row is its latent then its rotary key, and the latent is also its
+    V."""
 
     layer_idx: int
     sliding_window: int | None

@@ -1,9 +1,8 @@
-"""Latent attention layers' attention (patches/latent.py): their pages hold one "head" per token, a K row of the
-latent then the rotary key, whose latent is also the V row (`value_in_key`, vLLM's layout). `latent_attention`
-attends a prompt's chunk by reading each sequence's context back from the pages (`gather_contexts`) and expanding
-it through the layer's up-projection, as the layer itself does; decode rows attend in latent space, through the
-kernels' own `attend` (the CPU decode kernel, the torch path) or kernels/triton_latent.py on the Triton backend.
-"""
+"""Latent attention layers' attention (hybridkv/patches/latent.py): their pages hold one "head" per token, a K row of
+the latent then the rotary key, whose latent is also the V row (`value_in_key`, vLLM's layout). `latent_attention`
+attends a prompt's chunk by reading each sequence's context back from the pages (`gather_contexts`) and expanding it
+through the layer's up-projection, as the layer itself does; decode rows attend in latent space, through the kernels'
+own `attend` (the CPU decode kernel, the torch path) or hybridkv/kernels/triton_latent.py on the Triton backend."""
 
 from __future__ import annotations
 
@@ -62,11 +61,11 @@ def latent_attention(
     k_scale: float = 1.0,
     absorb: bool = True,
 ) -> torch.Tensor:
-    """A latent attention layer's step (patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over its pages,
-    whose K rows `key_cache` `[blocks, block_size, 1, latent + rotary]` hold each token's latent then its rotary key,
-    and whose V rows `value_cache` are a view of the latents (the step's rows stored already). A sequence of several
-    rows (a prompt's chunk) expands its context through `up_proj` into keys `[tokens, heads, nope_dim + rotary]` and
-    values, as the layer itself does, and attends per sequence. Decode rows, where `absorb`, attend in latent space
+    """A latent attention layer's step (hybridkv/patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over its
+    pages, whose K rows `key_cache` `[blocks, block_size, 1, latent + rotary]` hold each token's latent then its rotary
+    key, and whose V rows `value_cache` are a view of the latents (the step's rows stored already). A sequence of
+    several rows (a prompt's chunk) expands its context through `up_proj` into keys `[tokens, heads, nope_dim + rotary]`
+    and values, as the layer itself does, and attends per sequence. Decode rows, where `absorb`, attend in latent space
     instead, all of them at once (`_absorbed_decode`). Returns `[rows, heads, v_dim]`."""
     step = metadata.step
     dtype, heads = query.dtype, query.shape[1]
@@ -139,8 +138,9 @@ def _decode_plan(metadata: PagedAttentionMetadata, fp8: bool) -> _DecodePlan | N
     plan = None
     if rows:
         device = table.device
-        # On the Triton backend the decode rows go to kernels/triton_latent.py, or, with fp8 pages, to the torch path
-        # (the unified kernel is not built for latent rows' widths): the step of decode rows takes the torch path.
+        # On the Triton backend the decode rows go to hybridkv/kernels/triton_latent.py, or, with fp8 pages, to the
+        # torch path (the unified kernel is not built for latent rows' widths): the step of decode rows takes the torch
+        # path.
         decode_step = StepMetadata.build([1] * len(rows), lengths, device, "torch")
         tables = table.index_select(0, torch.tensor(sequences, device=device))
         unused_slots = torch.full((len(rows),), -1, dtype=torch.int64, device=device)  # nothing is stored
@@ -157,8 +157,8 @@ def _absorbed_decode(
     (W_k^T q_nope) . c + q_rot . k_rot, and out = W_v (softmax . c): the up-projection (`weight`, `[heads * (nope_dim +
     v_dim), latent]`) folded into the query and applied to the attended latent, no context expanded. What is left is
     multi-query attention with K rows `[latent | rotary key]` and V rows `latent`, the pages as they are: the kernels'
-    own torch path (on the CPU the decode kernel, kernels/cpu_decode.c), or with `triton` (the step's backend) and
-    16/32-bit pages kernels/triton_latent.py."""
+    own torch path (on the CPU the decode kernel, hybridkv/kernels/cpu_decode.c), or with `triton` (the step's backend)
+    and 16/32-bit pages hybridkv/kernels/triton_latent.py."""
     heads, latent_dim = query.shape[1], value_cache.shape[-1]
     weight = weight.view(heads, -1, latent_dim)  # [heads, nope + v, latent]
     rows = query if plan.rows is None else query.index_select(0, plan.rows)  # [batch, heads, nope + rotary]

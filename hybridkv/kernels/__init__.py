@@ -7,10 +7,10 @@ entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and
 (the CPU path), ``triton_attention``, ``triton_cache_write`` and ``triton_common`` (the Triton kernels,
 imported on first use).
 
-Nothing here imports ``hybridkv``: only relative imports, torch and triton. From the repository root
-(``python -m``, ``python -c``, a REPL) this directory is also importable as a top-level ``kernels``,
-the name of Hugging Face's kernels package, which transformers imports while it initializes; an
-import of ``hybridkv`` from there would import transformers again, half-initialized, and fail.
+Nothing here imports the rest of ``hybridkv``: only relative imports, torch and triton (the bottom layer,
+docs/design.md). The folder lives inside ``hybridkv/``: at the repository's root it was importable as a
+top-level ``kernels`` from there (``python -m``, pytest), the name of Hugging Face's kernels package, which
+transformers 5.25 imports while it initializes.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ transformers' configs describe hybrid layouts with `layer_types` (Gemma 2 altern
 `use_sliding_window` and `max_window_layers`). Configs without it (Llama, Mistral, Phi-3) use one rule
 for every layer: a window when `sliding_window` is set, full attention otherwise.
 
-The config is only the first witness: `patches/inspection.py` checks each layer's kind against what
+The config is only the first witness: `hybridkv/patches/inspection.py` checks each layer's kind against what
 its attention module really does before anything is served.
 """
 
@@ -24,7 +24,7 @@ SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 SUPPORTED_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
 # Layers that keep a per-request state (linear attention, SSM, short convolution) instead of K/V: served when
-# the probe sees the state go through transformers' cache interface (patches/inspection.py).
+# the probe sees the state go through transformers' cache interface (hybridkv/patches/inspection.py).
 STATE_LAYER_TYPES = frozenset({"linear_attention", "conv", "mamba"})
 # A layer that attends and keeps a state side by side (Falcon-H1 attends fully; Zaya's attention projects q/k/v
 # through a state of its own, over every key or a sliding window), and layers that do neither (Nemotron-H's MLP

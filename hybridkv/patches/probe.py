@@ -6,7 +6,7 @@ implement, and which keys each query may see. The last comes from the mask: tran
 mask through the mask interface from a `mask_function(batch, head, q_idx, kv_idx)`, which the probe
 evaluates at positions far beyond the probe's tokens (so a window of 4,096 is seen in a 40-token
 forward), and falls back to the materialized mask when a model builds its own
-(`patches/visibility.py`). What the calls mean for serving is decided in `patches/inspection.py`.
+(`hybridkv/patches/visibility.py`). What the calls mean for serving is decided in `hybridkv/patches/inspection.py`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Probe:
     horizon: int
     calls: list[AttentionCall] = field(default_factory=list)
     # id(module) -> (the nn.Linear, its input, its output) of each linear layer's last call: where a layer's
-    # K/V come from (patches/latent.py finds a latent attention's up-projection among them).
+    # K/V come from (hybridkv/patches/latent.py finds a latent attention's up-projection among them).
     linears: dict[int, tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # layer_idx -> the (key, value) of each cache update, where the forward ran with a recording cache (else None).
     updates: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -132,7 +132,7 @@ def record_probe_calls(model: torch.nn.Module) -> tuple[Probe, list[StateCall]]:
 
 def record_cache_updates(model: torch.nn.Module) -> Probe:
     """The probe forward again, with a cache that records every update (`StateRecorder`): what each attention layer
-    hands its cache (patches/latent.py reads a latent attention's latent from it)."""
+    hands its cache (hybridkv/patches/latent.py reads a latent attention's latent from it)."""
     return _recorded_forward(model)[0]
 
 

@@ -4,9 +4,9 @@ hybridkv serves a model when (a) every decoder layer's attention module calls tr
 interface, with the keyword arguments of the model's forward passed through, and (b) each layer's kind
 is one hybridkv implements (full attention, a sliding window, or chunked local attention). That is
 decided by what the model does, not by its name: `inspect_model` runs one short forward of the model
-with hybridkv's functions in a recording mode (`patches/probe.py`), checks every layer's calls against
-what the config declares (`patches/layer_checks.py`), and adds the limits a model's own state imposes
-(`patches/position_limit.py`).
+with hybridkv's functions in a recording mode (`hybridkv/patches/probe.py`), checks every layer's calls against
+what the config declares (`hybridkv/patches/layer_checks.py`), and adds the limits a model's own state imposes
+(`hybridkv/patches/position_limit.py`).
 
 The layout that comes out (one `LayerSpec` per layer, the window taken from the config and confirmed
 by the mask) is the one source of truth for windows: the managers free blocks by it and the kernels
@@ -64,14 +64,15 @@ class ModelLayout:
     specs: list[LayerSpec]
     module_names: dict[int, str]
     # Tokens up to which the model's output does not depend on state a step lacks (None: no limit),
-    # and why: see `patches/position_limit.py`.
+    # and why: see `hybridkv/patches/position_limit.py`.
     max_exact_tokens: int | None = None
     limit_reason: str = ""
     # Per layer, the largest |K| and |V| of the probe forward: the calibration of fp8 pages' scales.
     kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
     # The state layers (linear attention, SSM, short convolution): a per-request state each, in layer order.
     states: list[StateSpec] = field(default_factory=list)
-    # The latent attention layers (patches/latent.py), paged as the latent and rotary key they hand their cache.
+    # The latent attention layers (hybridkv/patches/latent.py), paged as the latent and rotary key they hand their
+    # cache.
     latent: dict[int, LatentLayer] = field(default_factory=dict)
 
 
@@ -140,7 +141,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
             continue
         call = calls[layer_idx][0]
         if isinstance(found, LatentLayer):
-            # One "head": a K row is the latent then the rotary key, and V its latent (patches/latent.py).
+            # One "head": a K row is the latent then the rotary key, and V its latent (hybridkv/patches/latent.py).
             row = found.latent_dim + found.rope_dim
             spec = LayerSpec(layer_idx, None, 1, row, kv_dtype.itemsize, v_head_dim=found.latent_dim, value_in_key=True)
             specs.append(spec)
@@ -182,8 +183,8 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
 
 
 def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[AttentionCall]]):
-    """layer_idx -> the `LatentLayer` of each layer whose attention is latent (patches/latent.py), or why such a
-    layer cannot be paged in latent space. A forward with a recording cache runs only when a layer's keys and values
+    """layer_idx -> the `LatentLayer` of each layer whose attention is latent (hybridkv/patches/latent.py), or why such
+    a layer cannot be paged in latent space. A forward with a recording cache runs only when a layer's keys and values
     are an up-projection (a model probed with its state recorder has that forward already)."""
     found = {
         layer_idx: projection

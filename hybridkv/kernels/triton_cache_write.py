@@ -1,5 +1,5 @@
 """Cache write in Triton: one program per token stores its K and V rows (all kv heads) at its slot, as
-the cache holds them (kernels/quant.py: rounded to its dtype; for fp8, row / scale clamped to its range)."""
+the cache holds them (hybridkv/kernels/quant.py: rounded to its dtype; for fp8, row / scale clamped to its range)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 
 # The pool's null block (hybridkv.memory.block_pool.NULL_BLOCK_ID, pinned equal by tests/test_kernels_backend.py):
 # never allocated, it may fill table entries no query reads. Not imported from there: nothing in
-# kernels/ imports hybridkv (see __init__.py).
+# hybridkv/kernels/ imports hybridkv (see __init__.py).
 NULL_BLOCK_ID = 0
 
 

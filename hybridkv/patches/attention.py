@@ -13,7 +13,7 @@ rows and its index, and finds its pages and the step's metadata in the step that
 (`running_step`, as vLLM's forward context and nano-vllm's `Context` do). The pages (dtype views of one
 uint8 tensor) and the metadata never enter the op's signature, so `torch.compile(model, fullgraph=True)`
 traces a step's forward with no graph break and no copy of a mutated view, and a CUDA graph replays the
-op's kernels over buffers that keep their addresses (kernels/step_buffers.py). What a step passes the
+op's kernels over buffers that keep their addresses (hybridkv/kernels/step_buffers.py). What a step passes the
 model (`hybridkv_step`) is the runner's one `StepContext`, the same object every step; which step runs is
 a thread-local, which compiled code reads without a graph break (a `ContextVar` would break the graph).
 
@@ -45,14 +45,14 @@ STEP_KWARG = "hybridkv_step"
 
 # Keyword arguments transformers' attention modules pass that the paged path reads, and the ones it
 # may ignore (bookkeeping). Any other argument with a value could change the result: the probe at patch
-# time (patches/inspection.py, patches/layer_checks.py) refuses a model whose layers pass one.
+# time (hybridkv/patches/inspection.py, hybridkv/patches/layer_checks.py) refuses a model whose layers pass one.
 READ_KWARGS = frozenset({STEP_KWARG, "sliding_window", "softcap", "s_aux"})
 IGNORED_KWARGS = frozenset(
     {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits", "return_dict"}
 )
 
 # Per thread: `step`, the StepContext of the step whose forward runs (None outside one), and `probe`, the
-# recorder of patches/probe.py while its probe forward runs.
+# recorder of hybridkv/patches/probe.py while its probe forward runs.
 _running = threading.local()
 # id(config) -> the attention implementation the model had before it was patched, and how many patched
 # models read that config object (two models built from one config share it: the first one's original
@@ -69,7 +69,7 @@ class LatentUp:
     owner: torch.nn.Module
     name: str
     nope_dim: int
-    # Decode rows attend in latent space (`kernels/contexts.py`) where the projection is a plain linear layer.
+    # Decode rows attend in latent space (`hybridkv/kernels/contexts.py`) where the projection is a plain linear layer.
     absorb: bool = True
 
     def module(self) -> torch.nn.Module:
@@ -98,8 +98,8 @@ class LayerKV:
     v_scale: float = 1.0
     defers_store: bool = False
     stores_after: tuple[int, ...] = ()
-    # A latent attention layer (patches/latent.py): its cache update stored the step's latent and rotary-key rows;
-    # it attends over its pages through its up-projection (`LatentUp`, kernels/contexts.py).
+    # A latent attention layer (hybridkv/patches/latent.py): its cache update stored the step's latent and rotary-key
+    # rows; it attends over its pages through its up-projection (`LatentUp`, hybridkv/kernels/contexts.py).
     latent: LatentUp | None = None
 
 
@@ -133,7 +133,7 @@ class StepContext:
 
 @contextlib.contextmanager
 def probing(probe: Any) -> Iterator[None]:
-    """Marks the probe forward of patches/probe.py: both functions report to `probe`."""
+    """Marks the probe forward of hybridkv/patches/probe.py: both functions report to `probe`."""
     previous = getattr(_running, "probe", None)
     _running.probe = probe
     try:

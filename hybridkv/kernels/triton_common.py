@@ -23,7 +23,7 @@ def as_cached(
     FP8_MIN_EXPONENT: tl.constexpr,
     ROUND_TO_BF16: tl.constexpr,
 ):
-    """Rows as the cache holds them (kernels/quant.py): for fp8 (FP8_MAX > 0), rows / scale clamped and
+    """Rows as the cache holds them (hybridkv/kernels/quant.py): for fp8 (FP8_MAX > 0), rows / scale clamped and
     rounded to nearest, ties to even; rows rounded the same way to a bf16 cache; else as they convert.
 
     The rounding is done here rather than by the conversion: the Triton interpreter's fp32 -> fp8 and
