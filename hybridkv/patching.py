@@ -8,6 +8,7 @@ import torch
 
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.execution.config import EngineConfig
+from hybridkv.execution.eval_semantics import evaluating
 from hybridkv.patches import attention
 
 # The engine lives in the model's __dict__ while patched: a plain reference cycle, collected with the
@@ -24,7 +25,8 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
     The model stays an ordinary transformers model: called directly it behaves exactly as before.
     Patching an already patched model returns its engine when the settings are the same, and
     rebuilds it (freeing the old KV cache) when they differ, which an engine with unfinished requests
-    refuses. Settings: see `EngineConfig`.
+    refuses. A model in training mode is served with eval semantics (dropout off) and left in its mode
+    (hybridkv/execution/eval_semantics.py). Settings: see `EngineConfig`.
     """
     engine_config = EngineConfig.from_kwargs(**config)
     if processor is None and getattr(tokenizer, "image_processor", None) is not None:
@@ -42,7 +44,8 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
                 "(engine.abort_all()) first"
             )
         unpatch(model)
-    engine = LLMEngine(model, tokenizer, engine_config, processor)
+    with evaluating(model):  # a model in training mode is probed and checked without dropout, and left in its mode
+        engine = LLMEngine(model, tokenizer, engine_config, processor)
     attention.install(model)
     model.__dict__[_ENGINE_ATTR] = engine
     return engine

@@ -267,18 +267,21 @@ def test_switching_adapters_switches_programs_and_back(patched, eager_pieces):
     assert llm.runner.compiled.program is first and llm.stats()["compiled_from"] == "memory"
 
 
-def test_train_mode_is_traced_again_and_eval_mode_comes_back(patched, eager_pieces):
-    """Dropout is in the graph or not: switching the model to training mode takes a program traced in it."""
-    model = tiny_model("llama", num_hidden_layers=2, attention_dropout=0.0)
-    llm = patched(model, block_size=8, max_model_len=128, compile=True)
+def test_a_model_in_training_mode_is_served_by_its_eval_program_and_left_in_its_mode(patched, eager_pieces):
+    """Rollouts of a policy being trained run as inference: dropout is never in the graph, so switching the model to
+    training mode takes the same program (no trace), and the tokens are eval mode's; the model stays in training."""
+    model = tiny_model("llama", num_hidden_layers=2, attention_dropout=0.5)
+    model.eval()
     expected = references(model)
-    first = llm.runner.compiled.program
     model.train()
-    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == expected  # no dropout in this model
-    assert llm.runner.compiled.program is not first and llm.runner.compiled.training
+    llm = patched(model, block_size=8, max_model_len=128, compile=True)
+    first = llm.runner.compiled.program
+    assert model.training
+    assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == expected
+    assert llm.runner.compiled.program is first and model.training
     model.eval()
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == expected
-    assert llm.runner.compiled.program is first
+    assert llm.runner.compiled.program is first and not model.training
 
 
 # ---- the default, and models that cannot be compiled ---------------------------------------------------------

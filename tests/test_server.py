@@ -376,6 +376,14 @@ BAD_REQUESTS = [
         id="unknown-field",
     ),
     pytest.param({"max_tokens": "many"}, 400, None, "max_tokens", id="wrong-type"),
+    pytest.param(
+        {"n": 10**6},
+        400,
+        "n must be at most 16384 (samples of one request: vLLM's VLLM_MAX_N_SEQUENCES), got 1000000; ask for fewer, "
+        "or send several requests",
+        "n",
+        id="too-many-samples",
+    ),
 ]
 
 

@@ -29,7 +29,8 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 def exclusive(method: Method) -> Method:
     """A public entry point: refuses a closed engine and a second thread (the lock is re-entrant, so the
     engine's own calls nest); the outermost call begins with the engine's `_begin_call` (it aborts the streams
-    dropped during earlier calls, and the model may have changed since the last call)."""
+    dropped during earlier calls, the model may have changed since the last call, and a model in training mode is
+    served with eval semantics) and ends with its `_end_call` (the model's modes put back)."""
 
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -47,6 +48,8 @@ def exclusive(method: Method) -> Method:
                 return method(self, *args, **kwargs)
             finally:
                 self._depth -= 1
+                if self._depth == 0:
+                    self._end_call()
         finally:
             self._lock.release()
 

@@ -39,6 +39,7 @@ from hybridkv.engine.stats import EngineStats
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
 from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
+from hybridkv.execution.eval_semantics import eval_modules, restore_training
 from hybridkv.execution.graphs import captures_graphs, decode_buckets, graph_mode
 from hybridkv.execution.inputs import InputProcessor, Prompt, eos_token_ids, plain_prompt, refuse_lora_request
 from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
@@ -125,6 +126,9 @@ class LLMEngine(RunLoops, EngineStats):
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._depth = 0  # engine calls under way in the owning thread (they nest)
+        self._training_modules: list[torch.nn.Module] = []
+        # While asleep (`sleep`): the bytes given back, and whether decode graphs were captured before.
+        self._sleeping: tuple[int, bool] | None = None  # switched to eval for the call under way (`_begin_call`)
         self._closed = False
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -417,6 +421,8 @@ class LLMEngine(RunLoops, EngineStats):
         A dict prompt with images has them through the vision tower here (hybridkv/execution/multimodal.py), after the
         model is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
         key; a request whose images another model encoded is refused when it is queued)."""
+        if self._sleeping is not None:
+            raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
         if params is None:
             params = self.get_default_sampling_params()
         elif isinstance(params, SamplingParams):
@@ -514,14 +520,16 @@ class LLMEngine(RunLoops, EngineStats):
             group = search.group
         else:
             group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal, model_key)
+        # More samples than max_num_seqs run in parts that queue as requests of their own (a beam runs as a whole).
+        parts = [group] if group.beam is not None else group.parts(self.config.max_num_seqs)
         grammar = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
-        state = self.outputs.add(group, prompt_text, grammar)
+        state = self.outputs.add(parts, prompt_text, grammar)
         if self.speculator is not None and self.speculator.speculates(params):
-            for member in group.members:  # proposed for after each step (`_update`, `_update_alone`)
+            for member in state.members:  # proposed for after each step (`_update`, `_update_alone`)
                 member.speculates = True
-        if not self.scheduler.add_request(group.leader):
+        if not all([self.scheduler.add_request(part.leader) for part in parts]):
             self._unreported.append(state)
         elif isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             self._prompt_logprobs_pending.add(group.leader.request_id)
@@ -551,7 +559,8 @@ class LLMEngine(RunLoops, EngineStats):
         state = self.outputs.states.get(request_id)
         if state is None:
             return None
-        self.scheduler.finish_group(state.group, RequestStatus.FINISHED_ABORTED)
+        for part in state.parts:
+            self.scheduler.finish_group(part, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
 
     def _release_stream(self, request_id: str) -> None:
@@ -572,11 +581,19 @@ class LLMEngine(RunLoops, EngineStats):
             self._lock.release()
 
     def _begin_call(self) -> None:
-        """Called by `exclusive` when an outermost call begins: the aborts `_release_stream` had to put off are made,
-        and the model, which the caller may have changed since the last call, is to be checked again."""
+        """Called by `exclusive` when an outermost call begins: a model in training mode is switched to eval for the
+        call (a rollout of a policy being trained runs as inference: hybridkv/execution/eval_semantics.py), the aborts
+        `_release_stream` had to put off are made, and the model, which the caller may have changed since the last
+        call, is to be checked again."""
+        self._training_modules = eval_modules(self.model)
         self._model_checked = False
         while self._pending_aborts:
             self._abort(self._pending_aborts.popleft())
+
+    def _end_call(self) -> None:
+        """Called by `exclusive` when an outermost call ends, however: the model's modules back in their modes."""
+        restore_training(self._training_modules)
+        self._training_modules = []
 
     # ---- the model it serves ------------------------------------------------------------------------
 
@@ -591,8 +608,6 @@ class LLMEngine(RunLoops, EngineStats):
         change = self.model_watch.check()
         if change is not None:
             self._take_model_change(change)
-        elif self.runner.compiled is not None and self.model.training != self.runner.compiled.training:
-            self._follow_compiled(("the model switched between training and eval mode",), moved=False)
 
     def _take_model_change(self, change: ModelChange) -> None:
         self.coordinator.model_key = change.key
@@ -625,6 +640,51 @@ class LLMEngine(RunLoops, EngineStats):
             self.scheduler.recompute_all()
         self._take_model_change(self.model_watch.invalidate("reset_prefix_cache() was called"))
         return True
+
+    @exclusive
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep`: give the device memory of the KV pages, the state slots and the captured CUDA graphs
+        back until `wake_up` (an optimizer step between two batches of rollouts can use it). The prefix cache's
+        contents go with them, as in vLLM. The weights are the live model's and stay, at either level (vLLM's level 1
+        offloads its copy of them, level 2 discards it; hybridkv keeps none). Unfinished requests must end first (an
+        error names the fix); a sleeping engine refuses new requests, `is_sleeping()` says so."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2 (vLLM's sleep levels), got {level!r}")
+        if self._sleeping is not None:
+            return
+        if self.outputs.states:
+            raise RuntimeError(
+                f"{len(self.outputs.states)} requests are unfinished and hold pages; finish them (generate, step) or "
+                "abort them (abort_all()) before sleep()"
+            )
+        if self.async_steps is not None:
+            self.async_steps.drain()
+        self.coordinator.forget_cached()
+        if self.images is not None:
+            self.images.clear()
+        captured = self.runner.graphs is not None
+        self._sleeping = (self.runner.sleep(), captured)
+
+    @exclusive
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: allocate what `sleep` gave back (pages zeroed, graphs captured again) and take
+        requests again. `tags`: vLLM's "weights" and "kv_cache" (None: both); the weights never left, so a wake-up
+        with "weights" alone changes nothing."""
+        if tags is not None:
+            unknown = set(tags) - {"weights", "kv_cache"}
+            if unknown:
+                raise ValueError(f"wake_up tags are vLLM's 'weights' and 'kv_cache', got {sorted(unknown)}")
+            if "kv_cache" not in tags:
+                return
+        if self._sleeping is None:
+            return
+        _, captured = self._sleeping
+        self.runner.wake_up(capture=captured)
+        self._sleeping = None
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether `sleep` gave the pages back (and no `wake_up` has taken them again)."""
+        return self._sleeping is not None
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would

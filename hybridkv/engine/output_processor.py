@@ -40,11 +40,17 @@ class SampleState:
 
 @dataclass(slots=True)
 class RequestState:
-    """One user request: its samples (a SampleGroup) and the output record the engine hands out."""
+    """One user request: its samples (a SampleGroup, or several `parts` when it has more than max_num_seqs:
+    `SampleGroup.parts`; `group` is the first) and the output record the engine hands out."""
 
     group: SampleGroup
     samples: list[SampleState]
     output: RequestOutput
+    parts: list[SampleGroup]
+
+    @property
+    def members(self) -> list[Request]:
+        return self.group.members if len(self.parts) == 1 else [m for part in self.parts for m in part.members]
 
 
 class OutputProcessor:
@@ -57,16 +63,20 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
 
-    def add(self, group: SampleGroup, prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
-        """Records for a new request's samples (a seeded request's sample i draws from seed + i; each
-        sample of a structured-outputs request gets its own matcher of `grammar`); a beam search has
-        none: its output lists its hypotheses once it has finished."""
+    def add(self, parts: list[SampleGroup], prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
+        """Records for a new request's samples, in its groups `parts` (one, but where it has more samples than
+        max_num_seqs); a seeded request's sample i draws from seed + i; each sample of a structured-outputs request
+        gets its own matcher of `grammar`; a beam search has none: its output lists its hypotheses once it has
+        finished."""
+        group = parts[0]
         leader = group.leader
         params = leader.params
         prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
         metrics = RequestMetrics(arrival_time=time.monotonic())
         samples = []
-        for index, request in enumerate(group.members if group.beam is None else ()):
+        members = [m for part in parts for m in part.members] if group.beam is None else []
+        for request in members:
+            index = request.sample_index
             generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
             detokenizer = None
             if self.tokenizer is not None:
@@ -80,10 +90,10 @@ class OutputProcessor:
             logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
             request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
-            request.greedy_alone = request.sampling_row.plain_greedy and len(group.members) == 1
+            request.greedy_alone = request.sampling_row.plain_greedy and len(members) == 1
             # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone).
             request.overlaps = (
-                len(group.members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
+                len(members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
             )
             request.sample_state = SampleState(
                 request=request,
@@ -103,7 +113,7 @@ class OutputProcessor:
             finished=False,
             metrics=metrics,
         )
-        state = RequestState(group, samples, output)
+        state = RequestState(group, samples, output, parts)
         for sample in samples:
             sample.state = state
         self.states[group.request_id] = state
@@ -187,10 +197,11 @@ class OutputProcessor:
         group = state.group
         leader = group.leader
         output.metrics.num_cached_tokens = leader.num_cached_tokens
-        if not leader.status.is_finished and len(group.members) == 1:  # the common case: nothing has ended
+        if not leader.status.is_finished and len(group.members) == 1 and len(state.parts) == 1:  # nothing has ended
             return output
-        output.error = next((m.error for m in group.members if m.error), None)
-        if group.finished and not output.finished:
+        members = state.members
+        output.error = next((m.error for m in members if m.error), None)
+        if all(m.status.is_finished for m in members) and not output.finished:
             params = leader.params
             if group.beam is not None:  # a beam search: its best hypotheses, best first
                 output.outputs = group.beam.outputs(self.tokenizer)

@@ -4,8 +4,8 @@ A program is found by its key (hybridkv/execution/compile_cache.py): among those
 adapter back), then on disk (a second process), and only then traced and compiled, then saved. Each is run once
 over a step of padding rows before it serves a step: a loaded entry that fails there is deleted and compiled
 again. `follow` is called when the engine sees the model change (hybridkv/execution/model_watch.py): the same key
-reads the model's tensors again (a replaced tensor), another one (an adapter switched, train or eval) takes its own
-program.
+reads the model's tensors again (a replaced tensor), another one (an adapter switched) takes its own program. A model in
+training mode is traced and served in eval mode (hybridkv/execution/eval_semantics.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ class CompiledForward:
         self.cache = ProgramCache(cache_dir())
         self.program: PiecewiseProgram | None = None
         self.key: str | None = None
-        self.training = model.training  # the mode the program was traced in (dropout is in its graph or not)
         self._programs: dict[str, PiecewiseProgram] = {}
         # How the current program was found ("traced", "disk", "memory"), and the seconds its set-up took.
         self.origin = ""
@@ -59,7 +58,7 @@ class CompiledForward:
         else:
             program = self._load(key, example) or self._trace(key, example)
             self._programs[key] = program
-        self.program, self.key, self.training = program, key, self.model.training
+        self.program, self.key = program, key
         return program
 
     def _load(self, key: str, example: ExampleStep) -> PiecewiseProgram | None:

@@ -147,6 +147,8 @@ class ModelRunner:
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
         self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
+        # While the engine sleeps: the tensors whose storages `sleep` emptied, with their sizes.
+        self._asleep: list[tuple[torch.Tensor, int]] = []
 
     def _step_buffers(self, backend: str | None, max_num_tokens: int) -> dict[torch.device, StepBuffers]:
         """The step's tensors on every device that computes a layer or takes the inputs, each holding the largest
@@ -247,6 +249,34 @@ class ModelRunner:
             )
         else:
             self.graphs, self.graph_error = graphs, None
+
+    def sleep(self) -> int:
+        """Give back the device memory of the pages, the state slots and the captured graphs (`LLMEngine.sleep`):
+        each storage is emptied in place, so the tensors, and the views of them every layer and the step caches hold,
+        stay, and `wake_up` fills them again. Returns the bytes given back."""
+        self.graphs = None
+        held = list(self._pages.values())
+        if self.state_pool is not None:
+            held += [t for layer_idx in self.state_pool.conv for t in self.state_pool.tensors(layer_idx)]
+        released = 0
+        for tensor in held:
+            storage = tensor.untyped_storage()
+            self._asleep.append((tensor, storage.nbytes()))
+            released += storage.nbytes()
+            storage.resize_(0)
+        if any(device.type == "cuda" for device in self.devices):
+            torch.cuda.empty_cache()  # to the device, for another process too (vLLM's sleep frees it so)
+        return released
+
+    def wake_up(self, capture: bool) -> None:
+        """Allocate again what `sleep` gave back, zeroed as at patch time (a new address: the decode graphs are
+        captured again where `capture`)."""
+        for tensor, nbytes in self._asleep:
+            tensor.untyped_storage().resize_(nbytes)
+            tensor.zero_()
+        self._asleep = []
+        if capture:
+            self.capture_graphs()
 
     def close(self) -> None:
         """Give the state layers' modules their own forward back (the model as it was) and drop the device memory

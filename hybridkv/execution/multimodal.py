@@ -149,6 +149,12 @@ class ImageEncoder:
                 dropped = self._cache.pop(cache_key)
                 self.cached_bytes -= dropped.numel() * dropped.element_size()
 
+    def clear(self) -> None:
+        """Drop every embedding (`LLMEngine.sleep`)."""
+        with self._lock:
+            self._cache.clear()
+            self.cached_bytes = 0
+
     def inputs(
         self, prompt: dict[str, Any], model_key: bytes = b""
     ) -> tuple[str | None, list[int], MultiModalInputs | None]:

@@ -249,6 +249,15 @@ class BlockPool:
                 released.append(block)
         self.free_queue.release(released)
 
+    def forget_cached(self) -> None:
+        """Drop every cached block's hash (vLLM's `reset_prefix_cache`), for a pool none of whose blocks is held
+        (`LLMEngine.sleep`: the pages' contents are about to go): nothing is a hit until computed again."""
+        assert self.num_used_blocks == 0, "blocks are held: their requests must end first"
+        for block in self.blocks:
+            block.block_hash = None
+            block.hash_group = -1
+        self.cached = [{} for _ in self.cached]
+
     def close(self) -> None:
         """Unlink every block so the pool is freed by reference counting when dropped; unusable after."""
         for block in self.blocks:

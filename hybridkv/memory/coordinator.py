@@ -594,6 +594,13 @@ class KVCacheCoordinator:
             self._slot_updates.extend((request_id, slots.take(request_id)) for request_id in tables)
         return [(swap_id, block.block_id) for swap_id, block in fresh.items()]
 
+    def forget_cached(self) -> None:
+        """Nothing is a prefix-cache hit any more, blocks nor state checkpoints (`LLMEngine.sleep`, which drops the
+        pages' and the states' contents); every request must have ended."""
+        self.pool.forget_cached()
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.forget()
+
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""
         for manager in self.managers:

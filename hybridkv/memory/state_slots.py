@@ -105,6 +105,11 @@ class StateCheckpoints:
         self._free.extend(self._pending.values())
         self._pending.clear()
 
+    def forget(self) -> None:
+        """Drop every kept checkpoint (their slots' states are about to go: `LLMEngine.sleep`)."""
+        self._free.extend(self._kept.values())
+        self._kept.clear()
+
     def check_integrity(self) -> None:
         """Every checkpoint slot is free, kept or pending, once."""
         slots = [*self._free, *self._kept.values(), *self._pending.values()]

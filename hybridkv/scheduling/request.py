@@ -7,6 +7,7 @@ import enum
 from collections.abc import Sequence
 from typing import Any
 
+from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.kv_request import KVRequest
 from hybridkv.scheduling.sampling_params import SamplingParams
 
@@ -118,11 +119,11 @@ class SampleGroup:
 
     __slots__ = ("beam", "members", "request_id")
 
-    def __init__(self, request_id: str, members: list[Request]) -> None:
+    def __init__(self, request_id: str, members: list[Request], first_index: int = 0) -> None:
         self.request_id = request_id
         self.members = members
         self.beam = None  # a BeamSearch (hybridkv/sampling/beam_search.py) when the group is a beam search
-        for index, member in enumerate(members):
+        for index, member in enumerate(members, start=first_index):
             member.group = self
             member.sample_index = index
 
@@ -143,6 +144,17 @@ class SampleGroup:
             for i in range(count)
         ]
         return cls(request_id, members)
+
+    def parts(self, max_seats: int) -> list[SampleGroup]:
+        """The group itself, or, with more samples than `max_seats` (max_num_seqs), groups of at most that many and
+        of near-equal sizes, in order, the samples keeping their indices. Each part's leader computes the prompt (a
+        prefix-cache hit after the first, where caching is on); the parts queue as requests of their own and run as
+        seats free (vLLM runs every sample as a request of its own)."""
+        count = len(self.members)
+        if count <= max_seats:
+            return [self]
+        size = cdiv(count, cdiv(count, max_seats))
+        return [SampleGroup(self.request_id, self.members[i : i + size], first_index=i) for i in range(0, count, size)]
 
     @property
     def leader(self) -> Request:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,9 @@ from hybridkv.scheduling.validation import check_bool, check_float, check_int, i
 # float32 (temperature=1e-40 gave NaN probabilities, and always token 0).
 GREEDY_TEMPERATURE = 1e-5
 LOGIT_BIAS_LIMIT = 100.0  # vLLM's and OpenAI's bound on one token's bias
+# vLLM's bound on the samples of one request (its VLLM_MAX_N_SEQUENCES, read when a SamplingParams is checked): what
+# one request may queue, however many run at once.
+MAX_N_SEQUENCES = 16384
 _FLOAT_SETTINGS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_SETTINGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculative")
 # The generation-config fields vLLM takes as a model's default sampling settings (`generation_config="auto"`), with
@@ -120,6 +124,11 @@ class SamplingParams:
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (
+                self.n <= (limit := max_n_sequences()) and self.num_samples <= limit,
+                f"{'n' if self.n > limit else 'best_of'} must be at most {limit} (samples of one request: vLLM's "
+                f"VLLM_MAX_N_SEQUENCES), got {max(self.n, self.num_samples)}; ask for fewer, or send several requests",
+            ),
+            (
                 self.best_of is None or self.best_of >= self.n,
                 f"best_of must be >= n={self.n} (the n best of best_of samples are returned), got {self.best_of}",
             ),
@@ -213,6 +222,11 @@ def _stop_strings(stop: object) -> list[str]:
     if not all(strings):
         raise ValueError("stop strings must be non-empty")
     return strings
+
+
+def max_n_sequences() -> int:
+    """The most samples one request may have: VLLM_MAX_N_SEQUENCES where it is set, as in vLLM, else its default."""
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", MAX_N_SEQUENCES))
 
 
 def _stop_token_ids(token_ids: object) -> list[int]:
