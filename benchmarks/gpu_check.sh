@@ -27,7 +27,9 @@
 # Other parts: "speculative" (issue 50: tests/test_speculative.py on the device and benchmarks/speculative.py --device
 # cuda, which trains its copy model first, about a minute), "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
 # benchmarks/host_profile.py --every-step), "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
-# (benchmarks/compile_startup.py, issue 46). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
+# (benchmarks/compile_startup.py, issue 46), "rl" (issue 51: benchmarks/rl_rollouts.py --device cuda, GRPO's
+# generation time through hybridkv, transformers' continuous batching and generate; needs trl and datasets with
+# their dependencies in .whl/: `pip download trl -d .whl`). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
@@ -71,6 +73,7 @@ for part in $parts; do
     speculative) run_part speculative "${SPECULATIVE_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m \
         pytest -q -p no:cacheprovider -n 4 tests/test_speculative.py && python3 benchmarks/speculative.py --device cuda \
         --cache /tmp/hybridkv-bench --rounds 3" ;;
+    rl) run_part rl "${RL_SECONDS:-150}" python3 benchmarks/rl_rollouts.py --device cuda --prompts 16 --new 128 ;;
     attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-240}" python3 benchmarks/throughput_gpu.py $throughput_args ;;
