@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import queue
 import threading
 import uuid
@@ -191,6 +192,23 @@ class AsyncLLMEngine:
         future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         self._post(("call", self.llm.stats, future))
         return future.result(timeout)
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's `AsyncLLM.sleep`: `LLMEngine.sleep`, by the engine thread between two steps (the same errors)."""
+        await self._between_steps(functools.partial(self.llm.sleep, level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `AsyncLLM.wake_up`: `LLMEngine.wake_up`, by the engine thread between two steps."""
+        await self._between_steps(functools.partial(self.llm.wake_up, tags))
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's `AsyncLLM.is_sleeping`."""
+        return await self._between_steps(self.llm.is_sleeping)
+
+    async def _between_steps(self, function: Callable[[], Any]) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._post(("call", function, future))
+        return await asyncio.wrap_future(future)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort every request, stop the thread and wait for it (idempotent)."""

@@ -207,3 +207,24 @@ def test_chat_renders_the_tokenizers_template_once_without_a_second_bos(patched)
     finally:
         tokenizer.chat_template = None
     assert hybridkv.is_patched(model)
+
+
+def test_the_async_engine_sleeps_and_wakes_between_steps_with_vllms_coroutines(gemma3, served):
+    _, batch, expected = gemma3
+
+    async def run():
+        assert await served.submit(batch[0], GREEDY) is not None
+        await served.sleep()
+        assert await served.is_sleeping()
+        with pytest.raises(RuntimeError, match=r"asleep.*wake_up\(\)"):
+            served.submit(batch[0], GREEDY)
+        await served.wake_up()
+        assert not await served.is_sleeping()
+        return (await served.submit(batch[0], GREEDY)).outputs[0].token_ids
+
+    assert asyncio.run(run()) == expected[0]
+    held = served.submit(batch[1], SamplingParams(max_tokens=200, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        asyncio.run(served.sleep())
+    held.abort()
+    assert blocks_in_use_reaches_zero(served)

@@ -142,3 +142,49 @@ def test_the_rollout_func_patches_the_trainers_model_itself_and_returns_trls_sha
         assert 1 <= len(completion) == len(logprobs) <= NEW
         assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
     hybridkv.unpatch(policy)
+
+
+class FollowsTheAdapter(TrainerCallback):
+    """`FollowsTheWeights` for a PEFT model the trainer made: the engine and the model are read when a step ends."""
+
+    def __init__(self, rollouts, prompt):
+        self.rollouts, self.prompt, self.keys = rollouts, prompt, []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        llm = self.rollouts.llm
+        greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        ours = llm.generate([self.prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+        assert ours == hf_greedy(model, self.prompt), f"step {state.global_step}: a stale rollout"
+        self.keys.append(llm.coordinator.model_key)
+
+
+def test_lora_training_through_trls_peft_config_is_followed(tmp_path, monkeypatch):
+    """TRL wraps the policy in a PEFT model (its `peft_config`) and trains the adapter's weights only; the rollout
+    function patches that model, and after each step its greedy rollout is the adapted model's `generate`."""
+    from peft import LoraConfig
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    policy = tiny_model("llama", vocab_size=len(tokenizer))
+    rollouts = trl_rollout_func(block_size=8, max_model_len=128)
+    check = FollowsTheAdapter(rollouts, tokenizer(PROMPTS[1])["input_ids"])
+    config = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=NEW,
+        max_steps=3, learning_rate=0.05, report_to="none", use_cpu=True, save_strategy="no", seed=0, bf16=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=distinct_characters,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+        callbacks=[check],
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    assert len(check.keys) == 3 and len(set(check.keys)) == 3
+    lora = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
+    assert lora and any(p.abs().sum() > 0 for p in lora)  # the adapter trained (lora_B starts at zero)
+    hybridkv.unpatch(trainer.accelerator.unwrap_model(trainer.model))
