@@ -54,7 +54,7 @@ class FollowsTheWeights(TrainerCallback):
         self.checked += 1
 
 
-def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3):
+def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, **trainer_args):
     config = GRPOConfig(
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
@@ -81,6 +81,7 @@ def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3):
         processing_class=tokenizer,
         rollout_func=rollouts,
         callbacks=list(callbacks),
+        **trainer_args,
     )
     trainer.train()
     return trainer
@@ -169,21 +170,8 @@ def test_lora_training_through_trls_peft_config_is_followed(tmp_path, monkeypatc
     policy = tiny_model("llama", vocab_size=len(tokenizer))
     rollouts = trl_rollout_func(block_size=8, max_model_len=128)
     check = FollowsTheAdapter(rollouts, tokenizer(PROMPTS[1])["input_ids"])
-    config = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=NEW,
-        max_steps=3, learning_rate=0.05, report_to="none", use_cpu=True, save_strategy="no", seed=0, bf16=False,
-    )  # fmt: skip
-    trainer = GRPOTrainer(
-        model=policy,
-        reward_funcs=distinct_characters,
-        args=config,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
-        rollout_func=rollouts,
-        callbacks=[check],
-        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
-    )
-    trainer.train()
+    lora_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    trainer = grpo(tmp_path, policy, tokenizer, rollouts, [check], peft_config=lora_config)
     assert len(check.keys) == 3 and len(set(check.keys)) == 3
     lora = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
     assert lora and any(p.abs().sum() > 0 for p in lora)  # the adapter trained (lora_B starts at zero)
