@@ -69,8 +69,8 @@ def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, **trainer
         seed=0,
         temperature=1.0,
         top_k=20,
-        # GRPOConfig's default, bf16=True over fp32 weights, trains under autocast, and generate (accelerate wraps the
-        # forward) with it; rollouts compute in the weights' dtype, as vLLM's do (README).
+        # GRPOConfig's default, bf16=True over fp32 weights, runs the forward under autocast (accelerate wraps it):
+        # generate's attention in bf16, hybridkv's in its fp32 pages, and bf16 flips near-tied greedy tokens (README).
         bf16=False,
     )
     trainer = GRPOTrainer(
