@@ -54,8 +54,9 @@ class FollowsTheWeights(TrainerCallback):
         self.checked += 1
 
 
-def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, **trainer_args):
+def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, config_args=None, **trainer_args):
     config = GRPOConfig(
+        **(config_args or {}),
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
         num_generations=4,
@@ -160,8 +161,9 @@ class FollowsTheAdapter(TrainerCallback):
 
 
 def test_lora_training_through_trls_peft_config_is_followed(tmp_path, monkeypatch):
-    """TRL wraps the policy in a PEFT model (its `peft_config`) and trains the adapter's weights only; the rollout
-    function patches that model, and after each step its greedy rollout is the adapted model's `generate`."""
+    """TRL wraps the policy in a PEFT model (its `peft_config`) and trains the adapter's weights only, here with
+    gradient accumulation; the rollout function patches that model, and after each optimizer step its greedy rollout
+    is the adapted model's `generate`."""
     from peft import LoraConfig
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -171,7 +173,8 @@ def test_lora_training_through_trls_peft_config_is_followed(tmp_path, monkeypatc
     rollouts = trl_rollout_func(block_size=8, max_model_len=128)
     check = FollowsTheAdapter(rollouts, tokenizer(PROMPTS[1])["input_ids"])
     lora_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    trainer = grpo(tmp_path, policy, tokenizer, rollouts, [check], peft_config=lora_config)
+    accumulate = {"gradient_accumulation_steps": 2}  # a generation batch of 16 rows, an optimizer step every 2
+    trainer = grpo(tmp_path, policy, tokenizer, rollouts, [check], config_args=accumulate, peft_config=lora_config)
     assert len(check.keys) == 3 and len(set(check.keys)) == 3
     lora = [p for name, p in trainer.model.named_parameters() if "lora_B" in name]
     assert lora and any(p.abs().sum() > 0 for p in lora)  # the adapter trained (lora_B starts at zero)
