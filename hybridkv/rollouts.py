@@ -62,8 +62,7 @@ class TRLRollouts:
         prompt_ids = self.tokenize(prompts, trainer)
         runs = _runs(prompt_ids)
         params = self.sampling_params(trainer)
-        if llm.is_sleeping():
-            llm.wake_up()
+        llm.wake_up()  # after sleep=True's last batch (nothing to do when awake)
         try:
             outputs = llm.generate(
                 [{"prompt_token_ids": ids} for ids, _ in runs],

@@ -126,9 +126,7 @@ class LLMEngine(RunLoops, EngineStats):
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._depth = 0  # engine calls under way in the owning thread (they nest)
-        self._training_modules: list[torch.nn.Module] = []
-        # While asleep (`sleep`): the bytes given back, and whether decode graphs were captured before.
-        self._sleeping: tuple[int, bool] | None = None  # switched to eval for the call under way (`_begin_call`)
+        self._training_modules: list[torch.nn.Module] = []  # switched to eval for the call under way (`_begin_call`)
         self._closed = False
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -421,7 +419,7 @@ class LLMEngine(RunLoops, EngineStats):
         A dict prompt with images has them through the vision tower here (hybridkv/execution/multimodal.py), after the
         model is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
         key; a request whose images another model encoded is refused when it is queued)."""
-        if self._sleeping is not None:
+        if self.runner.asleep:
             raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
         if params is None:
             params = self.get_default_sampling_params()
@@ -650,7 +648,7 @@ class LLMEngine(RunLoops, EngineStats):
         error names the fix); a sleeping engine refuses new requests, `is_sleeping()` says so."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2 (vLLM's sleep levels), got {level!r}")
-        if self._sleeping is not None:
+        if self.runner.asleep:
             return
         if self.outputs.states:
             raise RuntimeError(
@@ -662,8 +660,7 @@ class LLMEngine(RunLoops, EngineStats):
         self.coordinator.forget_cached()
         if self.images is not None:
             self.images.clear()
-        captured = self.runner.graphs is not None
-        self._sleeping = (self.runner.sleep(), captured)
+        self.runner.sleep()
 
     @exclusive
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -676,15 +673,12 @@ class LLMEngine(RunLoops, EngineStats):
                 raise ValueError(f"wake_up tags are vLLM's 'weights' and 'kv_cache', got {sorted(unknown)}")
             if "kv_cache" not in tags:
                 return
-        if self._sleeping is None:
-            return
-        _, captured = self._sleeping
-        self.runner.wake_up(capture=captured)
-        self._sleeping = None
+        if self.runner.asleep:
+            self.runner.wake_up()
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether `sleep` gave the pages back (and no `wake_up` has taken them again)."""
-        return self._sleeping is not None
+        return self.runner.asleep
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would

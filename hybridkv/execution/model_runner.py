@@ -147,8 +147,10 @@ class ModelRunner:
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
         self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
-        # While the engine sleeps: the tensors whose storages `sleep` emptied, with their sizes.
+        # While the engine sleeps: the tensors whose storages `sleep` emptied, with their sizes; and whether it had
+        # captured decode graphs (`wake_up` captures them again).
         self._asleep: list[tuple[torch.Tensor, int]] = []
+        self._capture_on_wake = False
 
     def _step_buffers(self, backend: str | None, max_num_tokens: int) -> dict[torch.device, StepBuffers]:
         """The step's tensors on every device that computes a layer or takes the inputs, each holding the largest
@@ -250,32 +252,34 @@ class ModelRunner:
         else:
             self.graphs, self.graph_error = graphs, None
 
-    def sleep(self) -> int:
+    def sleep(self) -> None:
         """Give back the device memory of the pages, the state slots and the captured graphs (`LLMEngine.sleep`):
         each storage is emptied in place, so the tensors, and the views of them every layer and the step caches hold,
-        stay, and `wake_up` fills them again. Returns the bytes given back."""
+        stay, and `wake_up` fills them again."""
+        self._capture_on_wake = self.graphs is not None
         self.graphs = None
         held = list(self._pages.values())
         if self.state_pool is not None:
             held += [t for layer_idx in self.state_pool.conv for t in self.state_pool.tensors(layer_idx)]
-        released = 0
         for tensor in held:
             storage = tensor.untyped_storage()
             self._asleep.append((tensor, storage.nbytes()))
-            released += storage.nbytes()
             storage.resize_(0)
         if any(device.type == "cuda" for device in self.devices):
             torch.cuda.empty_cache()  # to the device, for another process too (vLLM's sleep frees it so)
-        return released
 
-    def wake_up(self, capture: bool) -> None:
-        """Allocate again what `sleep` gave back, zeroed as at patch time (a new address: the decode graphs are
-        captured again where `capture`)."""
+    @property
+    def asleep(self) -> bool:
+        return bool(self._asleep)
+
+    def wake_up(self) -> None:
+        """Allocate again what `sleep` gave back, zeroed as at patch time, and capture the decode graphs again where
+        there were some (the storages have new addresses)."""
         for tensor, nbytes in self._asleep:
             tensor.untyped_storage().resize_(nbytes)
             tensor.zero_()
         self._asleep = []
-        if capture:
+        if self._capture_on_wake:
             self.capture_graphs()
 
     def close(self) -> None:
@@ -289,6 +293,7 @@ class ModelRunner:
         self.context.metadata = []
         self.context.deferred.clear()
         self._pages = {}
+        self._asleep = []
         self._swap_pages = {}
         self._swap_states = None
         self.graphs = None
