@@ -30,7 +30,7 @@ from tiny_tokenizer import tiny_tokenizer
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # Full attention, sliding windows, KV-sharing layers, Gated DeltaNet, Mamba2 and short-convolution state layers.
-KINDS = ["llama", "gemma3_text", "gemma3n_text", "qwen3_next", "bamba", "lfm2"]
+KINDS = ["llama", "gemma3_text", "gemma3n_text", "qwen3_next", "bamba", "lfm2", "deepseek_v3", "minicpm3"]
 
 
 def use_oracle(llm, batch, references, k=4):
@@ -81,7 +81,7 @@ def test_greedy_tokens_are_generates_in_every_mode(name, patched):
         hybridkv.unpatch(model)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "bamba"])
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "bamba", "deepseek_v3"])
 def test_ngram_and_draft_model_proposers_give_generates_tokens(name, patched):
     """Both proposers through `patch`: n-gram lookup (random weights rarely repeat: few kept), a draft that is a copy
     of the model (every proposal kept) and, for Llama, a draft of its first layer only (some kept)."""
@@ -246,8 +246,8 @@ def test_settings_are_checked_naming_the_fix(patched):
         assert not hybridkv.is_patched(model)
     with pytest.raises(ValueError, match="async_scheduling=False"):
         hybridkv.patch(model, block_size=8, max_model_len=256, speculative_config=NGRAM, async_scheduling=True)
-    with pytest.raises(ValueError, match=r"latent attention.*without speculative_config"):
-        hybridkv.patch(LATENT["deepseek_v3"](), block_size=8, max_model_len=256, speculative_config=NGRAM)
+    with pytest.raises(ValueError, match=r"latent attention.*state layers or windows.*without speculative_config"):
+        hybridkv.patch(LATENT["kimi_linear"](), block_size=8, max_model_len=256, speculative_config=NGRAM)
     other_vocab = ZOO["llama"]()
     other_vocab.resize_token_embeddings(300)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -269,10 +269,16 @@ class LLMEngine(RunLoops, EngineStats):
         speculative = config.speculative_config
         if speculative is None:
             return None
-        if layout.latent:
+        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way); a window
+        # could have moved a block the kept tokens still need, and a state cannot be rolled back.
+        stores_proposals = not layout.states and all(
+            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
+        )
+        if layout.latent and not stores_proposals:
             raise ValueError(
-                "speculative_config: latent attention layers read a step's own rows from their pages, which a proposal "
-                "does not write; patch this model without speculative_config"
+                "speculative_config: latent attention layers read a step's own rows back from their pages, and a "
+                "proposal's row is stored there only on a model whose layers are all full attention (this one has "
+                "state layers or windows); patch this model without speculative_config"
             )
         if self.tp is not None:
             raise ValueError("speculative_config is not supported for a tensor-parallel model; patch without it")
@@ -306,11 +312,7 @@ class LLMEngine(RunLoops, EngineStats):
 
         speculator = Speculator(speculative, draft_engine)
         self.scheduler.speculative = True
-        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way); a window
-        # could have moved a block the kept tokens still need, and a state cannot be rolled back.
-        self.scheduler.stores_proposals = not layout.states and all(
-            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
-        )
+        self.scheduler.stores_proposals = stores_proposals
         return speculator
 
     def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:

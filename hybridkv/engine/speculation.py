@@ -21,10 +21,10 @@ token by token, so a stop inside a kept run ends the request there), and the nex
 unseen tokens: a kept proposal is computed twice, once as a proposal and once kept. That costs rows, not forwards,
 and is what lets every layer kind stay exact without snapshots of states or windows.
 
-On a model of full-attention groups only (`Scheduler.stores_proposals`, vLLM's way) the proposals' rows store their
-K/V into blocks allocated for them, and a kept proposal's stays: `finish` counts it computed, and a step is the last
-token and the proposals. A rejected proposal's K/V lies past the computed tokens and is overwritten before its block
-can fill and be hashed.
+On a model of full-attention groups only (`Scheduler.stores_proposals`, vLLM's way) the proposals' rows store their K/V
+into blocks allocated for them, and a kept proposal's stays: `finish` counts it computed, and a step is the last token
+and the proposals. Latent attention is served this way only (it reads a step's rows back from the pages). A rejected
+proposal's K/V lies past the computed tokens and is overwritten before its block can fill and be hashed.
 
 What trying costs is bounded: a request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps
 (at most `MAX_SKIPS`), and one kept proposal ends the backoff.
