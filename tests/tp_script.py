@@ -81,8 +81,31 @@ def main() -> None:
         seen["after_fault"] = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         return seen["after_fault"]
 
+    def speculative(llm):
+        """Proposals of the reference continuation, one of each 4 spoiled at a place that moves: every number of
+        kept tokens, checked in steps the workers run as rank 0 plans them."""
+        continuation = {tuple(p): expected for p, expected in zip(prompts, seen["generate"], strict=True)}
+
+        def propose(requests):
+            for request in requests:
+                if request.num_output_tokens < 1 or request.status.is_finished:
+                    continue
+                expected = continuation[tuple(request.token_ids[: request.num_prompt_tokens])]
+                proposal = list(expected[request.num_output_tokens : request.num_output_tokens + 4])
+                spoiled = len(request.token_ids) * 7 % 6
+                if spoiled < len(proposal):
+                    proposal[spoiled] = (proposal[spoiled] + 1) % 256
+                request.spec_token_ids = proposal
+
+        llm.speculator.propose = propose
+        result = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        seen["spec_num_accepted_tokens"] = llm.stats()["spec_num_accepted_tokens"]
+        return result
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     scenarios = [
         ("default", default, {}),
+        ("speculative", speculative, dict(speculative_config=ngram)),
         ("chunked_cached", chunked_and_cached, dict(max_num_batched_tokens=24)),
         ("tiny_pool", tiny_pool, dict(tiny, num_blocks=tiny_blocks)),
         ("tiny_pool_swap", tiny_pool, dict(tiny, num_blocks=tiny_blocks, preemption_mode="swap", swap_space=1 / 1024)),

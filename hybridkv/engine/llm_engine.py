@@ -280,8 +280,6 @@ class LLMEngine(RunLoops, EngineStats):
                 "proposal's row is stored there only on a model whose layers are all full attention (this one has "
                 "state layers or windows); patch this model without speculative_config"
             )
-        if self.tp is not None:
-            raise ValueError("speculative_config is not supported for a tensor-parallel model; patch without it")
         if config.async_scheduling:
             raise ValueError(
                 "speculative_config needs each step's kept tokens before the next is planned: patch with "
@@ -310,7 +308,9 @@ class LLMEngine(RunLoops, EngineStats):
             attention.install(draft)
             return engine
 
-        speculator = Speculator(speculative, draft_engine)
+        # Under tensor parallelism the driver proposes and checks; a worker runs the rows it is sent (no draft).
+        worker = self.tp is not None and not self.tp.driver
+        speculator = Speculator(speculative, None if worker else draft_engine)
         self.scheduler.speculative = True
         self.scheduler.stores_proposals = stores_proposals
         return speculator

@@ -61,7 +61,7 @@ class Speculator:
         self.config = config
         self.k = config.num_speculative_tokens
         self.draft = None
-        if config.method == "draft_model":
+        if config.method == "draft_model" and draft_engine is not None:  # None: a tensor-parallel worker's
             self.draft = draft_engine(config.model)
         self.num_drafts = 0
         self.num_draft_tokens = 0
