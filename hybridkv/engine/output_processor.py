@@ -43,10 +43,13 @@ class RequestState:
     """One user request: its samples (a SampleGroup, or several `parts` when it has more than max_num_seqs:
     `SampleGroup.parts`; `group` is the first) and the output record the engine hands out."""
 
-    group: SampleGroup
+    parts: list[SampleGroup]
     samples: list[SampleState]
     output: RequestOutput
-    parts: list[SampleGroup]
+
+    @property
+    def group(self) -> SampleGroup:
+        return self.parts[0]
 
     @property
     def members(self) -> list[Request]:
@@ -113,7 +116,7 @@ class OutputProcessor:
             finished=False,
             metrics=metrics,
         )
-        state = RequestState(group, samples, output, parts)
+        state = RequestState(parts, samples, output)
         for sample in samples:
             sample.state = state
         self.states[group.request_id] = state
