@@ -209,6 +209,25 @@ def test_short_chunks_attended_row_by_row_over_rows_stored_first(cache_dtype, wi
         assert torch.equal(fused_page.view(torch.uint8), plain_page.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_alone_are_stored_by_the_kernel_before_any_row_reads(cache_dtype):
+    """A step of short chunks and decode rows only: the decode kernel stores every row first, then attends (no
+    separate write). The rows' slots hold NaN before the call, so a row read before its store would poison the
+    output; the output is the gathered path's and the pages end as a separate store leaves them."""
+    batch = make_paged_batch([3, 1, SHORT_CHUNK_ROWS], [40, 19, 70], cache_dtype=cache_dtype)
+    options = {"scale": 0.125, "key": batch.step_keys, "value": batch.step_values}
+    caches = (batch.key_cache, batch.value_cache, batch.metadata)
+    expected = attend(batch.query, *caches, **options)  # gathered, the rows read in flight, nothing stored
+    expected_pages = (batch.key_cache.clone(), batch.value_cache.clone())
+    store_kv(torch.full_like(batch.step_keys, float("nan")), torch.full_like(batch.step_values, float("nan")), *caches)
+    out = attend(batch.query, *caches, store=True, **options)
+    plan = torch_plan(batch.metadata, None, None, True, short_chunks=True)
+    assert plan.stores_first and not plan.sequences
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for page, expected_page in zip((batch.key_cache, batch.value_cache), expected_pages, strict=True):
+        assert torch.equal(page.view(torch.uint8), expected_page.view(torch.uint8))
+
+
 def test_short_chunks_whose_rows_have_no_slot_are_gathered():
     """The step's rows on the null block (slot -1: nothing to read back) keep the gathered path, bit for bit."""
     outputs = []

@@ -5,7 +5,8 @@
    table, converted to fp32 where the page holds another dtype, and folded into an online softmax
    (running max, running sum, output accumulator per q head). The last position is read from the
    step's own rows when they are given (in flight: not stored yet), and with `store_slots` the item then
-   stores them into their slot (slot -1: not stored). Items run in parallel on torch's
+   stores them into their slot (slot -1: not stored). With `store_first` every row is stored before any is
+   read instead (the rows of a short chunk read the chunk's earlier keys from the pages). Items run in parallel on torch's
    OpenMP pool (the library loads torch's libgomp, so no second pool spins beside it).
 
    The loops are vectorizable without -ffast-math: independent lanes, fixed reduction trees, exp as a
@@ -294,6 +295,24 @@ static inline int64_t block_run(const Pages *keys, const Pages *values, const in
     return block_end < end ? block_end : end;
 }
 
+/* One kv head of the step's row `row` into its slot `store_slots[row]` (none where it is -1). */
+static void store_row(const Pages *keys, const Pages *values, const char *key_rows, const char *value_rows,
+                      int64_t key_row_stride, int64_t key_row_head_stride, int64_t value_row_stride,
+                      int64_t value_row_head_stride, const int64_t *store_slots, int64_t row, int kv_head,
+                      int block_size, int key_bytes, int value_bytes, int element_size) {
+    const int64_t slot = store_slots[row];
+    if (slot < 0) return;
+    const int64_t block = slot / block_size, offset = slot - block * block_size;
+    memcpy((char *)keys->data +
+               (block * keys->block_stride + offset * keys->token_stride + kv_head * keys->head_stride) * element_size,
+           key_rows + (row * key_row_stride + kv_head * key_row_head_stride) * element_size, (size_t)key_bytes);
+    memcpy((char *)values->data +
+               (block * values->block_stride + offset * values->token_stride + kv_head * values->head_stride) *
+                   element_size,
+           value_rows + (row * value_row_stride + kv_head * value_row_head_stride) * element_size,
+           (size_t)value_bytes);
+}
+
 /* Returns 0, or 1 if a GQA group's rows are too large for the stack buffers (the caller takes the torch
    path). */
 int hybridkv_paged_decode(
@@ -306,7 +325,7 @@ int hybridkv_paged_decode(
     const int32_t *block_table, int64_t table_width,
     const char *key_rows, int64_t key_row_stride, int64_t key_row_head_stride,
     const char *value_rows, int64_t value_row_stride, int64_t value_row_head_stride,
-    const int64_t *store_slots, int format, int element_size, const float *lut,
+    const int64_t *store_slots, int store_first, int format, int element_size, const float *lut,
     int num_q_heads, int num_kv_heads, int head_dim, int value_dim, int block_size,
     float scale, float v_scale, float softcap, const float *sinks, int num_threads, int64_t work) {
     const int group = num_q_heads / num_kv_heads;
@@ -327,6 +346,14 @@ int hybridkv_paged_decode(
         longest = keys > longest ? keys : longest;
     }
     const int64_t chunk = longest * 2 * num_threads <= total_keys ? num_kv_heads : 1;
+    if (store_slots && key_rows && store_first) {
+        for (int64_t index = 0; index < num_rows; index++) {
+            for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) store_row(&keys, &values, key_rows, value_rows,
+                key_row_stride, key_row_head_stride, value_row_stride, value_row_head_stride, store_slots, rows[index],
+                kv_head, block_size, key_bytes, value_bytes, element_size);
+        }
+        store_slots = NULL;
+    }
 #pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (parallel)
     for (int64_t item = 0; item < num_items; item++) {
         const int64_t index = item / num_kv_heads;
@@ -401,18 +428,10 @@ int hybridkv_paged_decode(
         }
         /* The row's own K/V into its slot, after this item's reads: no other item reads this head's slot
            (a block a step writes is held by this sequence alone). */
-        if (store_slots && key_rows && store_slots[row] >= 0) {
-            const int64_t slot = store_slots[row], block = slot / block_size, offset = slot - block * block_size;
-            memcpy((char *)keys.data +
-                       (block * keys.block_stride + offset * keys.token_stride + kv_head * keys.head_stride) *
-                           element_size,
-                   key_rows + (row * key_row_stride + kv_head * key_row_head_stride) * element_size,
-                   (size_t)head_dim * element_size);
-            memcpy((char *)values.data + (block * values.block_stride + offset * values.token_stride +
-                                          kv_head * values.head_stride) * element_size,
-                   value_rows + (row * value_row_stride + kv_head * value_row_head_stride) * element_size,
-                   (size_t)value_dim * element_size);
-        }
+        if (store_slots && key_rows)
+            store_row(&keys, &values, key_rows, value_rows, key_row_stride, key_row_head_stride, value_row_stride,
+                      value_row_head_stride, store_slots, row, kv_head, block_size, key_bytes, value_bytes,
+                      element_size);
     }
     return 0;
 }

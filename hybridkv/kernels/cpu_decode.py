@@ -49,7 +49,7 @@ _ARGTYPES = (
     + [_ptr, _c_int64, _c_int64, _c_int64] * 2  # key and value pages
     + [_ptr, _c_int64]  # block table
     + [_ptr, _c_int64, _c_int64] * 2  # the step's own key and value rows (in flight)
-    + [_ptr, _c_int, _c_int, _ptr]  # slots to store the rows at, element format, size, lookup table
+    + [_ptr, _c_int, _c_int, _c_int, _ptr]  # slots to store the rows at, before reading?, element format, size, table
     + [_c_int] * 5  # q heads, kv heads, head dim, value dim, block size
     + [_c_float, _c_float, _c_float, _ptr, _c_int, _c_int64]  # scale, v_scale, softcap, sinks, threads, work
 )
@@ -226,10 +226,11 @@ def paged_decode(
     softcap: float | None,
     sinks: torch.Tensor | None,
     store_slots: torch.Tensor | None = None,
+    store_first: bool = False,
 ) -> None:
     """Attend every listed decode row (for a head shape the kernel ``accepts``); with ``store_slots``
     (int64, a slot per row of the step, -1: none) also store each row's ``key_rows``/``value_rows``
-    into its slot, after reading.
+    into its slot, after reading (with ``store_first``: every row before any is read).
 
     ``decode`` lists the rows, their sequences, first visible positions and lengths. ``query`` is fp32
     ``[rows, q_heads, dim]`` (unscaled), ``out`` fp32 ``[rows, q_heads, value_dim]``; both with a
@@ -254,7 +255,7 @@ def paged_decode(
         block_table.data_ptr(), block_table.stride(0),
         key_rows.data_ptr() if in_flight else None, *(key_rows.stride()[:2] if in_flight else (0, 0)),
         value_rows.data_ptr() if in_flight else None, *(value_rows.stride()[:2] if in_flight else (0, 0)),
-        None if store_slots is None or not in_flight else store_slots.data_ptr(),
+        None if store_slots is None or not in_flight else store_slots.data_ptr(), int(store_first),
         fmt, key_cache.element_size(), None if lut is None else lut.data_ptr(),
         num_q_heads, num_kv_heads, head_dim, value_dim, block_size,
         scale, v_scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(), threads,

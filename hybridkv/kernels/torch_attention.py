@@ -133,15 +133,17 @@ def torch_paged_attention(
     if query.dtype != torch.float32:
         result = _WORKSPACE.get("out", tuple(out.shape), torch.float32, query.device)
     rows = _RowOptions(scale, softcap, sinks, key, value, k_scale, v_scale)
-    stored = False
-    if plan.stores_first:
+    # The decode kernel stores the step's rows where it attends to every row of the step: after reading them, or, for
+    # short chunks (`stores_first`), before (one call instead of a separate write: a short step's attention is mostly
+    # calls). Otherwise they are written here first, or left to the caller.
+    kernel_stores = plan.decode is not None and store and not plan.sequences and key is not None and value is not None
+    stored = kernel_stores
+    if plan.stores_first and not kernel_stores:
         torch_write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, k_scale, v_scale)
         stored = True
     if plan.decode is not None:
-        kernel_stores = not stored and store and not plan.sequences and key is not None and value is not None
-        stored = stored or kernel_stores
         store_slots = metadata.slot_mapping if kernel_stores else None
-        _decode_rows(plan.decode, query, key_cache, value_cache, metadata, result, rows, store_slots)
+        _decode_rows(plan.decode, query, key_cache, value_cache, metadata, result, rows, store_slots, plan.stores_first)
     if plan.sequences:
         _gathered_rows(plan, query[:num_query_tokens], key_cache, value_cache, result, rows)
     if result is not out:
@@ -158,9 +160,10 @@ def _decode_rows(
     result: torch.Tensor,
     options: _RowOptions,
     store_slots: torch.Tensor | None,
+    store_first: bool = False,
 ) -> None:
     """The decode rows through the CPU kernel, straight from the pages, into the fp32 ``result`` (and
-    their own K/V into ``store_slots``, when given)."""
+    their own K/V into ``store_slots``, when given: before any row reads, with ``store_first``)."""
     scale, softcap, sinks, key, value, k_scale, v_scale = options
     key_rows = value_rows = None
     if key is not None and value is not None:
@@ -182,6 +185,7 @@ def _decode_rows(
         softcap,
         sinks,
         store_slots,
+        store_first,
     )
 
 

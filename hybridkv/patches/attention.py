@@ -13,7 +13,8 @@ rows and its index, and finds its pages and the step's metadata in the step that
 (`running_step`, as vLLM's forward context and nano-vllm's `Context` do). The pages (dtype views of one
 uint8 tensor) and the metadata never enter the op's signature, so `torch.compile(model, fullgraph=True)`
 traces a step's forward with no graph break and no copy of a mutated view, and a CUDA graph replays the
-op's kernels over buffers that keep their addresses (hybridkv/kernels/step_buffers.py). What a step passes the
+op's kernels over buffers that keep their addresses (hybridkv/kernels/step_buffers.py). An eager step calls the op's
+function itself (`paged_attention`): the same code, without the dispatcher's cost per layer. What a step passes the
 model (`hybridkv_step`) is the runner's one `StepContext`, the same object every step; which step runs is
 a thread-local, which compiled code reads without a graph break (a `ContextVar` would break the graph).
 
@@ -193,8 +194,10 @@ def hybridkv_attention(
         return _original_attention(module)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    # [1, heads, tokens, dim] -> [tokens, heads, dim]
-    out = torch.ops.hybridkv.paged_attention(
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]. Traced, the opaque op; run eagerly, its function itself (the
+    # op's dispatch costs more than a short step's attention on the CPU: benchmarks/speculative.py).
+    op = torch.ops.hybridkv.paged_attention if torch.compiler.is_compiling() else paged_attention
+    out = op(
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
@@ -207,8 +210,7 @@ def hybridkv_attention(
     return out.unsqueeze(0), None
 
 
-@torch.library.custom_op("hybridkv::paged_attention", mutates_args=())
-def paged_attention_op(
+def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -265,6 +267,10 @@ def paged_attention_op(
         step.deferred[layer_idx] = (key.clone(), value.clone())
     step.store_deferred(layer.stores_after)
     return out
+
+
+# The op compiled code traces (`hybridkv/execution/compilation.py` splits the graph at it); eager steps call the function.
+paged_attention_op = torch.library.custom_op("hybridkv::paged_attention", mutates_args=())(paged_attention)
 
 
 @torch.library.custom_op("hybridkv::store_latent", mutates_args=())
