@@ -388,3 +388,26 @@ def test_a_request_can_turn_speculation_off(patched):
     assert llm.stats()["spec_num_drafts"] > 0
     with pytest.raises(TypeError, match="speculative must be True or False"):
         SamplingParams(speculative=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "deepseek_v3"])
+def test_the_compiled_program_checks_proposals_as_eager_mode_does(name, patched, eager_pieces):
+    """compile=True (its pieces run as traced: `eager_pieces`): the steps that check proposals run through the same
+    program, their rows storing K/V (Llama), storing none (Gemma 3's sliding windows) or storing latents (DeepSeek-V3),
+    beside a chunked prefill; every number of kept proposals occurs, the tokens are generate's and nothing is traced
+    again after patch."""
+    model, batch, references = family(name)
+    llm = patched(
+        model, block_size=8, max_model_len=256, max_num_batched_tokens=32, speculative_config=NGRAM, compile=True
+    )
+    assert llm.stats()["compiled"]
+    use_oracle(llm, batch, references)
+    program, served = llm.runner._forward_fn, []
+    llm.runner._forward_fn = lambda *inputs: served.append(len(inputs[0])) or program(*inputs)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
+    stats = llm.stats()
+    assert len(served) == stats["num_steps"]  # every step, the checks among them, ran the program
+    assert stats["spec_proposals_stored"] == (name != "gemma3_text")
+    assert 0.3 < stats["spec_acceptance_rate"] < 1 and all(stats["spec_accepted_per_position"])
+    assert stats["blocks_in_use"] == 0

@@ -90,6 +90,7 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     assert driver["generate"] == worker["generate"] == expected  # transformers' own TP generate agrees
     assert driver["default"] == expected
     assert driver["speculative"] == expected and driver["spec_num_accepted_tokens"] > 0  # proposals checked on 2 ranks
+    assert driver["draft_model"] == expected and driver["draft_acceptance_rate"] > 0.9  # a draft on rank 0 alone
     assert driver["chunked_cached"] == [expected, expected] and driver["prefix_cache_hits"] > 0
     assert driver["tiny_pool"] == driver["tiny_pool_swap"] == expected
     assert driver["preemptions_recompute"] > 0 and driver["preemptions_swap"] > 0

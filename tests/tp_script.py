@@ -102,10 +102,21 @@ def main() -> None:
         seen["spec_num_accepted_tokens"] = llm.stats()["spec_num_accepted_tokens"]
         return result
 
+    def draft_model(llm):
+        """A draft model's proposals (the checkpoint loaded whole, without the plan: every proposal kept), made on rank
+        0 alone and checked on both ranks."""
+        result = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        stats = llm.stats()
+        seen["draft_acceptance_rate"] = stats["spec_acceptance_rate"]
+        return result
+
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    # Every rank passes the same settings; only rank 0 builds the draft's engine (the workers never propose).
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     scenarios = [
         ("default", default, {}),
         ("speculative", speculative, dict(speculative_config=ngram)),
+        ("draft_model", draft_model, dict(speculative_config={"model": draft, "num_speculative_tokens": 3})),
         ("chunked_cached", chunked_and_cached, dict(max_num_batched_tokens=24)),
         ("tiny_pool", tiny_pool, dict(tiny, num_blocks=tiny_blocks)),
         ("tiny_pool_swap", tiny_pool, dict(tiny, num_blocks=tiny_blocks, preemption_mode="swap", swap_space=1 / 1024)),

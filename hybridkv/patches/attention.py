@@ -269,7 +269,7 @@ def paged_attention(
     return out
 
 
-# The op compiled code traces (`hybridkv/execution/compilation.py` splits the graph at it); eager steps call the function.
+# The op compiled code traces (hybridkv/execution/compilation.py splits the graph at it); eager steps call its function.
 paged_attention_op = torch.library.custom_op("hybridkv::paged_attention", mutates_args=())(paged_attention)
 
 
