@@ -25,7 +25,7 @@
 #               prompts; hybridkv's defaults, async_scheduling=False, transformers' static-cache compiled
 #               generate and its plain generate (the two baselines' bf16 agreement is the yardstick)
 # Other parts: "speculative" (issue 50: tests/test_speculative.py on the device and benchmarks/speculative.py --device
-# cuda, which trains its copy model first, about a minute), "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
+# cuda, which first trains its 12-layer copy model on the device), "hoststacks" (py-spy over the profile's steps without the torch profiler, summarised by
 # benchmarks/host_profile.py --every-step), "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
 # (benchmarks/compile_startup.py, issue 46), "rl" (issue 51: benchmarks/rl_rollouts.py --device cuda, GRPO's
 # generation time through hybridkv, transformers' continuous batching and generate; needs trl and datasets with

@@ -46,24 +46,24 @@ from hybridkv import SamplingParams
 VOCAB, SEP = 512, 1
 
 
-def copy_model(doc: int, steps: int, layers: int, exit_layers: int, cache: str) -> LlamaForCausalLM:
+def copy_model(doc: int, steps: int, layers: int, exit_layers: int, cache: str, device: str) -> LlamaForCausalLM:
     """The Llama trained to copy a document after the separator, with the early exit after `exit_layers` layers trained
-    beside it (trained once, then loaded from `cache`)."""
+    beside it (trained once, on `device`, then loaded from `cache`)."""
     path = os.path.join(cache, f"copy-doc{doc}-steps{steps}-layers{layers}-exit{exit_layers}")
     if os.path.isdir(path):
-        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=4 * doc, tie_word_embeddings=False, bos_token_id=0,
         eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     start = time.perf_counter()
     for step in range(steps):
-        document = torch.randint(2, VOCAB, (32, doc))
-        batch = torch.cat([document, torch.full((32, 1), SEP), document], dim=1)
+        document = torch.randint(2, VOCAB, (32, doc)).to(device)
+        batch = torch.cat([document, torch.full((32, 1), SEP, device=device), document], dim=1)
         output = model(input_ids=batch, labels=batch, output_hidden_states=True)
         # The early exit: what the truncated copy (`truncated`) computes, the first layers, the final norm, the head.
         early = model.lm_head(model.model.norm(output.hidden_states[exit_layers]))
@@ -186,7 +186,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     k, new_tokens = args.k, args.doc - 4
-    model = copy_model(args.doc, args.train_steps, args.layers, args.draft_layers, args.cache).to(args.device)
+    model = copy_model(args.doc, args.train_steps, args.layers, args.draft_layers, args.cache, args.device)
     draft = truncated(model, args.draft_layers)
     draft_hf = truncated(model, args.draft_layers)  # transformers' assistant: its own copy
     draft_hf.generation_config.num_assistant_tokens = k
