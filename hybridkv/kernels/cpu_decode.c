@@ -5,9 +5,9 @@
    table, converted to fp32 where the page holds another dtype, and folded into an online softmax
    (running max, running sum, output accumulator per q head). The last position is read from the
    step's own rows when they are given (in flight: not stored yet), and with `store_slots` the item then
-   stores them into their slot (slot -1: not stored). With `store_first` every row is stored before any is
-   read instead (the rows of a short chunk read the chunk's earlier keys from the pages). Items run in parallel on torch's
-   OpenMP pool (the library loads torch's libgomp, so no second pool spins beside it).
+   stores them into their slot (slot -1: not stored); with `store_first` every row is stored before any is
+   read instead (the rows of a short chunk read the chunk's earlier keys from the pages). Items run in
+   parallel on torch's OpenMP pool (the library loads torch's libgomp, so no second pool spins beside it).
 
    The loops are vectorizable without -ffast-math: independent lanes, fixed reduction trees, exp as a
    polynomial (within 1 ulp of the C library's expf on [-87, 0]). With AVX2 the scores of 8 keys share
@@ -346,12 +346,12 @@ int hybridkv_paged_decode(
         longest = keys > longest ? keys : longest;
     }
     const int64_t chunk = longest * 2 * num_threads <= total_keys ? num_kv_heads : 1;
-    if (store_slots && key_rows && store_first) {
-        for (int64_t index = 0; index < num_rows; index++) {
-            for (int kv_head = 0; kv_head < num_kv_heads; kv_head++) store_row(&keys, &values, key_rows, value_rows,
-                key_row_stride, key_row_head_stride, value_row_stride, value_row_head_stride, store_slots, rows[index],
-                kv_head, block_size, key_bytes, value_bytes, element_size);
-        }
+    if (store_slots && key_rows && store_first) { /* every row stored, then none after its item's reads */
+        for (int64_t index = 0; index < num_rows; index++)
+            for (int kv_head = 0; kv_head < num_kv_heads; kv_head++)
+                store_row(&keys, &values, key_rows, value_rows, key_row_stride, key_row_head_stride, value_row_stride,
+                          value_row_head_stride, store_slots, rows[index], kv_head, block_size, key_bytes,
+                          value_bytes, element_size);
         store_slots = NULL;
     }
 #pragma omp parallel for schedule(dynamic, chunk) num_threads(num_threads) if (parallel)
