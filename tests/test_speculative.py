@@ -411,3 +411,34 @@ def test_the_compiled_program_checks_proposals_as_eager_mode_does(name, patched,
     assert stats["spec_proposals_stored"] == (name != "gemma3_text")
     assert 0.3 < stats["spec_acceptance_rate"] < 1 and all(stats["spec_accepted_per_position"])
     assert stats["blocks_in_use"] == 0
+
+
+def test_failing_proposals_shorten_and_back_off_and_kept_ones_lengthen_again(patched, monkeypatch):
+    """What trying costs is bounded per request. Proposals all wrong: each check that keeps none shortens the next
+    proposals by one (4, 3, 2, 1, 1) and doubles the steps skipped before them (1, 3, 7, 15: at most MAX_SKIPS).
+    Wrong twice, then right: the third check keeps both its proposals and the next ones are k long again (2 + 2).
+    The tokens are generate's either way."""
+    from hybridkv.engine import speculation
+
+    model = ZOO["llama"]()
+    prompt = prompts((20,))[0]
+    expected, _ = hf_greedy(model, prompt, 40)
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
+    for right_from, expected_calls in (
+        (None, [(1, 4), (3, 3), (7, 2), (15, 1), (31, 1)]),
+        (2, [(1, 4), (3, 3), (7, 2), (10, 4)]),
+    ):
+        calls = []
+
+        def proposal(tokens, k, *_, calls=calls, right_from=right_from):
+            """The continuation, each token wrong (+1) until call `right_from` has been made."""
+            done = len(tokens) - len(prompt)
+            calls.append((done, k))
+            right = right_from is not None and len(calls) > right_from
+            return [token if right else (token + 1) % 256 for token in expected[done : done + k]]
+
+        monkeypatch.setattr(speculation, "ngram_proposal", proposal)
+        outputs = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == expected
+        assert calls[: len(expected_calls)] == expected_calls
+    assert llm.stats()["spec_skipped_steps"] > 0

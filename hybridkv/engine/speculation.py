@@ -26,8 +26,10 @@ into blocks allocated for them, and a kept proposal's stays: `finish` counts it 
 and the proposals. Latent attention is served this way only (it reads a step's rows back from the pages). A rejected
 proposal's K/V lies past the computed tokens and is overwritten before its block can fill and be hashed.
 
-What trying costs is bounded: a request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps
-(at most `MAX_SKIPS`), and one kept proposal ends the backoff.
+What trying costs is bounded, per request: its proposals shorten by one after each check that did not keep them all
+and lengthen by two (up to k) after one that did (transformers' "heuristic" schedule for `assistant_model`), and a
+request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps (at most `MAX_SKIPS`); one kept
+proposal ends the backoff.
 
 The draft model runs in an engine of its own (its own pages, prefix caching on): each round asks it for k greedy tokens
 after each request's tokens, which its prefix cache mostly holds already.
@@ -99,7 +101,9 @@ class Speculator:
                 self.num_skipped += 1
                 continue
             max_tokens = request.params.max_tokens
-            k = self.k if max_tokens is None else min(self.k, max_tokens - request.num_output_tokens - 1)
+            k = request.spec_length or self.k
+            if max_tokens is not None:
+                k = min(k, max_tokens - request.num_output_tokens - 1)
             if k > 0:
                 wanted.append((request, k))
         if self.draft is None:
@@ -156,8 +160,11 @@ class Speculator:
                 entries = [token_logprobs(raw[i], token, wanted) for i, token in enumerate(tokens)]
             kept[request] = list(zip(tokens, entries, strict=True))
             accepted = len(tokens) - 1
-            # Backoff: after n checks in a row that kept nothing, the request skips 2^n - 1 steps (at most
-            # MAX_SKIPS) before its next proposals; one kept proposal ends it.
+            # The next proposals' length: one less after a check that kept not all of them, two more (up to k) after
+            # one that kept them all. Backoff: after n checks in a row that kept nothing, the request skips 2^n - 1
+            # steps (at most MAX_SKIPS) before its next proposals; one kept proposal ends it.
+            length = request.spec_length or self.k
+            request.spec_length = min(self.k, length + 2) if accepted == count else max(1, length - 1)
             request.spec_misses = 0 if accepted else request.spec_misses + 1
             request.spec_skips = min(2**request.spec_misses - 1, MAX_SKIPS)
             self.num_drafts += 1

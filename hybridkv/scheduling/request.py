@@ -45,6 +45,7 @@ class Request(KVRequest):
         "sample_index",
         "sample_state",
         "sampling_row",
+        "spec_length",
         "spec_misses",
         "spec_skips",
         "spec_token_ids",
@@ -90,7 +91,9 @@ class Request(KVRequest):
         # at a step (set when it is added), and the tokens proposed for its next step.
         self.speculates = False
         self.spec_token_ids: list[int] = []
-        # Its checks in a row that kept no proposal, and the steps it still skips proposing for (a backoff).
+        # How many tokens it is proposed at most (0: num_speculative_tokens, until its first check), its checks in a
+        # row that kept no proposal, and the steps it still skips proposing for (a backoff).
+        self.spec_length = 0
         self.spec_misses = 0
         self.spec_skips = 0
 
