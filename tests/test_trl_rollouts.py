@@ -5,6 +5,8 @@ transformers' `generate` with the updated weights (the engine follows them; noth
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -134,7 +136,7 @@ def test_the_rollout_func_patches_the_trainers_model_itself_and_returns_trls_sha
         return out
 
     monkeypatch.setattr(TRLRollouts, "__call__", recording)
-    grpo(tmp_path, policy, tokenizer, rollouts, steps=1)
+    trainer = grpo(tmp_path, policy, tokenizer, rollouts, steps=1)
     assert hybridkv.is_patched(policy) and rollouts.llm is not None
     assert rollouts.llm.is_sleeping()  # sleep=True: the pages went back after the batch, for the optimizer step
     (prompts, out), *_ = seen
@@ -143,6 +145,9 @@ def test_the_rollout_func_patches_the_trainers_model_itself_and_returns_trls_sha
     for completion, logprobs in zip(out["completion_ids"], out["logprobs"], strict=True):
         assert 1 <= len(completion) == len(logprobs) <= NEW
         assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs)
+    # A TRL without `_tokenize_prompts`: the fallback tokenizes as the trainer's own method does.
+    without_own = SimpleNamespace(processing_class=trainer.processing_class, args=trainer.args)
+    assert TRLRollouts.tokenize(prompts, without_own) == TRLRollouts.tokenize(prompts, trainer)
     hybridkv.unpatch(policy)
 
 
