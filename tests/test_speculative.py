@@ -442,3 +442,27 @@ def test_failing_proposals_shorten_and_back_off_and_kept_ones_lengthen_again(pat
         assert outputs[0].outputs[0].token_ids == expected
         assert calls[: len(expected_calls)] == expected_calls
     assert llm.stats()["spec_skipped_steps"] > 0
+
+
+def test_the_drafts_requests_go_on_from_round_to_round_computing_each_token_once(patched):
+    """A draft of full-attention layers keeps its request from round to round: each round goes on from the tokens the
+    model kept, so the draft computes each position once (a copy of the model keeps every proposal), where adding its
+    request again each round would compute the tail of its last block again too. A request that finishes (or stops
+    speculating) ends its draft's request; the draft's engine ends with nothing running and every block back."""
+    model = ZOO["llama"]()
+    batch = prompts((20, 27))
+    expected = [hf_greedy(model, prompt, 24)[0] for prompt in batch]
+    draft = copy.deepcopy(model)
+    llm = patched(
+        model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 3}
+    )
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=9)]
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == expected[0]
+    assert outputs[1].outputs[0].token_ids == expected[1][:9]
+    assert llm.stats()["spec_acceptance_rate"] == 1.0
+    engine = llm.speculator.draft
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0
+    # Each draft position once: the prompts, the tokens after them, and at most k - 1 proposals past the last check.
+    assert stats["num_forward_tokens"] <= sum(len(p) for p in batch) + 24 + 9 + 2 * 2

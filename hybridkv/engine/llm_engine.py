@@ -116,6 +116,12 @@ class LLMEngine(RunLoops, EngineStats):
         self._wire_memory(memory)
         self._wire_runner(layout, memory, buckets, captures, compiled)
         self._wire_requests(layout)
+        # Whether only full attention holds what a request computed: no state layer (it cannot go back) and no window
+        # or attention chunk (a block behind one may have gone back to the pool). A speculative step's proposals
+        # then store their K/V, and a request can go on from other tokens (`_continue_from`).
+        self.full_attention_only = not layout.states and all(
+            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
+        )
         self.speculator = self._speculator(layout)
         # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
         # the next step reports them.
@@ -269,11 +275,8 @@ class LLMEngine(RunLoops, EngineStats):
         speculative = config.speculative_config
         if speculative is None:
             return None
-        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way); a window
-        # could have moved a block the kept tokens still need, and a state cannot be rolled back.
-        stores_proposals = not layout.states and all(
-            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
-        )
+        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way).
+        stores_proposals = self.full_attention_only
         if layout.latent and not stores_proposals:
             raise ValueError(
                 "speculative_config: latent attention layers read a step's own rows back from their pages, and a "
@@ -562,6 +565,34 @@ class LLMEngine(RunLoops, EngineStats):
         for part in state.parts:
             self.scheduler.finish_group(part, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
+
+    def _continue_from(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """A running request of one sample goes on from `token_ids` instead of its own tokens (a draft model's request
+        between two rounds of speculative decoding, hybridkv/engine/speculation.py): its tokens are cut where the two
+        part and the rest of `token_ids` appended, which its next step computes over the K/V of the tokens they share.
+        Only where full attention alone holds what it computed (`full_attention_only`) and the cut leaves its computed
+        full blocks (which the prefix cache may hold) as they are; False otherwise, changing nothing."""
+        state = self.outputs.states.get(request_id)
+        if not self.full_attention_only or state is None or len(state.members) != 1:
+            return False
+        request = state.members[0]
+        if request.status is not RequestStatus.RUNNING or request.num_pending_tokens:
+            return False
+        own = request.token_ids
+        shared = 0
+        for mine, theirs in zip(own, token_ids, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        block_size = self.config.block_size
+        if shared < request.num_prompt_tokens or shared < request.num_computed_tokens // block_size * block_size:
+            return False
+        del own[shared:]
+        del request.block_hashes[shared // block_size :]
+        request.num_computed_tokens = min(request.num_computed_tokens, shared)
+        request.append_token_ids(token_ids[shared:])
+        request.sample_state.completion.token_ids[:] = request.output_token_ids
+        return True
 
     def _release_stream(self, request_id: str) -> None:
         """A stream was closed or dropped before its request finished: abort the request now if no engine

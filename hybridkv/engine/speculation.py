@@ -31,12 +31,17 @@ and lengthen by two (up to k) after one that did (transformers' "heuristic" sche
 request whose checks keep nothing n times in a row skips proposing for 2^n - 1 steps (at most `MAX_SKIPS`); one kept
 proposal ends the backoff.
 
-The draft model runs in an engine of its own (its own pages, prefix caching on): each round asks it for k greedy tokens
-after each request's tokens, which its prefix cache mostly holds already.
+The draft model runs in an engine of its own (its own pages, prefix caching on), where each request that speculates has
+a request of its own, kept from round to round while it speculates: a round sets it to go on from the request's
+tokens (`LLMEngine._continue_from`: cut where the two part, the kept tokens appended) and steps the draft's engine
+until it holds k greedy tokens more; the next round computes only what the model kept since. Where the draft's layers
+are not all full attention (a window or a state cannot go back), or the cut would reach into a computed block, the
+draft's request is added again each round, and its prefix cache holds most of what it computed.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,6 +78,13 @@ class Speculator:
         self.num_skipped = 0
         # The requests whose check failed in the last `verify` (a grammar that cannot go on), with the error.
         self.errors: dict[Request, Exception] = {}
+        # Each speculating request's request in the draft's engine (its id), kept from round to round, and the
+        # settings of them all (greedy, to the end of the model's length; a round stops them).
+        self._drafting: dict[Request, str] = {}
+        self._draft_ids = itertools.count()
+        self._draft_params = None
+        if self.draft is not None:
+            self._draft_params = SamplingParams(temperature=0, max_tokens=self.draft.max_model_len, ignore_eos=True)
         self._stored = False
         self._kept: list[tuple[Request, list[tuple[int, SampledLogprobs | None]]]] = []
 
@@ -112,17 +124,46 @@ class Speculator:
                 request.spec_token_ids = ngram_proposal(
                     request.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max
                 )
-        elif wanted:
-            prompts = [list(request.token_ids) for request, _ in wanted]
-            params = [SamplingParams(temperature=0, max_tokens=k) for _, k in wanted]
-            outputs = self.draft.generate(prompts, params, use_tqdm=False)
-            for (request, _), output in zip(wanted, outputs, strict=True):
-                request.spec_token_ids = list(output.outputs[0].token_ids)
+        else:
+            self._draft_round(wanted)
         for request, _ in wanted:  # a grammar keeps the proposals it would accept, in order
             matcher = request.sampling_row.matcher
             if matcher is not None and request.spec_token_ids:
                 del request.spec_token_ids[matcher.valid_prefix(request.spec_token_ids) :]
         self.propose_seconds += time.perf_counter() - start
+
+    def _draft_round(self, wanted: list[tuple[Request, int]]) -> None:
+        """The draft model's proposals (module docstring): the draft's requests of those that do not speculate in this
+        round end; each of `wanted` goes on from its request's tokens (or is added), and the draft's engine steps until
+        each holds its k tokens after them."""
+        draft = self.draft
+        drafting, self._drafting = self._drafting, {}
+        wanting = {request for request, _ in wanted}
+        for request, draft_id in drafting.items():
+            if request not in wanting:
+                draft.abort(draft_id)
+        goals = []
+        for request, k in wanted:
+            context = request.token_ids
+            draft_id = drafting.get(request)
+            if draft_id is None or not draft._continue_from(draft_id, context):
+                if draft_id is not None:
+                    draft.abort(draft_id)
+                draft_id = draft.add_request(f"draft-{next(self._draft_ids)}", list(context), self._draft_params)
+            self._drafting[request] = draft_id
+            own = draft.outputs.states[draft_id].members[0]
+            goals.append((request, own, len(context), len(context) + k))
+        # Each step gives every running draft request a token once it has computed what it was given (in chunks of
+        # max_num_batched_tokens). A request that reached its goal runs on while others catch up; the steps are
+        # bounded, so a draft's engine short of blocks (preempting) ends the round with shorter proposals.
+        pending = sum(len(own.token_ids) - own.num_computed_tokens for _, own, _, _ in goals)
+        steps = self.k + len(goals) + pending // draft.config.max_num_batched_tokens + 1
+        for _ in range(steps):
+            if not any(len(own.token_ids) < goal and not own.status.is_finished for _, own, _, goal in goals):
+                break
+            draft.step()
+        for request, own, start, goal in goals:
+            request.spec_token_ids = own.token_ids[start:goal]
 
     def verify(
         self, plan: SchedulerOutput, logits: torch.Tensor
