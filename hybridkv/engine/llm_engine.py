@@ -566,12 +566,13 @@ class LLMEngine(RunLoops, EngineStats):
             self.scheduler.finish_group(part, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
 
-    def _continue_from(self, request_id: str, token_ids: Sequence[int]) -> bool:
+    def _continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool:
         """A running request of one sample goes on from `token_ids` instead of its own tokens (a draft model's request
         between two rounds of speculative decoding, hybridkv/engine/speculation.py): its tokens are cut where the two
-        part and the rest of `token_ids` appended, which its next step computes over the K/V of the tokens they share.
-        Only where full attention alone holds what it computed (`full_attention_only`) and the cut leaves its computed
-        full blocks (which the prefix cache may hold) as they are; False otherwise, changing nothing."""
+        part (the first `known` are the same, the caller knows) and the rest of `token_ids` appended, which its next
+        step computes over the K/V of the tokens they share. Only where full attention alone holds what it computed
+        (`full_attention_only`) and the cut leaves its computed full blocks (which the prefix cache may hold) as they
+        are; False otherwise, changing nothing."""
         state = self.outputs.states.get(request_id)
         if not self.full_attention_only or state is None or len(state.members) != 1:
             return False
@@ -579,19 +580,19 @@ class LLMEngine(RunLoops, EngineStats):
         if request.status is not RequestStatus.RUNNING or request.num_pending_tokens:
             return False
         own = request.token_ids
-        shared = 0
-        for mine, theirs in zip(own, token_ids, strict=False):
-            if mine != theirs:
-                break
+        shared = min(known, len(own), len(token_ids))
+        while shared < len(own) and shared < len(token_ids) and own[shared] == token_ids[shared]:
             shared += 1
         block_size = self.config.block_size
         if shared < request.num_prompt_tokens or shared < request.num_computed_tokens // block_size * block_size:
             return False
         del own[shared:]
         del request.block_hashes[shared // block_size :]
+        del request.sample_state.completion.token_ids[shared - request.num_prompt_tokens :]
         request.num_computed_tokens = min(request.num_computed_tokens, shared)
-        request.append_token_ids(token_ids[shared:])
-        request.sample_state.completion.token_ids[:] = request.output_token_ids
+        added = token_ids[shared:]
+        request.append_token_ids(added)
+        request.sample_state.completion.token_ids.extend(added)
         return True
 
     def _release_stream(self, request_id: str) -> None:

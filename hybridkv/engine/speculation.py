@@ -78,9 +78,10 @@ class Speculator:
         self.num_skipped = 0
         # The requests whose check failed in the last `verify` (a grammar that cannot go on), with the error.
         self.errors: dict[Request, Exception] = {}
-        # Each speculating request's request in the draft's engine (its id), kept from round to round, and the
-        # settings of them all (greedy, to the end of the model's length; a round stops them).
-        self._drafting: dict[Request, str] = {}
+        # Each speculating request's request in the draft's engine (its id, and how many of the request's tokens it
+        # was last given), kept from round to round, and the settings of them all (greedy, to the end of the model's
+        # length; a round stops them).
+        self._drafting: dict[Request, tuple[str, int]] = {}
         self._draft_ids = itertools.count()
         self._draft_params = None
         if self.draft is not None:
@@ -139,18 +140,18 @@ class Speculator:
         draft = self.draft
         drafting, self._drafting = self._drafting, {}
         wanting = {request for request, _ in wanted}
-        for request, draft_id in drafting.items():
+        for request, (draft_id, _) in drafting.items():
             if request not in wanting:
                 draft.abort(draft_id)
         goals = []
         for request, k in wanted:
             context = request.token_ids
-            draft_id = drafting.get(request)
-            if draft_id is None or not draft._continue_from(draft_id, context):
+            draft_id, known = drafting.get(request, (None, 0))
+            if draft_id is None or not draft._continue_from(draft_id, context, known):
                 if draft_id is not None:
                     draft.abort(draft_id)
                 draft_id = draft.add_request(f"draft-{next(self._draft_ids)}", list(context), self._draft_params)
-            self._drafting[request] = draft_id
+            self._drafting[request] = (draft_id, len(context))
             own = draft.outputs.states[draft_id].members[0]
             goals.append((request, own, len(context), len(context) + k))
         # Each step gives every running draft request a token once it has computed what it was given (in chunks of
