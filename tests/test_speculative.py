@@ -466,3 +466,71 @@ def test_the_drafts_requests_go_on_from_round_to_round_computing_each_token_once
     assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0
     # Each draft position once: the prompts, the tokens after them, and at most k - 1 proposals past the last check.
     assert stats["num_forward_tokens"] <= sum(len(p) for p in batch) + 24 + 9 + 2 * 2
+
+
+def test_a_draft_serves_samples_grammars_stops_and_logprobs_as_the_engine_without_it(patched):
+    """A draft model (a copy of the model, so its proposals are kept but where a grammar, a stop or max_tokens cuts
+    them) beside n = 2 (each sample its own draft request), a JSON grammar, a stop string, logprobs and a request that
+    turned speculation off, in one batch: tokens, texts and logprobs are the engine's without speculation, and the
+    draft's engine ends with nothing running and every block back."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, n=2),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=25, speculative=False),
+    ]
+    texts = ["The quick brown fox", "Once upon a time", "héllo wörld", "Full attention only"]
+    batch = [tokenizer.encode(text) for text in texts]
+    plain = patched(model, tokenizer=tokenizer, max_model_len=256, block_size=8).generate(batch, params, use_tqdm=False)
+    stop = plain[2].outputs[0].text[5:8]
+    params[2] = SamplingParams(temperature=0, max_tokens=30, logprobs=2, stop=[stop])
+    plain[2] = patched(model, tokenizer=tokenizer, max_model_len=256, block_size=8).generate(
+        [batch[2]], params[2], use_tqdm=False
+    )[0]
+    hybridkv.unpatch(model)
+    draft = {"model": copy.deepcopy(model), "num_speculative_tokens": 3}
+    llm = patched(model, tokenizer=tokenizer, max_model_len=256, block_size=8, speculative_config=draft)
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    for got, expected in zip(outputs, plain, strict=True):
+        assert [s.token_ids for s in got.outputs] == [s.token_ids for s in expected.outputs]
+        assert [s.text for s in got.outputs] == [s.text for s in expected.outputs]
+    for got, expected in zip(outputs[2].outputs[0].logprobs, plain[2].outputs[0].logprobs, strict=True):
+        assert got.keys() == expected.keys()
+        assert all(got[t].logprob == pytest.approx(expected[t].logprob, abs=1e-4) for t in got)
+    stats = llm.stats()
+    assert plain[2].outputs[0].finish_reason == "stop"
+    # The draft goes on from the kept tokens: a copy of the model keeps all its proposals the grammar lets through.
+    assert stats["spec_acceptance_rate"] > 0.9 and stats["blocks_in_use"] == 0
+    engine = llm.speculator.draft
+    assert not engine.has_unfinished_requests() and engine.stats()["blocks_in_use"] == 0
+
+
+def test_each_round_proposes_the_drafts_own_greedy_continuation_of_the_kept_tokens(patched):
+    """A draft that is not the model (its first layer: some proposals kept, some not), its request going on from
+    round to round: every round's proposals are exactly the draft's greedy continuation of the request's tokens as
+    they stand (transformers' generate on the draft), so going on keeps nothing of a rejected proposal."""
+    model = ZOO["llama"]()
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:1]
+    draft.config.num_hidden_layers = 1
+    reference = copy.deepcopy(draft)
+    llm = patched(
+        model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 3}
+    )
+    speculator = llm.speculator
+    draft_round, checked = speculator._draft_round, []
+
+    def checked_round(wanted):
+        draft_round(wanted)
+        for request, k in wanted:
+            checked.append(request.spec_token_ids == hf_greedy(reference, list(request.token_ids), k)[0])
+
+    speculator._draft_round = checked_round
+    batch = prompts((20, 33))
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 24)[0] for p in batch]
+    assert len(checked) > 10 and all(checked)
+    assert 0 < llm.stats()["spec_acceptance_rate"] < 1
