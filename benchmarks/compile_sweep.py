@@ -59,7 +59,7 @@ def sweep_one(name: str) -> dict[str, object]:
         return {"result": "cannot compile", "why": str(exc).splitlines()[0][:300]}
     seconds = time.perf_counter() - start
     stats = llm.stats()
-    program = llm.runner.compiled.program
+    program = llm.core.runner.compiled.program
     pieces = sum(1 for call in program.spec.calls if hasattr(call, "piece"))
     got = [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS, use_tqdm=False)]
     hybridkv.unpatch(model)

@@ -45,7 +45,7 @@ def run(runs: int) -> None:
         llm = hybridkv.patch(model, max_model_len=8192, enable_prefix_caching=True)
         for index, prompt in enumerate(prompts):
             llm.add_request(str(index), prompt, SamplingParams(temperature=0, max_tokens=max_new))
-        scheduler = llm.scheduler
+        scheduler = llm.core.scheduler
         while llm.has_unfinished_requests():
             decode = not scheduler.waiting and all(
                 r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running

@@ -120,7 +120,7 @@ def speed(num_requests: int, new_tokens: int, device: str = "cpu") -> None:
         forms.insert(1, ("hybridkv (absorbed, no C kernel)", True, True))
     for name, absorb, no_c_kernel in forms:
         llm = hybridkv.patch(model, block_size=16, max_model_len=1024)
-        for layer in llm.runner.layers.values():
+        for layer in llm.core.runner.layers.values():
             layer.latent.absorb = absorb
         with cpu_decode.disabled() if no_c_kernel else contextlib.nullcontext():
             start = time.perf_counter()

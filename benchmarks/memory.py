@@ -134,7 +134,7 @@ def run_hybridkv(model, prompts, new_tokens: int, budget: int, step_tokens: int,
     while llm.has_unfinished_requests():
         for output in llm.step():
             outputs[output.request_id] = output
-        at_once = max(at_once, holding_whole_prompts(llm.scheduler.running))
+        at_once = max(at_once, holding_whole_prompts(llm.core.scheduler.running))
     seconds = time.perf_counter() - start
     stats = llm.stats()
     hybridkv.unpatch(model)

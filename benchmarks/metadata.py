@@ -173,13 +173,13 @@ def fill_ways() -> None:
         prompt = [rng.randrange(1, 256) for _ in range(rng.randint(20, 300))]
         llm.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     while True:  # the prompts, then one decode step: its plan is what every way prepares
-        plan = llm.scheduler.schedule()
-        inputs = llm.runner.step_inputs(plan)
+        plan = llm.core.scheduler.schedule()
+        inputs = llm.core.runner.step_inputs(plan)
         if len(inputs.input_ids) == len(inputs.query_lens) == 32:
             break
-        logits = llm.runner.forward(llm.runner.prepare(inputs))
-        llm.scheduler.update(plan, logits.argmax(-1).tolist())
-    runner = llm.runner
+        logits = llm.core.runner.forward(llm.core.runner.prepare(inputs))
+        llm.core.scheduler.update(plan, logits.argmax(-1).tolist())
+    runner = llm.core.runner
     buffers = runner.buffers[runner.input_device]
     native, extension_inputs = buffers.fill, buffers.decode_inputs
     ways = {

@@ -73,7 +73,7 @@ def main() -> None:
     def add_and_abort() -> None:
         llm.abort(llm.add_request("timed", prompt, params))
 
-    check = timed(llm.model_watch.check, args.repeats)
+    check = timed(llm.core.model_watch.check, args.repeats)
     add = timed(add_and_abort, args.repeats // 4)
     print(f"  {'engine add_request + abort (no check)':<46} {add:9.1f}")
     print(f"  whole check / add_request: {check / add:.2f}x (a check runs once per call, however many requests)")

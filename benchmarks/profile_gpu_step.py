@@ -60,7 +60,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=4 * args.steps, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         llm.add_request(str(index), prompt, params)
-    while llm.stats()["num_waiting"] or any(r.num_computed_tokens < r.num_prompt_tokens for r in llm.scheduler.running):
+    while llm.stats()["num_waiting"] or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in llm.core.scheduler.running
+    ):
         llm.step()  # every prompt computed: what follows are decode steps
     for _ in range(3):
         llm.step()  # warm: graphs replayed, kernels compiled

@@ -165,7 +165,7 @@ def acceptance(llm) -> str:
     """The proposals kept, over every round so far, and the time spent proposing (with a draft: the rows the draft
     computed, each position once where its request goes on from round to round)."""
     stats = llm.stats()
-    draft = llm.speculator.draft
+    draft = llm.core.speculator.draft
     rows = f", the draft computed {draft.stats()['num_forward_tokens']} rows" if draft is not None else ""
     return (
         f"(kept {stats['spec_acceptance_rate']:.0%} of {stats['spec_num_draft_tokens']} proposals, by position "

@@ -159,12 +159,12 @@ class AsyncLLMEngine:
         """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
         naming the fix), before anything is queued. A beam search's handle has no deltas: its sequences
         come with the finished output (`BeamSearchOutput.of(output, params)`)."""
-        if self._stopping or self.llm._closed:
+        if self._stopping or self.llm.closed:
             raise RuntimeError(
                 "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
             )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        checked = self.llm._checked_request(prompt, sampling_params, request_id, follow_model=False)
+        checked = self.llm.check_request(prompt, sampling_params, request_id, follow_model=False)
         handle = RequestHandle(self, request_id)
         self._post(("add", handle, checked))
         return handle
@@ -240,7 +240,7 @@ class AsyncLLMEngine:
         while True:
             self._wake.clear()
             self._drain_inbox()
-            if self._stopping or llm._closed:  # shut down, or the model was unpatched under us
+            if self._stopping or llm.closed:  # shut down, or the model was unpatched under us
                 self._stopping = True
                 break
             if not llm.has_unfinished_requests():
@@ -275,7 +275,7 @@ class AsyncLLMEngine:
             handle._fail(ValueError(f"request id {request_id!r} is already in use; give each request its own id"))
             return
         try:
-            self.llm._enqueue(*checked)
+            self.llm.enqueue(checked)
         except Exception as exc:
             handle._fail(exc)
             return

@@ -39,7 +39,7 @@ def patched():
             settings.setdefault("compile", False)
         llm = hybridkv.patch(model, tokenizer, **settings)
         # Every step checks that the runner's persistent block tables equal the managers' lists.
-        llm.runner.verify_tables = llm.coordinator.block_tables
+        llm.core.runner.verify_tables = llm.core.coordinator.block_tables
         models.append(model)
         return llm
 

@@ -24,7 +24,7 @@ def kv_rounded_like(model: torch.nn.Module, llm) -> Iterator[None]:
     KV-sharing layer's rows as its source's pages hold them; a latent attention layer's latent and rotary key
     (what it hands its cache, `DynamicCache.update`) rounded so before it expands them."""
     sources = llm.kv_config.shared_layers
-    dtypes, scales = llm.layer_dtypes.dtypes, llm.layer_dtypes.scales
+    dtypes, scales = llm.core.layer_dtypes.dtypes, llm.core.layer_dtypes.scales
     configs = {id(model.config): model.config}
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -32,7 +32,7 @@ def kv_rounded_like(model: torch.nn.Module, llm) -> Iterator[None]:
             configs.setdefault(id(config), config)
     originals = {key: config._attn_implementation or "eager" for key, config in configs.items()}
 
-    latent = llm.runner.latent_layers
+    latent = llm.core.runner.latent_layers
 
     def rounded(layer_idx, key, value):
         k_scale, v_scale = scales[layer_idx]

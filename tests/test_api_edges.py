@@ -116,14 +116,14 @@ def test_a_second_thread_gets_a_clear_error_instead_of_corrupting_the_engine(gem
     model, batch, expected = gemma3
     llm = patched(model, max_model_len=128)
     inside, release = threading.Event(), threading.Event()
-    execute = llm.runner.execute
+    execute = llm.core.runner.execute
 
     def slow(*args, **kwargs):
         inside.set()
         release.wait(30)
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", slow)
+    monkeypatch.setattr(llm.core.runner, "execute", slow)
     results = []
     worker = threading.Thread(target=lambda: results.append(llm.generate(batch, GREEDY, use_tqdm=False)))
     worker.start()
@@ -217,7 +217,7 @@ def test_malformed_prompts_are_clear_type_errors(gemma3, patched, prompt, messag
 def test_ctrl_c_inside_generate_aborts_what_it_queued(gemma3, patched, monkeypatch):
     model, batch, _ = gemma3
     llm = patched(model, max_model_len=128, max_num_batched_tokens=16)
-    execute = llm.runner.execute
+    execute = llm.core.runner.execute
     calls = {"n": 0}
 
     def interrupted(*args, **kwargs):
@@ -226,7 +226,7 @@ def test_ctrl_c_inside_generate_aborts_what_it_queued(gemma3, patched, monkeypat
             raise KeyboardInterrupt
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", interrupted)
+    monkeypatch.setattr(llm.core.runner, "execute", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(batch, GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -242,7 +242,7 @@ def test_an_interrupted_step_fails_its_requests_and_abort_all_clears_the_rest(ge
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.runner, "execute", interrupted)
+    monkeypatch.setattr(llm.core.runner, "execute", interrupted)
     with pytest.raises(KeyboardInterrupt):
         llm.step()
     monkeypatch.undo()
@@ -261,7 +261,7 @@ def test_a_streamed_request_that_fails_reports_its_error_in_the_last_delta(gemma
     def broken(*args, **kwargs):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr(llm.runner, "execute", broken)
+    monkeypatch.setattr(llm.core.runner, "execute", broken)
     deltas = list(llm.stream(batch[0], GREEDY))
     monkeypatch.undo()
     assert deltas[-1].finish_reason == "error" and "injected fault" in deltas[-1].error
@@ -285,13 +285,13 @@ def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_beg
     stream = llm.stream(batch[1], SamplingParams(temperature=0, max_tokens=20))
     next(stream)
     other = llm.add_request(new_request_id(), batch[0], GREEDY)
-    execute = llm.runner.execute
+    execute = llm.core.runner.execute
 
     def collecting(*args, **kwargs):
         stream.close()  # as the garbage collector may, in the middle of a step
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", collecting)
+    monkeypatch.setattr(llm.core.runner, "execute", collecting)
     llm.step()
     monkeypatch.undo()
     assert stream.request_id in llm.outputs.states  # never aborted mid-step
@@ -305,7 +305,7 @@ def test_a_stream_closed_during_an_engine_call_is_aborted_when_the_next_call_beg
 def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_tokens(gemma3, patched, monkeypatch):
     model, batch, expected = gemma3
     llm = patched(model, max_model_len=128)
-    real = hybridkv.engine.llm_engine.sample_each
+    real = hybridkv.engine.core.sample_each
     failed_once = []
 
     def failing(logits, rows):
@@ -316,7 +316,7 @@ def test_a_sample_whose_row_fails_takes_its_group_out_and_the_others_keep_their_
             tokens[pair_rows[1]], errors[pair_rows[1]] = None, RuntimeError("injected row fault")
         return tokens, logprobs, errors
 
-    monkeypatch.setattr(hybridkv.engine.llm_engine, "sample_each", failing)
+    monkeypatch.setattr(hybridkv.engine.core, "sample_each", failing)
     pair = SamplingParams(n=2, temperature=0, max_tokens=8)
     ids = [
         llm.add_request(new_request_id(), batch[0], GREEDY),

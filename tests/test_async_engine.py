@@ -91,13 +91,13 @@ def test_an_event_loop_awaits_and_streams_while_the_engine_runs_beside_it(gemma3
 
 def slow_steps(engine, monkeypatch, seconds=0.02):
     """Every forward takes at least `seconds`: a 100-token request then runs for seconds, not milliseconds."""
-    execute = engine.llm.runner.execute
+    execute = engine.llm.core.runner.execute
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(engine.llm.runner, "execute", slow)
+    monkeypatch.setattr(engine.llm.core.runner, "execute", slow)
 
 
 def test_cancelling_a_streaming_task_aborts_its_request(gemma3, served, monkeypatch):
@@ -135,7 +135,7 @@ def test_bad_input_raises_in_the_callers_thread_and_queues_nothing(gemma3, serve
 
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(gemma3, served, monkeypatch):
     _, batch, expected = gemma3
-    execute = served.llm.runner.execute
+    execute = served.llm.core.runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -144,7 +144,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(gemma3, se
             raise RuntimeError("injected fault")
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(served.llm.runner, "execute", flaky)
+    monkeypatch.setattr(served.llm.core.runner, "execute", flaky)
     failed = served.submit(batch[0], GREEDY).result(60)
     assert failed.error and "injected fault" in failed.error
     assert served.submit(batch[1], GREEDY).result(60).outputs[0].token_ids == expected[1]

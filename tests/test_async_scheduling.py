@@ -84,9 +84,9 @@ def _run(engine, script: list[tuple], abort_at: dict[str, int]) -> dict[str, tup
                 finals[output.request_id] = engine.abort(output.request_id)
 
     def check():
-        scheduler = engine.scheduler
+        scheduler = engine.core.scheduler
         live = {r.request_id: r for r in (*scheduler.running, *scheduler.waiting)}
-        check_coordinator(engine.coordinator, live)
+        check_coordinator(engine.core.coordinator, live)
 
     for action in script:
         if action[0] == "add":
@@ -98,9 +98,11 @@ def _run(engine, script: list[tuple], abort_at: dict[str, int]) -> dict[str, tup
         take(engine.step())
         check()
     take(engine.step())  # a step launched ahead, every token of it taken back, finishes with nothing to report
-    assert engine.coordinator.pool.num_free_blocks == engine.coordinator.pool.num_blocks - 1, "blocks held at the end"
-    if engine.coordinator.state_slots is not None:
-        assert not engine.coordinator.state_slots.held, "state slots held at the end"
+    assert engine.core.coordinator.pool.num_free_blocks == engine.core.coordinator.pool.num_blocks - 1, (
+        "blocks held at the end"
+    )
+    if engine.core.coordinator.state_slots is not None:
+        assert not engine.core.coordinator.state_slots.held, "state slots held at the end"
     return {request_id: _final(output) for request_id, output in finals.items()}
 
 
@@ -152,7 +154,7 @@ def test_async_scheduling_gives_the_synchronous_engines_tokens(
     try:
         assert sync.async_steps is None and ahead.async_steps is not None
         for engine in (sync, ahead):
-            engine.runner.verify_tables = engine.coordinator.block_tables
+            engine.core.runner.verify_tables = engine.core.coordinator.block_tables
         script, abort_at = _script(rng, grammars=not zoo, length=90)
         expected = _run(sync, script, abort_at)
         assert _run(ahead, script, abort_at) == expected
@@ -272,10 +274,10 @@ def test_each_request_is_reported_once_when_a_step_in_flight_meets_a_synchronous
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
 
-        llm.runner.execute = interrupted
+        llm.core.runner.execute = interrupted
         with pytest.raises(KeyboardInterrupt):
             llm.step()
-        del llm.runner.execute
+        del llm.core.runner.execute
         finished = [r for r in llm.step() if r.finished]
         assert [(r.request_id, r.outputs[0].finish_reason) for r in finished] == [("cut", "error")]
         assert "interrupted" in finished[0].error and not llm.has_unfinished_requests()

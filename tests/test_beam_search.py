@@ -152,7 +152,7 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
         for output in llm.step():
             if output.finished:
                 done[output.request_id] = output
-        check_coordinator(llm.coordinator, {r.request_id: r for r in llm.scheduler.running})
+        check_coordinator(llm.core.coordinator, {r.request_id: r for r in llm.core.scheduler.running})
     for request_id, reference in zip(ids, expected, strict=False):
         assert_same_beams(hybridkv.BeamSearchOutput.of(done[request_id], BeamSearchParams(K)), reference)
     assert done[ids[-1]].outputs[0].token_ids == greedy
@@ -161,7 +161,7 @@ def test_beam_search_on_a_tiny_pool_beside_other_requests(name, patched, mode):
     assert stats["blocks_in_use"] == 0
     if mode == "swap":  # a model with state layers swaps its states too
         assert stats["num_swaps"] > 0
-        assert llm.scheduler.swap_space.num_free_blocks == llm.scheduler.swap_space.num_blocks
+        assert llm.core.scheduler.swap_space.num_free_blocks == llm.core.scheduler.swap_space.num_blocks
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ def references(model, batch=BATCH):
 
 def num_pieces(llm) -> tuple[int, int]:
     """(distinct pieces, pieces) of the engine's compiled program."""
-    program = llm.runner.compiled.program
+    program = llm.core.runner.compiled.program
     return len(program.pieces), sum(1 for call in program.spec.calls if hasattr(call, "piece"))
 
 
@@ -256,15 +256,15 @@ def test_switching_adapters_switches_programs_and_back(patched, eager_pieces):
     llm = patched(model, block_size=8, max_model_len=128, compile=True)
     under_sft = references(model)
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == under_sft
-    first = llm.runner.compiled.program
+    first = llm.core.runner.compiled.program
     model.set_adapter("dpo")
     under_dpo = references(model)
     assert under_dpo != under_sft
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == under_dpo
-    assert llm.runner.compiled.program is not first and llm.stats()["compiled_from"] == "traced"
+    assert llm.core.runner.compiled.program is not first and llm.stats()["compiled_from"] == "traced"
     model.set_adapter("sft")
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == under_sft
-    assert llm.runner.compiled.program is first and llm.stats()["compiled_from"] == "memory"
+    assert llm.core.runner.compiled.program is first and llm.stats()["compiled_from"] == "memory"
 
 
 def test_a_model_in_training_mode_is_served_by_its_eval_program_and_left_in_its_mode(patched, eager_pieces):
@@ -275,13 +275,13 @@ def test_a_model_in_training_mode_is_served_by_its_eval_program_and_left_in_its_
     expected = references(model)
     model.train()
     llm = patched(model, block_size=8, max_model_len=128, compile=True)
-    first = llm.runner.compiled.program
+    first = llm.core.runner.compiled.program
     assert model.training
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == expected
-    assert llm.runner.compiled.program is first and model.training
+    assert llm.core.runner.compiled.program is first and model.training
     model.eval()
     assert tokens(llm.generate(BATCH, GREEDY, use_tqdm=False)) == expected
-    assert llm.runner.compiled.program is first and not model.training
+    assert llm.core.runner.compiled.program is first and not model.training
 
 
 # ---- the default, and models that cannot be compiled ---------------------------------------------------------
@@ -297,7 +297,7 @@ def test_when_compiling_is_the_default_an_untraceable_model_runs_eagerly_with_a_
     with a warning naming the cause, never an error (compile=True makes it one: tests/test_graph_ready.py)."""
     from model_zoo import untraceable_llama
 
-    monkeypatch.setattr(hybridkv.engine.llm_engine, "compiles_by_default", lambda captures: True)
+    monkeypatch.setattr(hybridkv.engine.core, "compiles_by_default", lambda captures: True)
     model = untraceable_llama()
     with pytest.warns(UserWarning, match="forward cannot be compiled: torch.compile.*cannot trace.*runs eagerly"):
         llm = patched(model, block_size=8, max_model_len=128)

@@ -31,7 +31,7 @@ def _has_experts(model) -> bool:
 def assert_replays_equal_steps(llm, num_steps: int, bucket: int) -> None:
     """`num_steps` decode steps (padded to `bucket`), each replayed as its graph and run again without it (the
     forward as it is, compiled or not): bit-identical logits; the step's greedy tokens go on."""
-    runner, scheduler = llm.runner, llm.scheduler
+    runner, scheduler = llm.core.runner, llm.core.scheduler
     for _ in range(num_steps):
         plan = scheduler.schedule()
         with sync_is_an_error():
@@ -127,19 +127,19 @@ def test_graphs_follow_the_weights_in_place_and_are_captured_again_when_they_mov
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
     assert llm.stats()["cuda_graphs"] == [1, 2, 4, 8]
     llm.generate(batch, params, use_tqdm=False)
-    graphs = llm.runner.graphs
+    graphs = llm.core.runner.graphs
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(1.5)
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-    assert got == [hf_greedy(model, p, 8)[0] for p in batch] and llm.runner.graphs is graphs
+    assert got == [hf_greedy(model, p, 8)[0] for p in batch] and llm.core.runner.graphs is graphs
     for parameter in model.parameters():
         parameter.data = parameter.data * 0.5
     torch.cuda.empty_cache()
     with pytest.warns(UserWarning, match="captures the decode steps' CUDA graphs again"):
         got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     assert got == [hf_greedy(model, p, 8)[0] for p in batch]
-    assert llm.runner.graphs is not graphs and llm.stats()["cuda_graphs"] == [1, 2, 4, 8]
+    assert llm.core.runner.graphs is not graphs and llm.stats()["cuda_graphs"] == [1, 2, 4, 8]
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "llama", "gpt_oss"])

@@ -21,7 +21,7 @@ from tiny_tokenizer import tiny_tokenizer
 
 
 def _without_fast_paths(engine) -> None:
-    scheduler = engine.scheduler
+    scheduler = engine.core.scheduler
     scheduler._schedule_decode_batch = lambda out: False
     schedule = scheduler.schedule
 
@@ -50,7 +50,7 @@ def _report(outputs) -> list[tuple | None]:
 
 
 def _state(engine) -> tuple:
-    scheduler, coordinator = engine.scheduler, engine.coordinator
+    scheduler, coordinator = engine.core.scheduler, engine.core.coordinator
     running = [r.request_id for r in scheduler.running]
     return (
         running,
@@ -102,7 +102,7 @@ def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, c
     fast, reference = (hybridkv.patch(model, tokenizer=tiny_tokenizer(), **engine_settings) for model in models)
     _without_fast_paths(reference)
     taken = {"batch": 0, "alone": 0}
-    batch_again, update_alone = fast.scheduler._schedule_decode_batch, fast._update_alone
+    batch_again, update_alone = fast.core.scheduler._schedule_decode_batch, fast._finish_alone
 
     def counted_batch(out):
         done = batch_again(out)
@@ -113,8 +113,8 @@ def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, c
         taken["alone"] += 1
         return update_alone(plan, tokens)
 
-    fast.scheduler._schedule_decode_batch = counted_batch
-    fast._update_alone = counted_alone
+    fast.core.scheduler._schedule_decode_batch = counted_batch
+    fast._finish_alone = counted_alone
     ids: list[str] = []
     prefix = [rng.randrange(1, 256) for _ in range(10)]
     for _ in range(160):

@@ -58,7 +58,7 @@ def test_swap_preemption_gives_the_same_greedy_tokens_as_a_large_pool(gemma3, sw
         assert stats["num_swaps"] > 0  # room in swap space: preempted requests were swapped
     else:
         assert stats["num_swaps"] == 0  # no room: it fell back to recompute
-    swap = llm.scheduler.swap_space
+    swap = llm.core.scheduler.swap_space
     assert swap.num_blocks == min(swap_space_blocks, num_blocks - 1)  # never more than the device pool
     assert stats["blocks_in_use"] == 0 and swap.num_free_blocks == swap.num_blocks
 
@@ -193,7 +193,7 @@ def test_abort_returns_every_block_and_the_rest_finish(gemma3, patched):
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(gemma3, monkeypatch, patched):
     model, batch, expected = gemma3
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=2)
-    execute = llm.runner.execute
+    execute = llm.core.runner.execute
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -202,7 +202,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(gemma3, 
             raise RuntimeError("injected fault")
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(llm.core.runner, "execute", flaky)
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     failed = [o for o in outputs if o.error]
     assert len(failed) == 2 and all("injected fault" in o.error for o in failed)
@@ -280,7 +280,7 @@ def test_unpatch_frees_the_pages_while_the_caller_still_holds_the_engine(gemma3)
     model, batch, _ = gemma3
     llm = hybridkv.patch(model, block_size=8, max_model_len=256)
     llm.generate([batch[0]], GREEDY, use_tqdm=False)
-    pages = [weakref.ref(p) for p in llm.runner._pages.values()]
+    pages = [weakref.ref(p) for p in llm.core.runner._pages.values()]
     assert pages and all(ref() is not None for ref in pages)
     hybridkv.unpatch(model)
     assert all(ref() is None for ref in pages)  # `llm` is still alive here

@@ -60,7 +60,7 @@ class EngineMachine(RuleBasedStateMachine):
             async_scheduling=ahead,  # a step planned before the last one's tokens are read
             # (hybridkv/engine/async_steps.py)
         )
-        scheduler = self.engine.scheduler
+        scheduler = self.engine.core.scheduler
         schedule = scheduler.schedule
 
         def checked_schedule():
@@ -127,7 +127,7 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.engine is not None)
     @rule()
     def ctrl_c_inside_a_step(self):
-        runner = self.engine.runner
+        runner = self.engine.core.runner
 
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
@@ -150,15 +150,15 @@ class EngineMachine(RuleBasedStateMachine):
     def memory_manager_is_consistent(self):
         if self.engine is None:
             return
-        scheduler = self.engine.scheduler
+        scheduler = self.engine.core.scheduler
         holding = {r.request_id: r for r in scheduler.running}
-        check_coordinator(self.engine.coordinator, holding)
+        check_coordinator(self.engine.core.coordinator, holding)
         for request in [*scheduler.waiting, *scheduler.swapped]:
-            assert self.engine.coordinator.block_ids(request.request_id) == [[], []]
+            assert self.engine.core.coordinator.block_ids(request.request_id) == [[], []]
         in_swap = len({b for record in scheduler.swap_records.values() for b in record.cpu_block_ids})
         assert scheduler.swap_space.num_free_blocks + in_swap == scheduler.swap_space.num_blocks
         # No orphan: a request whose samples all ended is either reported already or queued for the next step.
-        unreported = {id(state) for state in self.engine._unreported}
+        unreported = {id(state) for state in self.engine.outputs.unreported}
         for state in self.engine.outputs.states.values():
             assert not state.group.finished or id(state) in unreported
         if not self.engine.has_unfinished_requests():
@@ -168,13 +168,13 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine is None:
             return
         for _ in range(500):
-            if not self.engine.has_unfinished_requests() and not self.engine._unclaimed:
+            if not self.engine.has_unfinished_requests() and not self.engine.unclaimed:
                 break
             self.report(self.engine.step())
         assert not self.engine.has_unfinished_requests()
         assert set(self.finished) == set(self.ids), "a request never reported its end"
         assert self.engine.stats()["blocks_in_use"] == 0
-        swap = self.engine.scheduler.swap_space
+        swap = self.engine.core.scheduler.swap_space
         assert swap.num_free_blocks == swap.num_blocks
         hybridkv.unpatch(MODEL)
 

@@ -45,12 +45,12 @@ def test_the_attention_op_passes_torch_librarys_opcheck(patched):
     llm = patched(model, block_size=8, max_model_len=128)
     request_id = llm.add_request(new_request_id(), prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
     llm.step()  # the prompt's pages hold its keys; the next step is one decode row
-    plan = llm.scheduler.schedule()
-    prepared = llm.runner.prepare(llm.runner.step_inputs(plan))
-    llm.runner.context.metadata = prepared.metadata
+    plan = llm.core.scheduler.schedule()
+    prepared = llm.core.runner.prepare(llm.core.runner.step_inputs(plan))
+    llm.core.runner.context.metadata = prepared.metadata
     torch.manual_seed(0)
     query, key, value = torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
-    with running_step(llm.runner.context):
+    with running_step(llm.core.runner.context):
         for layer_idx, window in ((0, 16), (5, None)):  # a sliding and the full layer
             torch.library.opcheck(paged_attention_op, (query, key, value, None, layer_idx, 0.25, None, window))
     llm.abort(request_id)
@@ -115,8 +115,8 @@ def test_latent_attention_models_pad_decode_steps_in_graph_mode_and_compile_when
     assert llm.stats()["decode_buckets"] == list(decode_buckets(llm.config.max_num_seqs))
     assert not llm.stats()["compiled"]
     padded = []
-    forward = llm.runner.forward
-    llm.runner.forward = lambda prepared: padded.append(prepared.bucket) or forward(prepared)
+    forward = llm.core.runner.forward
+    llm.core.runner.forward = lambda prepared: padded.append(prepared.bucket) or forward(prepared)
     assert tokens(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
     assert 4 in padded  # three decode rows and one padding row
     hybridkv.unpatch(model)
@@ -179,7 +179,7 @@ def test_the_compile_setting_runs_inductors_code_and_gives_eager_tokens_or_a_tie
 def test_step_buffers_keep_their_addresses_across_steps(patched):
     model = FAMILIES["gemma3_text"]()
     llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32, enforce_eager=False)
-    buffers = llm.runner.buffers[torch.device("cpu")]
+    buffers = llm.core.runner.buffers[torch.device("cpu")]
     tensors = [buffers.input_ids, buffers.positions, buffers.logits_rows, buffers.cu_seqlens_q, buffers.seq_lens]
     tensors += [*buffers.tables.values(), *buffers.slots.values()]
     addresses = [t.device.data_ptr() for t in tensors]
@@ -188,7 +188,7 @@ def test_step_buffers_keep_their_addresses_across_steps(patched):
         llm.add_request(new_request_id(), prompt, GREEDY)
     while llm.has_unfinished_requests():
         llm.step()
-        metadata = llm.runner.context.metadata
+        metadata = llm.core.runner.context.metadata
         seen.add(metadata[0].block_table.data_ptr())
         assert [t.device.data_ptr() for t in tensors] == addresses
     assert seen == {buffers.tables[8].device.data_ptr()}  # every group-0 table a view at the buffer's start
@@ -200,20 +200,20 @@ def test_a_decode_step_is_padded_to_its_bucket_and_the_padded_rows_write_nothing
     for prompt in prompts((7, 33, 70)):
         llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=4))
     llm.step()  # the three prompts
-    pages = {device: pages.clone() for device, pages in llm.runner._pages.items()}
-    held = {b for m in llm.coordinator.managers for row in m.req_to_block_ids.values() for b in row}
-    plan = llm.scheduler.schedule()
-    prepared = llm.runner.prepare(llm.runner.step_inputs(plan))
+    pages = {device: pages.clone() for device, pages in llm.core.runner._pages.items()}
+    held = {b for m in llm.core.coordinator.managers for row in m.req_to_block_ids.values() for b in row}
+    plan = llm.core.scheduler.schedule()
+    prepared = llm.core.runner.prepare(llm.core.runner.step_inputs(plan))
     assert prepared.bucket == 4 and prepared.num_tokens == 4  # 3 decode rows padded to 4
     step = prepared.metadata[0].step
     assert step.seq_lens_list[3] == 1 and step.query_lens_list[3] == 1
     assert all(m.slot_mapping[3].item() == -1 for m in prepared.metadata)  # the padded row stores nothing
-    logits = llm.runner.forward(prepared)
+    logits = llm.core.runner.forward(prepared)
     assert logits.shape[0] == 3  # only the sampled rows come back
     for device, before in pages.items():
-        changed = (llm.runner._pages[device] != before).any(dim=1).nonzero().flatten().tolist()
+        changed = (llm.core.runner._pages[device] != before).any(dim=1).nonzero().flatten().tolist()
         assert set(changed) <= held - {0}  # only blocks the three requests hold; never the null block
-    llm.scheduler.update(plan, logits.argmax(-1).tolist())
+    llm.core.scheduler.update(plan, logits.argmax(-1).tolist())
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -475,8 +475,8 @@ def test_the_engine_writes_its_decode_steps_without_numpy_and_gets_the_same_toke
     runs = []
     for plain in (True, False):
         llm = patched(model, block_size=8, max_model_len=128)
-        assert llm.runner._plain_decode
-        llm.runner._plain_decode = plain
+        assert llm.core.runner._plain_decode
+        llm.core.runner._plain_decode = plain
         runs.append(tokens(llm.generate(batch, GREEDY, use_tqdm=False)))
         hybridkv.unpatch(model)
         if plain:

@@ -141,12 +141,12 @@ def test_gemma3s_images_attend_both_ways_and_that_changes_the_tokens(patched):
     ids = prompt_ids("gemma3", placeholder, count, "middle")
     expected = reference(model, ids, data, type_fields, placeholder)
     llm = patched(model, max_model_len=128, block_size=4, enable_prefix_caching=False)  # each run computes all
-    assert llm.runner.context.image_layers == frozenset(range(6))
+    assert llm.core.runner.context.image_layers == frozenset(range(6))
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
     prompt = {"prompt_token_ids": ids, "multi_modal_data": data}
     (both_ways,) = llm.generate([prompt], params, use_tqdm=False)
     assert both_ways.outputs[0].token_ids == expected[:1]
-    llm.runner.context.image_layers = frozenset()  # as if causal: another distribution
+    llm.core.runner.context.image_layers = frozenset()  # as if causal: another distribution
     (causal,) = llm.generate([prompt], params, use_tqdm=False)
     difference = abs(both_ways.outputs[0].cumulative_logprob - causal.outputs[0].cumulative_logprob)
     assert difference > 1e-3

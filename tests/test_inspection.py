@@ -254,7 +254,7 @@ def test_kv_sharing_layers_read_their_source_pages_and_hold_none(patched):
     assert sorted(layer for g in llm.kv_config.groups for layer in g.layer_indices) == [0, 1, 2]
     # 3 of 6 layers hold pages: 2 kv heads x (16 + 16) dims x 4 bytes each.
     assert stats["kv_bytes_per_token"] == 3 * 2 * 32 * 4
-    shared, source = llm.runner.layers[4], llm.runner.layers[1]
+    shared, source = llm.core.runner.layers[4], llm.core.runner.layers[1]
     assert shared.key_cache.data_ptr() == source.key_cache.data_ptr() and not shared.writes_kv
     batch = prompts((40, 150))
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == [

@@ -44,8 +44,8 @@ def test_decode_rows_absorbed_or_expanded_give_generates_tokens(name, absorb, pa
     """Both forms of a decode row, with a prompt's chunks beside decode rows (chunked prefill) and prefix hits."""
     model, batch, references = family(name)
     llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=32)
-    for layer_idx in llm.runner.latent_layers:
-        llm.runner.layers[layer_idx].latent.absorb = absorb
+    for layer_idx in llm.core.runner.latent_layers:
+        llm.core.runner.layers[layer_idx].latent.absorb = absorb
     assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
     assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
     assert llm.stats()["prefix_cache_hits"] > 0
@@ -138,11 +138,13 @@ def test_the_store_op_passes_torch_librarys_opcheck(patched):
     llm = patched(model, block_size=8, max_model_len=128)
     request_id = llm.add_request("r", prompts((20,))[0], SamplingParams(temperature=0, max_tokens=2))
     llm.step()
-    plan = llm.scheduler.schedule()
-    llm.runner.context.metadata = llm.runner.prepare(llm.runner.step_inputs(plan)).metadata  # one decode row
+    plan = llm.core.scheduler.schedule()
+    llm.core.runner.context.metadata = llm.core.runner.prepare(
+        llm.core.runner.step_inputs(plan)
+    ).metadata  # one decode row
     latent = torch.randn(1, 1, 1, 16, device=DEVICE)
     rotary = torch.randn(1, 1, 1, 8, device=DEVICE)
-    with running_step(llm.runner.context):
+    with running_step(llm.core.runner.context):
         torch.library.opcheck(store_latent_op, (latent, rotary, 0))
     llm.abort(request_id)
 

@@ -67,7 +67,7 @@ def generate_in_steps(llm, batch=BATCH):
     while llm.has_unfinished_requests():
         for output in llm.step():
             done[output.request_id] = output
-        num_waited += bool(llm.scheduler.waiting and llm.scheduler.running)
+        num_waited += bool(llm.core.scheduler.waiting and llm.core.scheduler.running)
     return [done[i] for i in ids], num_waited
 
 
@@ -289,14 +289,14 @@ def test_a_request_preempted_by_recompute_recomputes_under_the_new_weights(patch
     preempted = None
     while preempted is None:
         llm.step()
-        preempted = next((r for r in llm.scheduler.waiting if r.num_preemptions), None)
+        preempted = next((r for r in llm.core.scheduler.waiting if r.num_preemptions), None)
     context = list(preempted.token_ids)
     UPDATES["no_grad_edit"](model)
     done = {}
     while llm.has_unfinished_requests():
         for output in llm.step():
             done[output.request_id] = output
-    assert preempted.model_key == llm.coordinator.model_key != b""
+    assert preempted.model_key == llm.core.coordinator.model_key != b""
     request_id = next(i for i in ids if preempted.request_id.startswith(i))
     continued = done[request_id].outputs[0].token_ids[len(context) - preempted.num_prompt_tokens :]
     expected, _ = hf_greedy(model, context, len(continued))
@@ -314,7 +314,7 @@ def test_n_samples_and_beams_follow_the_weights(patched):
     UPDATES["sgd"](model)
     expected = [t for t, _ in references(model)]
     outputs = llm.generate(BATCH, two, use_tqdm=False)
-    check_coordinator(llm.coordinator, [])
+    check_coordinator(llm.core.coordinator, [])
     assert [[sample.token_ids for sample in output.outputs] for output in outputs] == [[t, t] for t in expected]
     (beams_now,) = llm.beam_search(BATCH[:1], beams, use_tqdm=False)
     hybridkv.unpatch(model)
@@ -350,7 +350,7 @@ def test_reset_prefix_cache_covers_a_change_no_check_sees(patched):
     model = FAMILIES["llama"]()
     llm, before = first_generation(patched, model)
     _double_attention_scaling(model)
-    assert llm.model_watch.check() is None  # unseen: what reset_prefix_cache is for
+    assert llm.core.model_watch.check() is None  # unseen: what reset_prefix_cache is for
     assert llm.reset_prefix_cache() is True
     assert_follows(llm, model, before)
 
@@ -361,11 +361,11 @@ def test_reset_prefix_cache_with_running_requests_recomputes_them(patched):
     ids = [llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=12)) for prompt in BATCH]
     for _ in range(3):
         llm.step()
-    contexts = {r.request_id: list(r.token_ids) for r in llm.scheduler.running}
+    contexts = {r.request_id: list(r.token_ids) for r in llm.core.scheduler.running}
     assert len(contexts) == 2
     _double_attention_scaling(model)
     llm.reset_prefix_cache(reset_running_requests=True)
-    assert not llm.scheduler.running and len(llm.scheduler.waiting) == 2
+    assert not llm.core.scheduler.running and len(llm.core.scheduler.waiting) == 2
     assert llm.stats()["blocks_in_use"] == 0
     done = {}
     while llm.has_unfinished_requests():

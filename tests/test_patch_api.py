@@ -37,7 +37,7 @@ def test_model_placed_with_accelerate_offload(tmp_path, gemma3):
     offloaded = placed.model.layers[1].self_attn
     assert next(offloaded.parameters()).device.type == "meta"  # weights come in through accelerate's hooks
     llm = hybridkv.patch(placed, max_model_len=256)
-    assert llm.runner.layers[1].key_cache.device.type == "cpu"
+    assert llm.core.runner.layers[1].key_cache.device.type == "cpu"
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY_12)] == expected
 
 

@@ -50,7 +50,7 @@ def test_prefix_cache_hits_change_nothing(name, patched):
     assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
     hits = llm.stats()["prefix_cache_hits"] - first_hits
     if llm.stats()["state_layers"]:  # a hit ends where a state checkpoint is kept: a multiple of its interval
-        interval = llm.coordinator.state_checkpoints.interval
+        interval = llm.core.coordinator.state_checkpoints.interval
         assert hits >= 3 * (100 // interval * interval) > 0
     else:
         assert hits >= 3 * 96
@@ -70,7 +70,7 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
         while llm.has_unfinished_requests():
             for output in llm.step():
                 done[output.request_id] = output
-            waited += bool(llm.scheduler.waiting and llm.scheduler.running)
+            waited += bool(llm.core.scheduler.waiting and llm.core.scheduler.running)
         assert_same_greedy([done[i] for i in ids], references)
         preempted += llm.stats()["num_preemptions"]
         assert llm.stats()["blocks_in_use"] == 0
@@ -80,7 +80,7 @@ def test_tiny_pools_wait_and_preempt_without_changing_output(name, patched):
 def plan_of(llm, request, num_new_tokens):
     """A step that computes the request's next tokens alone."""
     scheduled = [ScheduledRequest(request, num_new_tokens, samples=())]
-    return SchedulerOutput(scheduled, table_updates=llm.coordinator.take_table_updates())
+    return SchedulerOutput(scheduled, table_updates=llm.core.coordinator.take_table_updates())
 
 
 def test_prefill_logits_match_forward(name):
@@ -95,14 +95,14 @@ def test_prefill_logits_match_forward(name):
         # the state the first left, at a multiple of their scan's chunk (64 for Gated DeltaNet: elsewhere a
         # chunk's scan sums in another order, ~1e-4 on these logits).
         first = 64
-        assert llm.coordinator.allocate_slots(request, first)
-        head = llm.runner.execute(plan_of(llm, request, first), logits_rows=range(first))
+        assert llm.core.coordinator.allocate_slots(request, first)
+        head = llm.core.runner.execute(plan_of(llm, request, first), logits_rows=range(first))
         request.num_computed_tokens = first
-        llm.coordinator.update_computed(request)
+        llm.core.coordinator.update_computed(request)
         rest = len(prompt) - first
-        assert llm.coordinator.allocate_slots(request, rest)
-        tail = llm.runner.execute(plan_of(llm, request, rest), logits_rows=range(rest))
-        llm.coordinator.free("logits")
+        assert llm.core.coordinator.allocate_slots(request, rest)
+        tail = llm.core.runner.execute(plan_of(llm, request, rest), logits_rows=range(rest))
+        llm.core.coordinator.free("logits")
     finally:
         hybridkv.unpatch(model)
     got = torch.cat([head, tail])

@@ -84,7 +84,7 @@ def test_sleep_gives_the_pool_back_and_wake_up_restores_service(patched):
     assert outputs[0].metrics.num_cached_tokens == 0 and llm.stats()["prefix_cache_hits"] == hits  # dropped
     assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
     assert llm.stats()["blocks_in_use"] == 0
-    llm.coordinator.pool.check_integrity()
+    llm.core.coordinator.pool.check_integrity()
 
 
 def test_a_state_layer_hybrid_sleeps_and_wakes_with_its_states_and_checkpoints(patched):
@@ -92,14 +92,14 @@ def test_a_state_layer_hybrid_sleeps_and_wakes_with_its_states_and_checkpoints(p
     llm = patched(model, block_size=8, max_model_len=256, state_checkpoint_interval=16)
     batch = prompts((40, 70), shared_prefix=32)
     expected = token_ids(llm.generate(batch, GREEDY, use_tqdm=False))
-    assert llm.coordinator.state_checkpoints.num_kept > 0
-    state_storage = next(iter(llm.runner.state_pool.recurrent.values()))[0].untyped_storage()
+    assert llm.core.coordinator.state_checkpoints.num_kept > 0
+    state_storage = next(iter(llm.core.runner.state_pool.recurrent.values()))[0].untyped_storage()
     llm.sleep(level=2)
-    assert state_storage.nbytes() == 0 and llm.coordinator.state_checkpoints.num_kept == 0
+    assert state_storage.nbytes() == 0 and llm.core.coordinator.state_checkpoints.num_kept == 0
     llm.wake_up()
     assert state_storage.nbytes() > 0
     assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False)) == expected
-    llm.coordinator.state_checkpoints.check_integrity()
+    llm.core.coordinator.state_checkpoints.check_integrity()
 
 
 def test_sleep_refuses_while_requests_hold_pages_and_loses_nothing(patched):
@@ -138,7 +138,7 @@ def test_more_samples_than_max_num_seqs_queue_and_run_as_seats_free(patched):
     finished = {}
     while llm.has_unfinished_requests():
         finished.update({o.request_id: o for o in llm.step() if o.finished})
-        assert len(llm.scheduler.running) <= 4
+        assert len(llm.core.scheduler.running) <= 4
     for output in finished.values():
         assert [c.index for c in output.outputs] == list(range(10)) and output.error is None
         assert all(len(c.token_ids) == len(c.logprobs) == 8 for c in output.outputs)
@@ -154,7 +154,7 @@ def test_an_aborted_request_of_many_parts_returns_every_block(patched):
         llm.step()
     output = llm.abort("many")
     assert output.finished and len(output.outputs) == 8
-    assert llm.stats()["blocks_in_use"] == 0 and not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.stats()["blocks_in_use"] == 0 and not llm.core.scheduler.waiting and not llm.core.scheduler.running
 
 
 def test_more_samples_than_vllms_cap_are_refused_before_anything_is_queued(patched, monkeypatch):

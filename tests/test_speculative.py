@@ -49,7 +49,7 @@ def use_oracle(llm, batch, references, k=4):
                 proposal[spoiled] = (proposal[spoiled] + 1) % 256
             request.spec_token_ids = proposal
 
-    llm.speculator.propose = propose
+    llm.core.speculator.propose = propose
 
 
 @pytest.mark.parametrize("name", KINDS)
@@ -402,8 +402,8 @@ def test_the_compiled_program_checks_proposals_as_eager_mode_does(name, patched,
     )
     assert llm.stats()["compiled"]
     use_oracle(llm, batch, references)
-    program, served = llm.runner._forward_fn, []
-    llm.runner._forward_fn = lambda *inputs: served.append(len(inputs[0])) or program(*inputs)
+    program, served = llm.core.runner._forward_fn, []
+    llm.core.runner._forward_fn = lambda *inputs: served.append(len(inputs[0])) or program(*inputs)
     with torch.compiler.set_stance("fail_on_recompile"):
         assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
     stats = llm.stats()
@@ -461,7 +461,7 @@ def test_the_drafts_requests_go_on_from_round_to_round_computing_each_token_once
     assert outputs[0].outputs[0].token_ids == expected[0]
     assert outputs[1].outputs[0].token_ids == expected[1][:9]
     assert llm.stats()["spec_acceptance_rate"] == 1.0
-    engine = llm.speculator.draft
+    engine = llm.core.speculator.draft
     stats = engine.stats()
     assert not engine.has_unfinished_requests() and stats["blocks_in_use"] == 0
     # Each draft position once: the prompts, the tokens after them, and at most k - 1 proposals past the last check.
@@ -504,7 +504,7 @@ def test_a_draft_serves_samples_grammars_stops_and_logprobs_as_the_engine_withou
     assert plain[2].outputs[0].finish_reason == "stop"
     # The draft goes on from the kept tokens: a copy of the model keeps all its proposals the grammar lets through.
     assert stats["spec_acceptance_rate"] > 0.9 and stats["blocks_in_use"] == 0
-    engine = llm.speculator.draft
+    engine = llm.core.speculator.draft
     assert not engine.has_unfinished_requests() and engine.stats()["blocks_in_use"] == 0
 
 
@@ -520,7 +520,7 @@ def test_each_round_proposes_the_drafts_own_greedy_continuation_of_the_kept_toke
     llm = patched(
         model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 3}
     )
-    speculator = llm.speculator
+    speculator = llm.core.speculator
     draft_round, checked = speculator._draft_round, []
 
     def checked_round(wanted):

@@ -32,7 +32,7 @@ def _noise(pool, slots, generator) -> None:
 
 
 def _all_returned(llm) -> None:
-    slots = llm.coordinator.state_slots
+    slots = llm.core.coordinator.state_slots
     assert not slots.held and slots.num_free == slots.num_slots - 1
     slots.check_integrity()
     assert llm.stats()["blocks_in_use"] == 0
@@ -41,7 +41,7 @@ def _all_returned(llm) -> None:
 def test_every_state_slot_comes_back_on_finish_abort_fork_and_failure(patched, monkeypatch):
     model, batch, references = family("qwen3_5_text")
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=3)
-    slots = llm.coordinator.state_slots
+    slots = llm.core.coordinator.state_slots
 
     # Forks (n > 1) each take a slot of their own, and give it back.
     outputs = llm.generate(batch, SamplingParams(temperature=0.8, n=3, seed=1, max_tokens=6), use_tqdm=False)
@@ -59,7 +59,7 @@ def test_every_state_slot_comes_back_on_finish_abort_fork_and_failure(patched, m
     _all_returned(llm)
 
     # A failing step fails its requests; their slots come back and the engine keeps serving, exactly.
-    execute, calls = llm.runner.execute, {"n": 0}
+    execute, calls = llm.core.runner.execute, {"n": 0}
 
     def flaky(*args, **kwargs):
         calls["n"] += 1
@@ -67,11 +67,11 @@ def test_every_state_slot_comes_back_on_finish_abort_fork_and_failure(patched, m
             raise RuntimeError("injected fault")
         return execute(*args, **kwargs)
 
-    monkeypatch.setattr(llm.runner, "execute", flaky)
+    monkeypatch.setattr(llm.core.runner, "execute", flaky)
     failed = [o for o in llm.generate(batch, GREEDY, use_tqdm=False) if o.error]
     assert failed and all("injected fault" in o.error for o in failed)
     _all_returned(llm)
-    monkeypatch.setattr(llm.runner, "execute", execute)
+    monkeypatch.setattr(llm.core.runner, "execute", execute)
     out = llm.generate(batch[:2], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [r[0] for r in references[:2]]
     _all_returned(llm)
@@ -109,8 +109,8 @@ def test_the_pool_carries_the_state_between_steps(name, patched):
 
     llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=12))
     llm.step()  # the prompt: the slot now holds its state
-    (slot,) = llm.coordinator.state_slots.held.values()
-    _noise(llm.runner.state_pool, [slot], torch.Generator().manual_seed(0))
+    (slot,) = llm.core.coordinator.state_slots.held.values()
+    _noise(llm.core.runner.state_pool, [slot], torch.Generator().manual_seed(0))
     tokens = []
     while llm.has_unfinished_requests():
         tokens = next((o.outputs[0].token_ids for o in llm.step() if o.finished), tokens)
@@ -151,13 +151,13 @@ def test_a_bf16_state_model_is_checked_on_an_fp32_copy_whose_states_are_fp32(nam
     model = ZOO[name]().to(torch.bfloat16)
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=2)
     assert llm.stats()["step_check"] == "fp32 copy"
-    for spec in llm.runner.states:
+    for spec in llm.core.runner.states:
         assert {dtype for _, dtype in spec.conv} <= {torch.bfloat16}
 
 
 def _fill_kept_checkpoints_with_noise(llm) -> None:
-    slots = list(llm.coordinator.state_checkpoints._kept.values())
-    _noise(llm.runner.state_pool, slots, torch.Generator().manual_seed(0))
+    slots = list(llm.core.coordinator.state_checkpoints._kept.values())
+    _noise(llm.core.runner.state_pool, slots, torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("name", sorted(STATE))
@@ -179,7 +179,7 @@ def test_a_hit_restores_the_state_kept_at_its_end(name, patched):
     assert warm.metrics.num_cached_tokens == 2 * interval
     assert warm.outputs[0].token_ids == expected
     _all_returned(llm)
-    check_coordinator(llm.coordinator)
+    check_coordinator(llm.core.coordinator)
 
     _fill_kept_checkpoints_with_noise(llm)
     (noisy,) = llm.generate([second], greedy, use_tqdm=False)
@@ -190,7 +190,7 @@ def test_a_hit_restores_the_state_kept_at_its_end(name, patched):
 def test_checkpoints_are_bounded_and_the_least_recently_used_goes(patched):
     model, _, _ = family("qwen3_5_text")
     llm = patched(model, block_size=8, max_model_len=512, max_num_seqs=2, num_state_checkpoints=2)
-    checkpoints = llm.coordinator.state_checkpoints
+    checkpoints = llm.core.coordinator.state_checkpoints
     interval = checkpoints.interval
     greedy = SamplingParams(temperature=0, max_tokens=2)
     shared = prompts((3,), seed=8, shared_prefix=interval + 1)[0]
@@ -220,13 +220,13 @@ def test_a_failed_step_keeps_none_of_its_checkpoints(patched, monkeypatch):
     llm = patched(model, block_size=8, max_model_len=512, max_num_seqs=2)
     interval = llm.stats()["state_checkpoint_interval"]
     prompt = prompts((interval + 9,), seed=4)[0]
-    original = llm.runner.forward
-    monkeypatch.setattr(llm.runner, "forward", lambda prepared: 1 / 0)
+    original = llm.core.runner.forward
+    monkeypatch.setattr(llm.core.runner, "forward", lambda prepared: 1 / 0)
     (failed,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert failed.outputs[0].finish_reason == "error"
     assert llm.stats()["state_checkpoints_kept"] == 0
-    check_coordinator(llm.coordinator)
-    monkeypatch.setattr(llm.runner, "forward", original)
+    check_coordinator(llm.core.coordinator)
+    monkeypatch.setattr(llm.core.runner, "forward", original)
     (again,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert again.metrics.num_cached_tokens == 0 and again.outputs[0].token_ids == hf_greedy(model, prompt, 2)[0]
     _all_returned(llm)
@@ -237,7 +237,7 @@ def _swapping(model, patched, **settings):
     base = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
     num_blocks = hybridkv.min_num_blocks(model, **base) + 1
     llm = patched(model, **base, num_blocks=num_blocks, preemption_mode="swap", **settings)
-    llm.runner.verify_tables = llm.coordinator.block_tables
+    llm.core.runner.verify_tables = llm.core.coordinator.block_tables
     return llm
 
 
@@ -256,7 +256,7 @@ def test_preemption_by_swap_carries_the_state_out_and_back(name, patched):
     assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
     assert llm.stats()["num_swaps"] > 0
     _all_returned(llm)
-    swap_states = llm.scheduler.swap_states
+    swap_states = llm.core.scheduler.swap_states
     assert not swap_states.held and swap_states.num_free == swap_states.num_slots - 1
 
 
@@ -276,15 +276,15 @@ def test_a_swapped_state_is_the_one_that_comes_back(patched):
     ids = [llm.add_request(new_request_id(), p, greedy) for p in batch]
     done, noised = {}, set()
     generator = torch.Generator().manual_seed(0)
-    cpu = llm.runner._swap_states
+    cpu = llm.core.runner._swap_states
     while llm.has_unfinished_requests():
         for output in llm.step():
             done[output.request_id] = output
-        for request in llm.scheduler.swapped:  # decoding: its next token comes from this state
+        for request in llm.core.scheduler.swapped:  # decoding: its next token comes from this state
             request_id = request.group.request_id
             if request.num_computed_tokens > request.num_prompt_tokens and request_id not in noised:
                 noised.add(request_id)
-                _noise(cpu, [llm.scheduler.swap_states.held[request.request_id]], generator)
+                _noise(cpu, [llm.core.scheduler.swap_states.held[request.request_id]], generator)
     assert noised, "no decoding request was swapped: the pool is not tight enough for this test"
     changed = {
         request_id

@@ -78,7 +78,7 @@ def test_every_row_of_a_served_model_matches_its_forward_within_the_tolerance_by
     model = ZOO["gemma3_text"]()
     llm = hybridkv.patch(model)
     try:
-        check = llm.step_check
+        check = llm.core.step_check
         assert check.mode == "fp32" and llm.stats()["step_check"] == "fp32"
         # Two first chunks, a later chunk, decode rows in a mixed step and in a decode-only step.
         assert [(s.step, s.sequence, s.first_position, s.num_rows) for s in check.segments] == [
@@ -110,7 +110,7 @@ def test_a_16_bit_model_too_large_for_a_copy_is_checked_for_gross_errors_in_its_
     model = ZOO["mixtral"]().to(torch.bfloat16)  # MoE: bf16 rounding flips experts, the worst served case
     llm = hybridkv.patch(model)
     assert llm.stats()["step_check"] == "bfloat16, gross errors only"
-    assert max(s.median for s in llm.step_check.segments) < step_check.GROSS
+    assert max(s.median for s in llm.core.step_check.segments) < step_check.GROSS
     hybridkv.unpatch(model)
     with pytest.raises(ValueError, match=r"\(checked in the model's own dtype: it is too large for an fp32 copy\)"):
         hybridkv.patch(REFUSED["bart"]().to(torch.bfloat16))

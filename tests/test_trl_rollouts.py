@@ -52,7 +52,7 @@ class FollowsTheWeights(TrainerCallback):
         ours = self.generate([self.prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert ours == hf_greedy(self.policy, self.prompt), f"step {state.global_step}: a stale rollout"
         assert self.policy.training
-        self.keys.append(self.llm.coordinator.model_key)
+        self.keys.append(self.llm.core.coordinator.model_key)
         self.checked += 1
 
 
@@ -162,7 +162,7 @@ class FollowsTheAdapter(TrainerCallback):
         greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
         ours = llm.generate([self.prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
         assert ours == hf_greedy(model, self.prompt), f"step {state.global_step}: a stale rollout"
-        self.keys.append(llm.coordinator.model_key)
+        self.keys.append(llm.core.coordinator.model_key)
 
 
 def test_lora_training_through_trls_peft_config_is_followed(tmp_path, monkeypatch):

@@ -277,9 +277,9 @@ def test_swap_space_is_in_gib(checkpoint, patched):
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     small = patched(model, max_model_len=256, block_size=8, num_blocks=64, preemption_mode="swap", swap_space=0.25)
     assert small.config.swap_space_bytes == 1 << 28  # a quarter GiB: before, 0.25 was a TypeError (bytes, an int)
-    assert small.scheduler.swap_space.num_blocks == 63  # capped at the device pool, as before
+    assert small.core.scheduler.swap_space.num_blocks == 63  # capped at the device pool, as before
     recompute = patched(AutoModelForCausalLM.from_pretrained(checkpoint).eval(), max_model_len=256, swap_space=4)
-    assert recompute.config.swap_space_bytes == 0 and recompute.scheduler.swap_space.num_blocks == 0
+    assert recompute.config.swap_space_bytes == 0 and recompute.core.scheduler.swap_space.num_blocks == 0
 
 
 def free_port():

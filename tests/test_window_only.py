@@ -29,8 +29,8 @@ def run_stepwise(llm, batch):
     while llm.has_unfinished_requests():
         for output in llm.step():
             done[output.request_id] = output
-        running = {r.request_id: r for r in llm.scheduler.running}
-        check_coordinator(llm.coordinator, running)
+        running = {r.request_id: r for r in llm.core.scheduler.running}
+        check_coordinator(llm.core.coordinator, running)
         peak_blocks = max(peak_blocks, llm.stats()["blocks_in_use"])
     return [done[i] for i in ids], peak_blocks
 
@@ -58,17 +58,17 @@ def test_sliding_groups_hold_no_more_than_their_window_while_a_chunk_is_computed
     model, _, _ = family("gemma3_text")
     llm = patched(model, **SETTINGS, max_num_batched_tokens=128, enable_prefix_caching=False)
     llm.add_request(new_request_id(), prompts((250,), seed=6)[0], SamplingParams(temperature=0, max_tokens=2))
-    plan = llm.scheduler.schedule()  # the first 128 tokens in one chunk
-    windowed = [m for m in llm.coordinator.managers if isinstance(m, WindowedManager)]
+    plan = llm.core.scheduler.schedule()  # the first 128 tokens in one chunk
+    windowed = [m for m in llm.core.coordinator.managers if isinstance(m, WindowedManager)]
     request_id = plan.scheduled[0].request.request_id
     # W = 16: the query at 128 reads keys from 113 on, blocks 14 and 15 of 8 tokens; 0..13 are in flight only.
     assert all(m.block_table(request_id) == [0] * 14 + m.block_table(request_id)[14:] for m in windowed)
     assert all(m.num_real_blocks(request_id) == 2 for m in windowed)
-    llm.runner.execute(plan)
-    llm.scheduler.update(plan, [])
+    llm.core.runner.execute(plan)
+    llm.core.scheduler.update(plan, [])
     # 128..249: the query at 250 reads from 235 on, blocks 29..31. Blocks 14 and 15 are read by the
     # chunk's first queries, then move to two of those positions; the third takes a fresh block.
-    plan = llm.scheduler.schedule()
+    plan = llm.core.scheduler.schedule()
     table = windowed[0].block_table(request_id)
     assert table[14] < 0 and table[15] < 0 and {-table[14], -table[15]} < set(table[29:])
     assert table[16:29] == [0] * 13

@@ -97,7 +97,7 @@ def main() -> None:
                     proposal[spoiled] = (proposal[spoiled] + 1) % 256
                 request.spec_token_ids = proposal
 
-        llm.speculator.propose = propose
+        llm.core.speculator.propose = propose
         result = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         seen["spec_num_accepted_tokens"] = llm.stats()["spec_num_accepted_tokens"]
         return result
@@ -144,7 +144,7 @@ def main() -> None:
 
 
 def inject_fault(llm, at_call: int) -> None:
-    prepare = llm.runner.prepare
+    prepare = llm.core.runner.prepare
     calls = [0]
 
     def failing(inputs):
@@ -153,7 +153,7 @@ def inject_fault(llm, at_call: int) -> None:
             raise RuntimeError("injected fault on this rank")
         return prepare(inputs)
 
-    llm.runner.prepare = failing
+    llm.core.runner.prepare = failing
 
 
 if __name__ == "__main__":

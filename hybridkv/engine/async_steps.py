@@ -24,9 +24,9 @@ Step N+1 is planned before step N finishes only where nothing it plans can depen
   (before it is planned again); by swap its blocks are copied once the step in flight has written them (the copy
   waits for the device);
 - with state checkpoints, no request's pending token ends a checkpoint interval (the checkpoint's hash needs it);
-- the model needs no check this call (`LLMEngine._follow_model` runs with nothing in flight).
+- the model needs no check this call (`LLMEngine.follow_model` runs with nothing in flight).
 Otherwise N finishes first, and a plan whose sampling needs the host (forks, beams) runs synchronously
-(`LLMEngine._run`). Either way each `step()` finishes one step and returns its reports, as the synchronous
+(`LLMEngine.run_plan`). Either way each `step()` finishes one step and returns its reports, as the synchronous
 engine's does; the tokens are the same (tests/test_async_scheduling.py), except unseeded sampling's, which draw from
 torch's global generator in the order the steps make.
 """
@@ -34,67 +34,39 @@ torch's global generator in the order the steps make.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
+from hybridkv.engine.output_processor import OutputProcessor, RequestState
+from hybridkv.outputs import RequestOutput
 from hybridkv.sampling import sampler
 from hybridkv.sampling.sampler import SampledLogprobs, draw_tokens
-
-if TYPE_CHECKING:
-    from hybridkv.engine.output_processor import OutputProcessor, RequestState
-    from hybridkv.execution.model_runner import ModelRunner
-    from hybridkv.memory.coordinator import KVCacheCoordinator
-    from hybridkv.outputs import RequestOutput
-    from hybridkv.scheduling.request import Request, RequestStatus
-    from hybridkv.scheduling.scheduler import Scheduler, SchedulerOutput
+from hybridkv.scheduling.request import Request
+from hybridkv.scheduling.scheduler import SchedulerOutput
 
 
-class SteppedEngine(Protocol):
-    """What async scheduling asks of its engine (`LLMEngine`, which owns an `AsyncSteps`; named here, not imported:
-    the engine imports this module): its parts, the synchronous step's pieces it reuses, and the counters it adds
-    to."""
+class StepFront(Protocol):
+    """What async scheduling asks of the engine's front (`LLMEngine`, which owns an `AsyncSteps`; named here, not
+    imported: the front imports this module), through its public calls: whether the model must be checked before
+    the next plan, the check, a plan run synchronously, a step's update once its tokens are read, and the list of
+    reports no caller claimed yet."""
 
-    scheduler: Scheduler
-    coordinator: KVCacheCoordinator
-    runner: ModelRunner
-    outputs: OutputProcessor
-    num_generated_tokens: int
-    schedule_seconds: float
-    update_seconds: float
-    _unreported: list[RequestState]
-    _unclaimed: list[RequestOutput]
+    unclaimed: list[RequestOutput]
 
-    def _model_check_due(self) -> bool: ...
+    def model_check_due(self) -> bool: ...
 
-    def _follow_model(self) -> None: ...
+    def follow_model(self) -> None: ...
 
-    def _take_touched(self) -> dict[str, RequestState]: ...
+    def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]: ...
 
-    def _run(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]: ...
+    def record_prompt_logprobs(self, prompt_logprobs: list[PromptLogprobs]) -> None: ...
 
-    def _compute(self, plan: SchedulerOutput) -> torch.Tensor | None: ...
-
-    def _sample(
-        self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]: ...
-
-    def _fail_step(self, plan: SchedulerOutput, error: str) -> None: ...
-
-    def _update(
-        self,
-        plan: SchedulerOutput,
-        sampling: list[Request],
-        tokens: list[int | None],
-        logprobs: Sequence[SampledLogprobs | None],
-        touched: dict[str, RequestState],
+    def finish_step(
+        self, plan: SchedulerOutput, sampled: SampledTokens, touched: dict[str, RequestState]
     ) -> list[RequestOutput]: ...
-
-    def _record_alone(
-        self, plan: SchedulerOutput, tokens: list[int], advance: bool
-    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus, RequestState]]]: ...
 
 
 @dataclass(slots=True)
@@ -127,7 +99,7 @@ class InFlightStep:
     # Whether the next step may be planned before this one's tokens are read (every sampler `overlaps`, drew on
     # the device); the other conditions are the engine's state then (`AsyncSteps._may_overlap`).
     overlaps: bool = True
-    # Every request of the plan `overlaps` and drew on the device: its finish is one pass (`LLMEngine._record_alone`).
+    # Every request of the plan `overlaps` and drew on the device: its finish is one pass (`record_alone`).
     alone: bool = False
     _host: torch.Tensor | None = None
     _copied: torch.cuda.Event | None = None
@@ -154,36 +126,40 @@ class InFlightStep:
 
 
 class AsyncSteps:
-    """An engine's steps with async scheduling: at most one step in flight between calls (`in_flight`)."""
+    """An engine's steps with async scheduling: at most one step in flight between calls (`in_flight`). It composes
+    the core's steps (`EngineCore`) with the front's records (`OutputProcessor`) and calls (`StepFront`)."""
 
-    def __init__(self, engine: SteppedEngine) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore, outputs: OutputProcessor, front: StepFront) -> None:
+        self.core = core
+        self.outputs = outputs
+        self.front = front
+        self.update_seconds = 0.0  # the host updating finished steps' requests (`stats()` adds the front's)
         self.in_flight: InFlightStep | None = None
         self.num_overlapped = 0  # steps planned while the one before ran (`stats()`)
         self.wait_seconds = 0.0  # the host waiting for sampled tokens
 
     def step(self) -> list[RequestOutput]:
         """Finish one step and return its reports; the next is launched before, where it may be."""
-        engine = self.engine
+        front = self.front
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is None:
-            if engine._model_check_due():
-                engine._follow_model()
-            plan = self._schedule()
+            if front.model_check_due():
+                front.follow_model()
+            plan = self.core.schedule()
             if not self._launchable(plan):
-                return engine._run(plan, engine._take_touched())
+                return front.run_plan(plan)
             in_flight, reports = self._start(plan, None)
             if in_flight is None:
                 return reports
-        elif engine._model_check_due():
+        elif front.model_check_due():
             return self._finish(in_flight)
         if not self._may_overlap(in_flight):
             return self._finish(in_flight)
-        plan = self._schedule()
+        plan = self.core.schedule()
         if not self._launchable(plan):  # finish the step in flight, then run this plan as the synchronous engine
             reports = self._finish(in_flight)
             plan.drop([s.request for s in plan.scheduled if s.request.status.is_finished])
-            return _merged(reports, engine._run(plan, engine._take_touched()))
+            return _merged(reports, front.run_plan(plan))
         self.num_overlapped += 1
         following, failed = self._start(plan, in_flight)
         if following is None:  # it failed: the step in flight was finished first (`_start`)
@@ -191,19 +167,12 @@ class AsyncSteps:
         self.in_flight = following
         return self._finish(in_flight)
 
-    def drain(self) -> None:
-        """Finish the step in flight, its reports kept for the next `step()` (before the engine's state is changed
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step in flight, its reports for the next `step()` (before the engine's state is changed
         outside a step: a model check, a reset of the prefix cache, a preemption of every request). `close` drops
         it instead: its tokens would go to no one."""
         in_flight, self.in_flight = self.in_flight, None
-        if in_flight is not None:
-            self.engine._unclaimed.extend(self._finish(in_flight))
-
-    def _schedule(self) -> SchedulerOutput:
-        start = time.perf_counter()
-        plan = self.engine.scheduler.schedule()
-        self.engine.schedule_seconds += time.perf_counter() - start
-        return plan
+        return [] if in_flight is None else self._finish(in_flight)
 
     @staticmethod
     def _launchable(plan: SchedulerOutput) -> bool:
@@ -217,10 +186,10 @@ class AsyncSteps:
         """Whether the next step may be planned before `step` finishes (see the module docstring)."""
         if not step.overlaps:
             return False
-        engine = self.engine
-        if engine.scheduler.swapped:
+        core = self.core
+        if core.scheduler.swapped:
             return False
-        checkpoints = engine.coordinator.state_checkpoints
+        checkpoints = core.coordinator.state_checkpoints
         if checkpoints is not None:
             interval = checkpoints.interval
             if any((request.num_computed_tokens + 1) % interval == 0 for request in step.sampling):
@@ -232,7 +201,7 @@ class AsyncSteps:
     ) -> tuple[InFlightStep | None, list[RequestOutput]]:
         """Launch the plan. Where it fails, the step in flight finishes first (its tokens were drawn before), then
         the plan's requests fail as a synchronous step's do: (None, the reports of both)."""
-        engine = self.engine
+        front, outputs = self.front, self.outputs
         try:
             return self._launch(plan), []
         except BaseException as exc:
@@ -247,21 +216,23 @@ class AsyncSteps:
                 if interrupted
                 else f"the step failed: {type(exc).__name__}: {exc}"
             )
-            engine._fail_step(plan, reason)
+            self.core.fail_step(plan, reason)
             # A request failed here is reported once, with its failure (not also with the step in flight's reports).
             failed = {request.group.request_id for request in plan.failed}
             reports = [report for report in reports if report.request_id not in failed]
             if interrupted:
-                engine._unclaimed.extend(reports)
-                engine._unreported.extend(engine.outputs.state_of(request) for request in plan.failed)
+                front.unclaimed.extend(reports)
+                outputs.unreported.extend(outputs.state_of(request) for request in plan.failed)
                 raise
-            return None, _merged(reports, engine._update(plan, [], [], [], engine._take_touched()))
+            return None, _merged(reports, front.finish_step(plan, NOTHING_SAMPLED, outputs.take_unreported()))
 
     def _launch(self, plan: SchedulerOutput) -> InFlightStep:
         """Queue the plan's forward and sampling, advance its requests, make the KV side of its update."""
-        engine = self.engine
+        core = self.core
         step = InFlightStep(plan)
-        logits = engine._compute(plan)
+        output = core.execute(plan)
+        self.front.record_prompt_logprobs(output.prompt_logprobs)
+        logits = output.logits
         if logits is not None and plan.sampling:
             self._draw(step, logits)
         for request, num_new, _ in plan.scheduled:
@@ -271,20 +242,20 @@ class AsyncSteps:
         for request in step.sampling:
             request.num_pending_tokens += 1
         if step.tokens is not None:
-            engine.runner.pending_tokens = PendingTokens(step.tokens, [request.request_id for request in step.sampling])
+            core.runner.pending_tokens = PendingTokens(step.tokens, [request.request_id for request in step.sampling])
             step.start_copy()
-        engine.scheduler.update_blocks(plan)
+        core.update_blocks(plan)
         return step
 
     def _draw(self, step: InFlightStep, logits: torch.Tensor) -> None:
         """The step's tokens: drawn on the device where every row can be, else sampled as the synchronous engine
-        samples (a row that fails fails its request alone: `LLMEngine._sample`)."""
-        engine = self.engine
+        samples (a row that fails fails its request alone: `EngineCore.sample_rows`)."""
+        core = self.core
         sampling = step.plan.sampling
         if step.plan.greedy_alone:  # every row its argmax (what the synchronous engine's one-pass step takes)
             step.tokens = torch.as_tensor(sampler.greedy_tokens(logits), device=logits.device)
             step.sampling = sampling
-            engine.num_generated_tokens += len(sampling)
+            core.num_generated_tokens += len(sampling)
             return
         rows = [request.sampling_row for request in sampling]
         if all(request.overlaps for request in sampling):
@@ -292,35 +263,35 @@ class AsyncSteps:
             try:
                 step.tokens = draw_tokens(logits, rows)
                 step.sampling = sampling
-                engine.num_generated_tokens += len(sampling)
+                core.num_generated_tokens += len(sampling)
                 return
             except Exception:  # one row's parameters: sampled again row by row, from the same draws
                 for generator, state in seeded:
                     generator.set_state(state)
-        sampling, tokens, logprobs = engine._sample(logits, step.plan, sampling)
-        engine.num_generated_tokens += len(tokens)
+        sampling, tokens, logprobs = core.sample_rows(logits, step.plan, sampling)
+        core.num_generated_tokens += len(tokens)
         step.sampling, step.listed, step.logprobs, step.overlaps = sampling, tokens, list(logprobs), False
         step.tokens = torch.tensor(tokens, dtype=torch.long, device=logits.device)
 
     def _finish(self, step: InFlightStep) -> list[RequestOutput]:
         """Read the step's tokens and update its requests as the synchronous engine's update does; a request that
         stops is first taken back from the step launched after this one (`in_flight`). The step's reports."""
-        engine = self.engine
+        core, outputs = self.core, self.outputs
         wait_start = time.perf_counter()
         tokens = step.host_tokens()
         start = time.perf_counter()
         self.wait_seconds += start - wait_start
         following = self.in_flight
-        if step.alone and not engine._unreported and not step.plan.failed:
-            # Every request sampled alone with nothing but its token to record: one pass (`_record_alone`).
-            reports, stopped = engine._record_alone(step.plan, tokens, advance=False)
+        if step.alone and not outputs.unreported and not step.plan.failed:
+            # Every request sampled alone with nothing but its token to record: one pass (`record_alone`).
+            reports, stopped = outputs.record_alone(step.plan, tokens, advance=False)
             for request, status, state in stopped:
                 if following is not None:
                     self._take_back(following, request)
-                engine.scheduler.finish(request, status)
-                engine.outputs.output(state)
+                core.finish(request, status)
+                outputs.output(state)
             self._drop_if_taken_back()
-            engine.update_seconds += time.perf_counter() - start
+            self.update_seconds += time.perf_counter() - start
             return reports
         logprobs = step.logprobs or [None] * len(tokens)
         live: list[Request] = []
@@ -334,20 +305,14 @@ class AsyncSteps:
             live.append(request)
             live_tokens.append(token)
             live_logprobs.append(token_logprobs)
-        for request, status, error in engine.outputs.process(live, live_tokens, live_logprobs):
+        for request, status, error in outputs.process(live, live_tokens, live_logprobs):
             if following is not None:
                 self._take_back(following, request)
-            engine.scheduler.finish(request, status, error)
+            core.finish(request, status, error)
         self._drop_if_taken_back()
-        touched = engine._take_touched()
-        states = engine.outputs.states
-        plan = step.plan
-        for request in [s.request for s in plan.scheduled] + plan.failed:
-            request_id = request.group.request_id
-            if request_id not in touched and request_id in states:
-                touched[request_id] = states[request_id]
-        engine.update_seconds += time.perf_counter() - start
-        return [engine.outputs.output(state) for state in touched.values() if not state.output.finished]
+        reports = outputs.reports(step.plan, outputs.take_unreported())
+        self.update_seconds += time.perf_counter() - start
+        return reports
 
     def _drop_if_taken_back(self) -> None:
         """A step in flight whose every request finished computes nothing anyone reads: dropped, so that an engine

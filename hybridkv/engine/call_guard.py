@@ -36,8 +36,8 @@ def exclusive(method: Method) -> Method:
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self._closed:
             raise RuntimeError(CLOSED_MESSAGE)
-        if self.tp is not None and not self.tp.driver:
-            raise RuntimeError(WORKER_MESSAGE.format(rank=self.tp.rank))
+        if self.core.worker_rank is not None:
+            raise RuntimeError(WORKER_MESSAGE.format(rank=self.core.worker_rank))
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(BUSY_MESSAGE)
         try:

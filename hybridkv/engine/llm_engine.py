@@ -1,14 +1,19 @@
-"""The engine: requests in (`add_request`, `abort`, `abort_all`), the step loop (schedule -> swap copies ->
-one forward -> sample -> update -> outputs) and `stats`.
+"""The engine's front, `LLMEngine`: prompts in (`add_request`, `generate`, `chat`, `stream`, `beam_search`), outputs
+out (`RequestOutput`s, streams), over an `EngineCore` (hybridkv/engine/core.py) that schedules, executes, samples and
+updates.
+
+A step, synchronous: `core.schedule()` -> `core.execute(plan)` (prompt logprobs recorded here) -> `core.sample` ->
+`core.update` -> `OutputProcessor.process` (text, logprobs, stop decisions) -> `core.finish` for each request that
+stopped -> the step's reports. With async scheduling `AsyncSteps` (hybridkv/engine/async_steps.py) composes the same
+steps one ahead.
 
 What comes before and after a step lives beside it: `hybridkv/execution/inputs.py` (prompts into checked ids),
-`hybridkv/engine/output_processor.py` (text, logprobs, stop decisions, outputs), `hybridkv/engine/run_loops.py`
-(`generate`, `chat`, `stream`: loops over steps), `hybridkv/engine/stream.py` (a streamed request),
-`hybridkv/execution/sizing.py` (the pool's size).
+`hybridkv/engine/output_processor.py` (text, logprobs, stop decisions, outputs), `hybridkv/engine/stream.py` (a
+streamed request), `hybridkv/engine/stats.py` (`stats()`).
 
-Every public call is `exclusive` (one thread at a time; none after `unpatch`). Nothing is lost on the
-way out: a request whose call fails or is interrupted (KeyboardInterrupt) is aborted, and every block it
-held returns to the pool.
+Every public call is `exclusive` (one thread at a time; none after `unpatch`). Nothing is lost on the way out: a
+request whose call fails or is interrupted (KeyboardInterrupt) is aborted, and every block it held returns to the
+pool.
 
 The engine follows the model (`hybridkv/execution/model_watch.py`): the first step of a call that may admit a request
 (or replay a CUDA graph) checks whether the model changed since the last call, and a request admitted after a change is
@@ -19,11 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
-import math
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -32,42 +34,43 @@ import torch
 
 from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
+from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
+from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
 from hybridkv.engine.output_processor import OutputProcessor, RequestState
-from hybridkv.engine.run_loops import RunLoops
-from hybridkv.engine.speculation import Speculator, check_draft
-from hybridkv.engine.stats import EngineStats
+from hybridkv.engine.speculation import check_draft
+from hybridkv.engine.stats import engine_stats
+from hybridkv.engine.stream import RequestStream
 from hybridkv.execution.config import EngineConfig
-from hybridkv.execution.cpu_threads import StepThreads
-from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.execution.eval_semantics import eval_modules, restore_training
-from hybridkv.execution.graphs import captures_graphs, decode_buckets, graph_mode
-from hybridkv.execution.inputs import InputProcessor, Prompt, eos_token_ids, plain_prompt, refuse_lora_request
-from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
-from hybridkv.execution.model_watch import ModelChange, ModelWatch
+from hybridkv.execution.inputs import (
+    InputProcessor,
+    Prompt,
+    eos_token_ids,
+    plain_prompt,
+    prompt_list,
+    refuse_lora_request,
+)
 from hybridkv.execution.multimodal import ImageEncoder, MultiModalInputs
-from hybridkv.execution.sizing import kv_layout, min_num_blocks, num_kv_blocks
-from hybridkv.execution.state_layers import scan_chunk
-from hybridkv.execution.step_check import check_step_exactness
-from hybridkv.kernels.quant import is_fp8
-from hybridkv.memory.coordinator import KVCacheCoordinator
-from hybridkv.outputs import RequestOutput
+from hybridkv.execution.progress import progress_bar
+from hybridkv.execution.sizing import min_num_blocks
+from hybridkv.memory.grouping import KVCacheConfig
+from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.patches import attention
-from hybridkv.patches.probe import attention_installed, image_attention_layers
-from hybridkv.sampling import sampler
-from hybridkv.sampling.beam_search import BeamSearch, BeamSearchParams
-from hybridkv.sampling.sampler import SampledLogprobs, sample_each, token_logprobs
+from hybridkv.patches.probe import image_attention_layers
+from hybridkv.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from hybridkv.sampling.sampler import SampledLogprobs
 from hybridkv.sampling.structured_outputs import GrammarCompiler
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
 from hybridkv.scheduling.sampling_params import SamplingParams, generation_config_defaults
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.scheduling.scheduler import SchedulerOutput
 from hybridkv.scheduling.stopping import StopRules
 from hybridkv.scheduling.validation import check_bool
 
-__all__ = ["EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
+__all__ = ["CheckedRequest", "EngineConfig", "LLMEngine", "Prompt", "min_num_blocks"]
 
 
 class CheckedRequest(NamedTuple):
-    """A request as `_checked_request` passed it, what `_enqueue` takes."""
+    """A request as `check_request` passed it, what `enqueue` takes."""
 
     request_id: str
     prompt_text: str | None
@@ -76,31 +79,9 @@ class CheckedRequest(NamedTuple):
     multimodal: MultiModalInputs | None = None
 
 
-logger = logging.getLogger("hybridkv")
-
-
-class MemoryPlan(NamedTuple):
-    """What `LLMEngine._plan_memory` gives the engine to build: the pool's blocks and swap blocks, state slots (one
-    per request that may run, and the scratch slot), state checkpoints and their interval, CPU state slots for
-    swapped requests."""
-
-    num_blocks: int
-    num_swap_blocks: int
-    num_state_slots: int
-    num_checkpoints: int
-    checkpoint_interval: int
-    num_swap_state_slots: int
-
-
-def compiles_by_default(captures: bool) -> bool:
-    """compile=None: compiled where CUDA graphs are captured (one GPU), eager elsewhere: on the CPU compiling costs
-    more set-up than its steps save (benchmarks/RESULTS.md, "The compiled forward")."""
-    return captures
-
-
-class LLMEngine(RunLoops, EngineStats):
-    """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`); `generate`,
-    `chat` and `stream` come from `RunLoops` (hybridkv/engine/run_loops.py)."""
+class LLMEngine:
+    """A continuous-batching engine bound to one Hugging Face model (see `hybridkv.patch`): the front over its
+    `EngineCore` (`core`)."""
 
     def __init__(
         self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None, processor: Any = None
@@ -110,23 +91,11 @@ class LLMEngine(RunLoops, EngineStats):
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = config
-        layout = self._probe()
-        buckets, captures, compiled = self._plan_steps(layout)
-        memory = self._plan_memory(layout, max(buckets, default=0))
-        self._wire_memory(memory)
-        self._wire_runner(layout, memory, buckets, captures, compiled)
-        self._wire_requests(layout)
-        # Whether only full attention holds what a request computed: no state layer (it cannot go back) and no window
-        # or attention chunk (a block behind one may have gone back to the pool). A speculative step's proposals
-        # then store their K/V, and a request can go on from other tokens (`_continue_from`).
-        self.full_attention_only = not layout.states and all(
-            group.sliding_window is None and group.attention_chunk_size is None for group in self.kv_config.groups
-        )
-        self.speculator = self._speculator(layout)
-        # Requests that ended outside a step's outputs (rejected at add, failed by an interrupted step):
-        # the next step reports them.
-        self._unreported: list[RequestState] = []
-        self._unclaimed: list[RequestOutput] = []
+        self.core = EngineCore(model, config, self._draft_engine)
+        self._build_requests()
+        # Finished outputs no caller claimed yet (those of `abort_request`, of a loop's step that other requests
+        # finished in, of an async step finished early): the next `step()` returns them first.
+        self.unclaimed: list[RequestOutput] = []
         # Streams dropped while an engine call was under way: aborted when the next call begins.
         self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
@@ -134,133 +103,27 @@ class LLMEngine(RunLoops, EngineStats):
         self._depth = 0  # engine calls under way in the owning thread (they nest)
         self._training_modules: list[torch.nn.Module] = []  # switched to eval for the call under way (`_begin_call`)
         self._closed = False
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_forward_tokens = 0
         self.step_seconds = 0.0
-        self.schedule_seconds = 0.0
         self.update_seconds = 0.0
-        # Requests (their leaders) whose prompt logprobs are not all computed yet (`_prompt_logprob_rows`).
-        self._prompt_logprobs_pending: set[str] = set()
-        # The model as the caches know it: checked at most once per engine call (`_follow_model`).
-        self.model_watch = ModelWatch(model)
+        # The model as the caches know it: checked at most once per engine call (`follow_model`).
         self._model_checked = True
-        on_cuda = self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
-        ahead = config.async_scheduling if config.async_scheduling is not None else on_cuda and not self.speculator
-        self.async_steps = AsyncSteps(self) if ahead else None
+        speculates = self.core.speculator is not None
+        ahead = config.async_scheduling
+        if ahead is None:
+            ahead = self.core.on_one_gpu and not speculates
+        self.async_steps = AsyncSteps(self.core, self.outputs, self) if ahead else None
 
-    def _probe(self) -> Any:
-        """The model's layers as the probe finds them (their kinds, KV groups, dtypes) and the end-to-end check of
-        its steps against its own forward; the layout (`ModelLayout`) the plans are made from."""
-        start = time.perf_counter()
-        self.layer_dtypes, layout, self.kv_config, self.max_model_len = kv_layout(self.model, self.config)
-        probed = time.perf_counter()
-        self.step_check = check_step_exactness(self.model, layout)
-        logger.info(
-            "hybridkv: %s probed in %.1f s, its steps checked against its forward in %.1f s",
-            type(self.model).__name__,
-            probed - start,
-            time.perf_counter() - probed,
-        )
-        self.bytes_per_block = self.kv_config.block_bytes
-        return layout
-
-    def _plan_steps(self, layout: Any) -> tuple[tuple[int, ...], bool, bool]:
-        """How steps run: the decode buckets (graph mode), whether CUDA graphs are captured over them, whether the
-        forward is compiled; and the tensor-parallel group, if any. Refuses what cannot be served so."""
-        config, model = self.config, self.model
-        if layout.states and config.compile:
-            raise ValueError(
-                "compile=True does not compile models with state layers yet (each layer runs per request segment); "
-                "patch with compile=False"
-            )
-        # State layers run per request segment, which no graph captures yet: their models' steps are not padded to
-        # buckets. Latent attention's decode steps are captured where its decode rows take the Triton latent kernel,
-        # over the step buffers alone; over fp8 pages they take the torch path, built per step: not padded either
-        # (hybridkv/kernels/contexts.py). A latent model compiles when asked to, compile=True.
-        latent_fp8 = any(is_fp8(self.layer_dtypes.dtypes[layer_idx]) for layer_idx in layout.latent)
-        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8
-        buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
-        captures = bool(buckets) and captures_graphs(model)
-        compiled = config.compile if config.compile is not None else compiles_by_default(captures)
-        compiled = compiled and (config.compile is True or not layout.latent)
-        # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
-        self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
-        if config.async_scheduling and self.tp is not None:
-            raise ValueError(
-                "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
-                "rank 0 plans it); patch with async_scheduling=False"
-            )
-        return buckets, captures, compiled
-
-    def _wire_memory(self, memory: MemoryPlan) -> None:
-        """The memory manager (the coordinator over the pool's blocks and state slots) and the scheduler over it."""
-        config = self.config
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            preemption_mode=config.preemption_mode,
-            num_swap_blocks=memory.num_swap_blocks,
-            num_swap_state_slots=memory.num_swap_state_slots,
-        )
-        self.coordinator = KVCacheCoordinator(
-            self.kv_config,
-            memory.num_blocks,
-            config.enable_prefix_caching,
-            num_state_slots=memory.num_state_slots,
-            num_state_checkpoints=memory.num_checkpoints,
-            state_checkpoint_interval=memory.checkpoint_interval,
-        )
-        self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
-
-    def _wire_runner(
-        self, layout: Any, memory: MemoryPlan, buckets: tuple[int, ...], captures: bool, compiled: bool
-    ) -> None:
-        """The model runner over the planned pages, state slots and swap space, warmed up (the compiled forward
-        found, CUDA graphs captured) at patch time rather than in a user's first step; the CPU's step threads."""
-        config = self.config
-        limits = RunnerLimits(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.max_model_len,
-            buckets,
-            compile=compiled,
-            compile_required=config.compile is True,
-            use_tqdm=config.use_tqdm,
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_config,
-            layout.module_names,
-            memory.num_blocks,
-            self.layer_dtypes,
-            limits,
-            config.attention_backend,
-            states=layout.states,
-            num_state_slots=memory.num_state_slots + memory.num_checkpoints,
-            latent=layout.latent,
-        )
-        self.runner.allocate_swap_space(memory.num_swap_blocks)
-        self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
-        if compiled or captures:
-            with attention_installed(self.model):
-                self.runner.warm_up(capture=captures)
-        on_cpu = all(device.type == "cpu" for device in self.runner.devices)
-        self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
-
-    def _wire_requests(self, layout: Any) -> None:
+    def _build_requests(self) -> None:
         """What a request goes through besides the step: its prompt checked into ids, its images encoded, its
         grammar compiled, its outputs and stop rules, and the defaults of a request without sampling settings."""
         model, tokenizer = self.model, self.tokenizer
         self.inputs = InputProcessor(model, tokenizer)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
-        self.outputs = OutputProcessor(tokenizer, stop_rules, self.runner.input_device)
+        self.outputs = OutputProcessor(tokenizer, stop_rules, self.core.input_device)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
         self.images_refused: str | None = None  # why a model that takes images cannot get them here
-        self.images = self._image_encoder(model, self.processor, layout)
+        self.images = self._image_encoder(model, self.processor)
         # What a request without sampling settings of its own takes (`get_default_sampling_params`).
         self.default_sampling = (
             generation_config_defaults(getattr(model, "generation_config", None))
@@ -268,90 +131,33 @@ class LLMEngine(RunLoops, EngineStats):
             else {}
         )
 
-    def _speculator(self, layout: Any) -> Speculator | None:
-        """Speculative decoding's proposer and check (hybridkv/engine/speculation.py), where `speculative_config` asks
-        for it; a draft model gets an engine of its own, with as many blocks as this one. Refuses what it cannot run."""
+    def _draft_engine(self, draft: torch.nn.Module, core: EngineCore) -> LLMEngine:
+        """A draft model's engine for speculative decoding (`EngineCore`'s speculator): as many blocks as the model's,
+        its length, greedy by default."""
         config = self.config
-        speculative = config.speculative_config
-        if speculative is None:
-            return None
-        # Full-attention groups only: a kept proposal's K/V can stay where its row stored them (vLLM's way).
-        stores_proposals = self.full_attention_only
-        if layout.latent and not stores_proposals:
-            raise ValueError(
-                "speculative_config: latent attention layers read a step's own rows back from their pages, and a "
-                "proposal's row is stored there only on a model whose layers are all full attention (this one has "
-                "state layers or windows); patch this model without speculative_config"
-            )
-        if config.async_scheduling:
-            raise ValueError(
-                "speculative_config needs each step's kept tokens before the next is planned: patch with "
-                "async_scheduling=False (or None)"
-            )
-
-        def draft_engine(draft: torch.nn.Module) -> LLMEngine:
-            draft_vocab = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
-            check_draft(draft, self.model, self.inputs.vocab_size, getattr(draft_vocab, "vocab_size", None))
-            draft_config = EngineConfig(
-                block_size=config.block_size,
-                num_blocks=self.coordinator.pool.num_blocks,
-                kv_cache_dtype=config.kv_cache_dtype,
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                generation_config="vllm",
-                attention_backend=config.attention_backend,
-                cpu_threads=None,
-                enforce_eager=config.enforce_eager,
-                compile=config.compile,
-                use_tqdm=False,
-                async_scheduling=False,
-            )
-            engine = LLMEngine(draft, None, draft_config)
-            attention.install(draft)
-            return engine
-
-        # Under tensor parallelism the driver proposes and checks; a worker runs the rows it is sent (no draft).
-        worker = self.tp is not None and not self.tp.driver
-        speculator = Speculator(speculative, None if worker else draft_engine)
-        self.scheduler.speculative = True
-        self.scheduler.stores_proposals = stores_proposals
-        return speculator
-
-    def _plan_memory(self, layout: Any, largest_bucket: int) -> MemoryPlan:
-        """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to
-        the budget (`num_kv_blocks`), state slots and checkpoints for state layers, the swap space's blocks and
-        state slots, the smallest counts every rank of a tensor-parallel model agrees on."""
-        model, config = self.model, self.config
-        # One state slot per request that may run at once, and the scratch slot; with prefix caching, the states
-        # at block boundaries that hits restore (hybridkv/memory/state_slots.py).
-        num_state_slots = config.max_num_seqs + 1 if layout.states else 0
-        num_checkpoints = checkpoint_interval = 0
-        if layout.states and config.enable_prefix_caching:
-            num_checkpoints = config.num_state_checkpoints
-            if num_checkpoints is None:
-                num_checkpoints = config.max_num_seqs
-            named = dict(model.named_modules())
-            chunk = scan_chunk(named[spec.module_name] for spec in layout.states)
-            checkpoint_interval = config.state_checkpoint_interval or math.lcm(self.kv_config.hit_alignment, chunk)
-        start = time.perf_counter()
-        num_blocks = num_kv_blocks(model, config, self.kv_config, self.max_model_len, largest_bucket)
-        logger.info("hybridkv: %d KV blocks sized in %.1f s", num_blocks, time.perf_counter() - start)
-        # Swap space: with state layers, up to half of it for swapped requests' states (a CPU slot each, at most
-        # max_num_seqs: a request without one is preempted by recompute), the rest for blocks.
-        swap_space, num_swap_state_slots = config.swap_space_bytes, 0
-        if layout.states and swap_space:
-            state_bytes = sum(spec.state_bytes for spec in layout.states)
-            num_swap_state_slots = min(config.max_num_seqs, swap_space // 2 // state_bytes)
-            swap_space -= num_swap_state_slots * state_bytes
-        num_swap_blocks = min(swap_space // self.bytes_per_block, num_blocks - 1)
-        if self.tp is not None:
-            num_blocks, num_swap_blocks = self.tp.smallest(num_blocks), self.tp.smallest(num_swap_blocks)
-        return MemoryPlan(
-            num_blocks, num_swap_blocks, num_state_slots, num_checkpoints, checkpoint_interval, num_swap_state_slots
+        draft_vocab = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
+        target_vocab = self.model.config.get_text_config().vocab_size
+        check_draft(draft, self.model, target_vocab, getattr(draft_vocab, "vocab_size", None))
+        draft_config = EngineConfig(
+            block_size=config.block_size,
+            num_blocks=core.num_blocks,
+            kv_cache_dtype=config.kv_cache_dtype,
+            max_model_len=core.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            generation_config="vllm",
+            attention_backend=config.attention_backend,
+            cpu_threads=None,
+            enforce_eager=config.enforce_eager,
+            compile=config.compile,
+            use_tqdm=False,
+            async_scheduling=False,
         )
+        engine = LLMEngine(draft, None, draft_config)
+        attention.install(draft)
+        return engine
 
-    def _image_encoder(self, model: torch.nn.Module, processor: Any, layout: Any) -> ImageEncoder | None:
+    def _image_encoder(self, model: torch.nn.Module, processor: Any) -> ImageEncoder | None:
         """Images for a model that takes them (a placeholder id and `get_image_features`): which layers let an
         image's tokens attend both ways is read from the model's own masks (hybridkv/patches/probe.py). A model that
         cannot say, or whose images would need what hybridkv does not run with them (state layers,
@@ -359,20 +165,55 @@ class LLMEngine(RunLoops, EngineStats):
         encoder = ImageEncoder(model, processor, bidirectional=False, cache_bytes=self.config.encoder_cache_bytes)
         if not encoder.serves_images:
             return None
-        if layout.states or self.tp is not None:
-            self.images_refused = "images are not served with state layers or tensor parallelism yet"
+        refused = self.core.images_refused()
+        if refused is None:
+            try:
+                layers = image_attention_layers(model)
+            except ValueError as error:
+                refused = str(error)
+            else:
+                refused = self.core.images_refused(layers)
+        if refused is not None:
+            self.images_refused = refused
             return None
-        try:
-            layers = image_attention_layers(model)
-        except ValueError as error:
-            self.images_refused = str(error)
-            return None
-        if layers and any(self.runner.layers[i].attention_chunk_size for i in layers if i in self.runner.layers):
-            self.images_refused = "images that attend both ways are not served with chunked local attention"
-            return None
-        self.runner.context.image_layers = layers
         encoder.bidirectional = bool(layers)
         return encoder
+
+    # ---- read-only figures ------------------------------------------------------------------------
+
+    @property
+    def kv_config(self) -> KVCacheConfig:
+        """The KV cache groups: which layers share pages, their kinds and block sizes (hybridkv/memory/grouping.py)."""
+        return self.core.kv_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.core.bytes_per_block
+
+    @property
+    def num_steps(self) -> int:
+        return self.core.num_steps
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.core.num_generated_tokens
+
+    @property
+    def num_forward_tokens(self) -> int:
+        return self.core.num_forward_tokens
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` ran (`hybridkv.unpatch`): every call is refused."""
+        return self._closed
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -399,7 +240,7 @@ class LLMEngine(RunLoops, EngineStats):
                 f"{type(request_id).__name__} {request_id!r}, and prompt a prompt, got {type(prompt).__name__}"
             )
         refuse_lora_request(lora_request)
-        return self._enqueue(*self._checked_request(prompt, params, request_id))
+        return self.enqueue(self.check_request(prompt, params, request_id))
 
     def get_tokenizer(self) -> Any:
         """The tokenizer given to patch (None without one), vLLM's name."""
@@ -412,7 +253,7 @@ class LLMEngine(RunLoops, EngineStats):
         SamplingParams' own defaults. A new object each call: change it freely."""
         return SamplingParams(**self.default_sampling)
 
-    def _checked_request(
+    def check_request(
         self,
         prompt: Prompt | dict[str, Any],
         params: SamplingParams | BeamSearchParams | None,
@@ -424,7 +265,7 @@ class LLMEngine(RunLoops, EngineStats):
         A dict prompt with images has them through the vision tower here (hybridkv/execution/multimodal.py), after the
         model is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
         key; a request whose images another model encoded is refused when it is queued)."""
-        if self.runner.asleep:
+        if self.core.asleep:
             raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
         if params is None:
             params = self.get_default_sampling_params()
@@ -449,7 +290,7 @@ class LLMEngine(RunLoops, EngineStats):
                 params = dataclasses.replace(params, cache_salt=cache_salt)
         if isinstance(prompt, dict):
             if follow_model and not self._model_checked:
-                self._follow_model()
+                self.follow_model()
             prompt_text, prompt_ids, multimodal = self._multimodal_prompt(prompt)
         else:
             prompt_text, prompt_ids = self.inputs.tokenize(prompt)
@@ -458,7 +299,7 @@ class LLMEngine(RunLoops, EngineStats):
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
         if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)  # checked now; kept for _enqueue
+            self.grammars.compile(params.structured_outputs)  # checked now; kept for enqueue
         vocab_size = self.inputs.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(params, name)
@@ -480,12 +321,12 @@ class LLMEngine(RunLoops, EngineStats):
             encoder = ImageEncoder(self.model, self.processor, bidirectional=False)
         else:
             encoder = self.images
-        text, ids, multimodal = encoder.inputs(prompt, self.coordinator.model_key)
+        text, ids, multimodal = encoder.inputs(prompt, self.core.model_key)
         placeholder = encoder.image_token_id if multimodal is not None else None
         self.inputs.check(ids, allowed=placeholder)
         if multimodal is not None and multimodal.bidirectional:
             longest = max(end - start for start, end in multimodal.spans)
-            cap = self.scheduler.chunk_cap()
+            cap = self.core.chunk_cap()
             if longest > cap:
                 raise ValueError(
                     f"an image of {longest} tokens attends both ways and must be computed in one prefill chunk, "
@@ -494,15 +335,10 @@ class LLMEngine(RunLoops, EngineStats):
                 )
         return text, ids, multimodal
 
-    def _enqueue(
-        self,
-        request_id: str,
-        prompt_text: str | None,
-        prompt_ids: list[int],
-        params: SamplingParams | BeamSearchParams,
-        multimodal: MultiModalInputs | None = None,
-    ) -> str:
-        model_key = self.coordinator.model_key
+    def enqueue(self, checked: CheckedRequest) -> str:
+        """Queue a request `check_request` passed (its records made, its groups given to the core); its id."""
+        request_id, prompt_text, prompt_ids, params, multimodal = checked
+        model_key = self.core.model_key
         if multimodal is not None and multimodal.model_key != model_key:
             raise ValueError(
                 "the model changed (weights or adapters) while this request's images were encoded, so their "
@@ -529,13 +365,11 @@ class LLMEngine(RunLoops, EngineStats):
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs)
         state = self.outputs.add(parts, prompt_text, grammar)
-        if self.speculator is not None and self.speculator.speculates(params):
-            for member in state.members:  # proposed for after each step (`_update`, `_update_alone`)
+        if self.core.speculates(params):
+            for member in state.members:  # proposed for after each step (`EngineCore.propose`)
                 member.speculates = True
-        if not all([self.scheduler.add_request(part.leader) for part in parts]):
-            self._unreported.append(state)
-        elif isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-            self._prompt_logprobs_pending.add(group.leader.request_id)
+        if not all([self.core.add_request(part) for part in parts]):
+            self.outputs.unreported.append(state)
         return request_id
 
     @exclusive
@@ -551,7 +385,7 @@ class LLMEngine(RunLoops, EngineStats):
         for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             output = self._abort(request_id)
             if output is not None:
-                self._unclaimed.append(output)
+                self.unclaimed.append(output)
 
     @exclusive
     def abort_all(self) -> list[RequestOutput]:
@@ -563,18 +397,22 @@ class LLMEngine(RunLoops, EngineStats):
         if state is None:
             return None
         for part in state.parts:
-            self.scheduler.finish_group(part, RequestStatus.FINISHED_ABORTED)
+            self.core.finish_group(part, RequestStatus.FINISHED_ABORTED)
         return self.outputs.output(state)
 
-    def _continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool:
+    def sample_request(self, request_id: str) -> Request:
+        """The scheduler's request of an unfinished request of one sample (a draft model's, for speculation)."""
+        return self.outputs.states[request_id].members[0]
+
+    def continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool:
         """A running request of one sample goes on from `token_ids` instead of its own tokens (a draft model's request
         between two rounds of speculative decoding, hybridkv/engine/speculation.py): its tokens are cut where the two
         part (the first `known` are the same, the caller knows) and the rest of `token_ids` appended, which its next
         step computes over the K/V of the tokens they share. Only where full attention alone holds what it computed
-        (`full_attention_only`) and the cut leaves its computed full blocks (which the prefix cache may hold) as they
-        are; False otherwise, changing nothing."""
+        (`EngineCore.full_attention_only`) and the cut leaves its computed full blocks (which the prefix cache may
+        hold) as they are; False otherwise, changing nothing."""
         state = self.outputs.states.get(request_id)
-        if not self.full_attention_only or state is None or len(state.members) != 1:
+        if not self.core.full_attention_only or state is None or len(state.members) != 1:
             return False
         request = state.members[0]
         if request.status is not RequestStatus.RUNNING or request.num_pending_tokens:
@@ -595,9 +433,9 @@ class LLMEngine(RunLoops, EngineStats):
         request.sample_state.completion.token_ids.extend(added)
         return True
 
-    def _release_stream(self, request_id: str) -> None:
-        """A stream was closed or dropped before its request finished: abort the request now if no engine
-        call is under way, else when the next call begins (a stream can be collected by the garbage
+    def release_stream(self, request_id: str) -> None:
+        """A stream was closed or dropped before its request finished (`RequestStream.close`): abort the request now
+        if no engine call is under way, else when the next call begins (a stream can be collected by the garbage
         collector in the middle of a call, or in another thread)."""
         if self._closed:
             return
@@ -615,7 +453,7 @@ class LLMEngine(RunLoops, EngineStats):
     def _begin_call(self) -> None:
         """Called by `exclusive` when an outermost call begins: a model in training mode is switched to eval for the
         call (a rollout of a policy being trained runs as inference: hybridkv/execution/eval_semantics.py), the aborts
-        `_release_stream` had to put off are made, and the model, which the caller may have changed since the last
+        `release_stream` had to put off are made, and the model, which the caller may have changed since the last
         call, is to be checked again."""
         self._training_modules = eval_modules(self.model)
         self._model_checked = False
@@ -629,35 +467,20 @@ class LLMEngine(RunLoops, EngineStats):
 
     # ---- the model it serves ------------------------------------------------------------------------
 
-    def _follow_model(self) -> None:
-        """Check the model once in this call (`ModelWatch.check`); after a change, requests admitted from now on
-        are hashed under its new key, the encoder cache drops other models' embeddings, and CUDA graphs are
-        captured again when a weight moved (they would read its old address). A dtype or device change raises
-        `ModelMoved`, naming the fix."""
+    def model_check_due(self) -> bool:
+        """Whether the step about to be planned must check the model first (`follow_model`): a request may be
+        admitted (and hit the prefix cache), or a graph replayed, and the model was not checked in this call."""
+        return self.core.model_check_due(self._model_checked)
+
+    def follow_model(self) -> None:
+        """Check the model once in this call (`EngineCore.follow_model`), with nothing in flight; after a change the
+        encoder cache drops other models' embeddings."""
         if self.async_steps is not None:  # a model change acts on nothing in flight
-            self.async_steps.drain()
+            self.unclaimed.extend(self.async_steps.drain())
         self._model_checked = True
-        change = self.model_watch.check()
-        if change is not None:
-            self._take_model_change(change)
-
-    def _take_model_change(self, change: ModelChange) -> None:
-        self.coordinator.model_key = change.key
-        if self.images is not None:
+        change = self.core.follow_model()
+        if change is not None and self.images is not None:
             self.images.keep_only(change.key)
-        self._follow_compiled(change.reasons, change.moved)
-
-    def _follow_compiled(self, reasons: tuple[str, ...], moved: bool) -> None:
-        """The compiled forward for the model as it is now, then CUDA graphs captured again when what they replay
-        changed: a weight's address, or the compiled program (another adapter, another mode)."""
-        replaced = self.runner.follow_model()
-        if (moved or replaced) and self.runner.graphs is not None:
-            warnings.warn(
-                f"hybridkv captures the decode steps' CUDA graphs again: {'; '.join(reasons)}, and the "
-                "captured graphs replay what the model computed before",
-                stacklevel=5,
-            )
-            self.runner.capture_graphs()
 
     @exclusive
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -667,10 +490,10 @@ class LLMEngine(RunLoops, EngineStats):
         tokens again (their blocks were computed before). Returns True: the reset never waits for requests."""
         check_bool("reset_running_requests", reset_running_requests)
         if self.async_steps is not None:
-            self.async_steps.drain()
-        if reset_running_requests:
-            self.scheduler.recompute_all()
-        self._take_model_change(self.model_watch.invalidate("reset_prefix_cache() was called"))
+            self.unclaimed.extend(self.async_steps.drain())
+        change = self.core.reset_prefix_cache(reset_running_requests)
+        if self.images is not None:
+            self.images.keep_only(change.key)
         return True
 
     @exclusive
@@ -682,7 +505,7 @@ class LLMEngine(RunLoops, EngineStats):
         error names the fix); a sleeping engine refuses new requests, `is_sleeping()` says so."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2 (vLLM's sleep levels), got {level!r}")
-        if self.runner.asleep:
+        if self.core.asleep:
             return
         if self.outputs.states:
             raise RuntimeError(
@@ -690,11 +513,10 @@ class LLMEngine(RunLoops, EngineStats):
                 "abort them (abort_all()) before sleep()"
             )
         if self.async_steps is not None:
-            self.async_steps.drain()
-        self.coordinator.forget_cached()
+            self.unclaimed.extend(self.async_steps.drain())
         if self.images is not None:
             self.images.clear()
-        self.runner.sleep()
+        self.core.sleep()
 
     @exclusive
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -707,38 +529,36 @@ class LLMEngine(RunLoops, EngineStats):
                 raise ValueError(f"wake_up tags are vLLM's 'weights' and 'kv_cache', got {sorted(unknown)}")
             if "kv_cache" not in tags:
                 return
-        if self.runner.asleep:
-            self.runner.wake_up()
+        self.core.wake_up()
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether `sleep` gave the pages back (and no `wake_up` has taken them again)."""
-        return self.runner.asleep
+        return self.core.asleep
 
     def close(self) -> None:
-        """Release the pool's blocks now: they link each other, so only the cycle collector would
-        free them otherwise, in a pause of its own choosing (benchmarks/RESULTS.md, choices in the code)."""
+        """Release the pool's blocks, the runner's memory and the draft's engine now (`EngineCore.close`)."""
         if self.async_steps is not None:
             self.async_steps.in_flight = None  # its tokens would go to no one
-        if self.tp is not None:
-            self.tp.stop()
-        self.coordinator.pool.close()
-        self.runner.close()
-        if self.speculator is not None:
-            self.speculator.close()
-        self.model_watch.close()
+        self.core.close()
         self._closed = True
 
     def run_worker(self) -> None:
         """On a worker rank of a tensor-parallel engine (hybridkv/execution/distributed.py): run the steps rank 0 sends
         until it closes its engine (`hybridkv.unpatch` there). Rank 0 serves; it has no worker loop."""
-        if self.tp is None or self.tp.driver:
+        if self.core.worker_rank is None:
             raise RuntimeError("run_worker() is for the ranks other than 0 of a tensor-parallel model")
         if self._closed:
             raise RuntimeError(CLOSED_MESSAGE)
-        self.tp.run_worker(self.runner)
+        self.core.run_worker()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.states)
+
+    def stats(self) -> dict[str, Any]:
+        """KV usage, prefix-cache use, preemptions and throughput since the engine was built (engine/stats.py)."""
+        return engine_stats(
+            self.core, self.grammars, self.images, self.async_steps, self.step_seconds, self.update_seconds
+        )
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -747,311 +567,240 @@ class LLMEngine(RunLoops, EngineStats):
         """Run one scheduling step. Returns the state of every request that produced tokens or
         finished in it (finished ones for the last time): each request's live record, updated in place
         by later steps."""
-        with self.step_threads.for_step():
-            return self._step()
-
-    def _step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        if (
-            self.async_steps is not None
-        ):  # step N+1 launched before step N's tokens are read (hybridkv/engine/async_steps.py)
-            reports = self.async_steps.step()
-        else:
-            if self._model_check_due():
-                self._follow_model()
-            touched = self._take_touched()
-            plan = self.scheduler.schedule()
-            self.schedule_seconds += time.perf_counter() - start
-            reports = self._run(plan, touched)
-        self.step_seconds += time.perf_counter() - start
-        unclaimed, self._unclaimed = self._unclaimed, []
+        with self.core.step_threads.for_step():
+            start = time.perf_counter()
+            if self.async_steps is not None:  # step N+1 launched before step N's tokens are read
+                reports = self.async_steps.step()
+            else:
+                if self.model_check_due():
+                    self.follow_model()
+                touched = self.outputs.take_unreported()
+                reports = self._run(self.core.schedule(), touched)
+            self.step_seconds += time.perf_counter() - start
+        unclaimed, self.unclaimed = self.unclaimed, []
         return unclaimed + reports
 
-    def _model_check_due(self) -> bool:
-        """Whether the step about to be planned must check the model first (`_follow_model`): a request may be
-        admitted (and hit the prefix cache), or a graph replayed, and the model was not checked in this call."""
-        scheduler = self.scheduler
-        return not self._model_checked and bool(
-            scheduler.waiting or (self.runner.graphs is not None and (scheduler.running or scheduler.swapped))
-        )
-
-    def _take_touched(self) -> dict[str, RequestState]:
-        """The requests that ended outside a step (`_unreported`), by id: the next step's update reports them."""
-        touched = {state.group.request_id: state for state in self._unreported}
-        self._unreported = []
-        return touched
+    def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Run a plan synchronously (one that async scheduling cannot launch ahead): its reports."""
+        return self._run(plan, self.outputs.take_unreported())
 
     def _run(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """Run a plan and update its requests (the synchronous step, after scheduling): the step's reports."""
+        core = self.core
         alone = plan.greedy_alone and not touched and not plan.spec_tokens
         try:
-            sampling, tokens, logprobs = self._execute(plan, alone)
+            output = core.execute(plan)
+            self.record_prompt_logprobs(output.prompt_logprobs)
+            sampled = core.sample(plan, output.logits, alone)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
-            self._fail_step(plan, f"the step failed: {type(exc).__name__}: {exc}")
-            sampling, tokens, logprobs = [], [], []
+            core.fail_step(plan, f"the step failed: {type(exc).__name__}: {exc}")
+            sampled = NOTHING_SAMPLED
         except BaseException as exc:  # interrupted (Ctrl-C): the step's copies and tokens may be half done,
             # so its requests fail, and so do those whose swap copies it made.
-            self._fail_step(plan, f"the step was interrupted ({type(exc).__name__})")
-            self._unreported.extend(touched.values())
-            self._unreported.extend(self.outputs.state_of(request) for request in plan.failed)
+            core.fail_step(plan, f"the step was interrupted ({type(exc).__name__})")
+            self.outputs.unreported.extend(touched.values())
+            self.outputs.unreported.extend(self.outputs.state_of(request) for request in plan.failed)
             raise
         update_start = time.perf_counter()
         if alone and not plan.failed:
-            reports = self._update_alone(plan, tokens)
+            reports = self._finish_alone(plan, sampled.tokens)
         else:
-            reports = self._update(plan, sampling, tokens, logprobs, touched)
+            reports = self.finish_step(plan, sampled, touched)
         self.update_seconds += time.perf_counter() - update_start
         return reports
 
-    def _fail_step(self, plan: SchedulerOutput, error: str) -> None:
-        """A step that failed or was interrupted: its state checkpoints are dropped, and its requests fail with
-        those its swap copies touched."""
-        self._discard_checkpoints()
-        if self.speculator is not None:
-            self.speculator.drop()
-        self._fail(plan, self._touched_by(plan), error)
-
-    def _update(
-        self,
-        plan: SchedulerOutput,
-        sampling: list[Request],
-        tokens: list[int | None],
-        logprobs: Sequence[SampledLogprobs | None],
-        touched: dict[str, RequestState],
-    ) -> list[RequestOutput]:
-        """After the step ran: advance its requests by their tokens, record and stop them, and report each request
-        it touched (the step's, the failed, and `touched`: the earlier ones not reported yet)."""
-        self.scheduler.update(plan, tokens)
-        if None in tokens:  # beams: their search chooses their tokens, the output processor never sees them
-            self._advance_beam_searches(sampling)
-            sampled = [i for i, token in enumerate(tokens) if token is not None]
-            sampling, tokens, logprobs = ([values[i] for i in sampled] for values in (sampling, tokens, logprobs))
-        for request, status, error in self.outputs.process(sampling, tokens, logprobs):
-            self.scheduler.finish(request, status, error)
-        if self.speculator is not None:  # the kept tokens after each request's first, then the next proposals
-            self.num_generated_tokens += self.speculator.finish(self.scheduler, self.outputs)
-            self.speculator.propose(self.scheduler.running)
-        states = self.outputs.states
-        for request in [s.request for s in plan.scheduled] + plan.failed:
-            request_id = request.group.request_id
-            if request_id not in touched:
-                touched[request_id] = states[request_id]
-        # A request reported finished already (e.g. aborted while waiting to be reported) is not reported again.
-        return [self.outputs.output(state) for state in touched.values() if not state.output.finished]
-
-    def _update_alone(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
-        """`_update` in one pass over the step's requests, for a step whose every request is `greedy_alone` (no
-        beam, fork, grammar or logprobs to record; each is its group's only sample, so its report is its own) and
-        nothing earlier waits to be reported: each request advances, takes and records its token and is checked
-        for a stop as `Scheduler.update` and `OutputProcessor.process` would (`_record_alone`); then the step's
-        blocks are updated (`Scheduler.update_blocks`) and the stopped requests finished. Most decode steps take
-        it: one pass instead of four, each of which met every request's records cold after the forward."""
-        reports, stopped = self._record_alone(plan, tokens, advance=True)
-        self.scheduler.update_blocks(plan)
-        for request, status, state in stopped:
-            self.scheduler.finish(request, status)
-            self.outputs.output(state)
-        if self.speculator is not None:  # a step that checked no proposal: the next one's
-            self.speculator.propose(self.scheduler.running)
-        return reports
-
-    def _record_alone(
-        self, plan: SchedulerOutput, tokens: list[int], advance: bool
-    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus, RequestState]]]:
-        """The one pass of `_update_alone` (and of an async step's finish, `advance` False: its requests advanced
-        at launch, and each token it appends was pending): the reports (live records) and the requests that
-        stopped, with their states, not finished yet. With `advance` False a request that finished since the
-        step's launch (aborted) is passed over, its token dropped."""
-        check = self.outputs.stop_rules.check
-        now = time.monotonic()
-        next_token = iter(tokens).__next__
-        reports: list[RequestOutput] = []
-        stopped: list[tuple[Request, RequestStatus, RequestState]] = []
-        for request, num_new, samples in plan.scheduled:
-            if advance:
-                request.num_computed_tokens += num_new
-            elif request.status.is_finished:
-                if samples:
-                    next_token()
-                continue
-            sample = request.sample_state
-            state = sample.state
-            reports.append(state.output)  # the live record: a stopped request's is finished by the caller, in place
-            if samples:
-                token = next_token()
-                if not advance:
-                    request.num_pending_tokens -= 1
-                request.append_token(token)
-                sample.completion.token_ids.append(token)
-                if sample.metrics.first_token_time is None:
-                    sample.metrics.first_token_time = now
-                status = check(request, token, sample.detokenizer)
-                if status is not None:
-                    stopped.append((request, status, state))
-                    continue
-            if sample.detokenizer is not None:  # what `OutputProcessor.output` reads into an unfinished record
-                sample.completion.text = sample.detokenizer.text
-            sample.metrics.num_cached_tokens = request.num_cached_tokens
-        return reports, stopped
-
-    def _execute(
-        self, plan: SchedulerOutput, greedy_alone: bool = False
-    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
-        """Swap and copy-on-write copies, the forward (on every rank of a tensor-parallel model) and sampling:
-        the requests that sampled (`plan.sampling` after the step: a request whose sampling fails is failed and
-        leaves the plan), their tokens and logprobs. With `greedy_alone` (every request of the plan is), only the
-        tokens: each logits row's argmax, in `plan.scheduled`'s order of the requests that sample."""
-        logits = self._compute(plan)
-        if logits is None:
-            return [], [], []
-        if plan.spec_tokens:
-            return self._verify(plan, logits)
-        if greedy_alone:  # the sampler's greedy_tokens, looked up there (benchmarks/host_overhead.py times it)
-            tokens = sampler.greedy_tokens(logits).tolist()
-            self.num_generated_tokens += len(tokens)
-            return [], tokens, []
-        sampling = plan.sampling
-        if not sampling:
-            return [], [], []
-        sampling, tokens, logprobs = self._sample(logits, plan, sampling)
-        self.num_generated_tokens += len(tokens)
-        return sampling, tokens, logprobs
-
-    def _verify(
-        self, plan: SchedulerOutput, logits: torch.Tensor
-    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
-        """`_execute`'s sampling for a step that checked proposals (hybridkv/engine/speculation.py): each such request
-        takes the first token it keeps (`_update` appends the rest), every other request samples its rows as usual."""
-        rows, kept = self.speculator.verify(plan, logits)
-        for request, error in self.speculator.errors.items():
-            self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
-        others = [request for request in plan.sampling if request not in kept and request not in self.speculator.errors]
-        drawn: dict[Request, tuple[int | None, SampledLogprobs | None]] = {}
-        if others:
-            sampled, tokens, logprobs = self._sample(logits[rows], plan, others)
-            drawn = {request: (token, entry) for request, token, entry in zip(sampled, tokens, logprobs, strict=True)}
-        sampling: list[Request] = []
-        tokens, logprobs = [], []
-        for request in plan.sampling:
-            if request in kept:
-                token, entry = kept[request][0]
-            elif request in drawn:
-                token, entry = drawn[request]
-            else:  # its sampling failed: it left the plan
-                continue
-            sampling.append(request)
-            tokens.append(token)
-            logprobs.append(entry)
-        self.num_generated_tokens += len(tokens)
-        return sampling, tokens, logprobs
-
-    def _compute(self, plan: SchedulerOutput) -> torch.Tensor | None:
-        """A plan's copies and forward, with the prompt logprobs it gives recorded: the logits of the rows that
-        sample (`plan.sampling`'s), or None where it computes no token."""
-        if not (plan.scheduled or plan.swap_out or plan.swap_in):
-            return None
-        prompt_rows = self._prompt_logprob_rows(plan) if self._prompt_logprobs_pending else []
-        extra_rows = [row for _, _, rows in prompt_rows for row in rows]
-        if self.tp is None:
-            logits = self.runner.execute(plan, extra_rows=extra_rows)
-        else:
-            logits = self.tp.execute(self.runner, plan, extra_rows)
-        if not plan.scheduled:
-            return None
-        if extra_rows:  # after the sampling rows
-            self._record_prompt_logprobs(prompt_rows, logits[len(logits) - len(extra_rows) :])
-            logits = logits[: len(logits) - len(extra_rows)]
-        self.num_steps += 1
-        self.num_forward_tokens += plan.num_tokens
-        return logits
-
-    def _prompt_logprob_rows(self, plan: SchedulerOutput) -> list[tuple[Request, int, range]]:
-        """For each request of the step that asks for prompt logprobs and computes prompt tokens: (the request, the
-        first prompt position the step gives logprobs for, the step's rows whose logits give them). A row's logits
-        give the next position's logprob, so a chunk of positions [start, end) gives those of [start + 1, end + 1)
-        within the prompt; position 0 has none. A request leaves `_prompt_logprobs_pending` once its step reaches the
-        prompt's last position (or it has ended)."""
-        wanted = []
-        offset = 0
-        pending = self._prompt_logprobs_pending
-        for request, num_new, _ in plan.scheduled:
-            if request.request_id in pending:
-                start = request.num_computed_tokens
-                count = min(num_new, request.num_prompt_tokens - 1 - start)
-                if count > 0:
-                    wanted.append((request, start + 1, range(offset, offset + count)))
-                if start + num_new >= request.num_prompt_tokens - 1:
-                    pending.discard(request.request_id)
-            offset += num_new + len(plan.spec_tokens.get(request.request_id, ()))
-        pending.intersection_update(r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running))
-        return wanted
-
-    def _record_prompt_logprobs(self, wanted: list[tuple[Request, int, range]], logits: torch.Tensor) -> None:
-        raw = torch.log_softmax(logits, dim=-1)
-        row = 0
-        for request, first_position, rows in wanted:
-            count = request.params.prompt_logprobs
-            entries = []
-            for position in range(first_position, first_position + len(rows)):
-                entries.append(token_logprobs(raw[row], request.token_ids[position], count))
-                row += 1
+    def record_prompt_logprobs(self, prompt_logprobs: list[PromptLogprobs]) -> None:
+        """Record what a step computed of its requests' prompt logprobs in their outputs."""
+        for request, first_position, entries in prompt_logprobs:
             self.outputs.record_prompt_logprobs(request, first_position, entries)
 
-    @staticmethod
-    def _touched_by(plan: SchedulerOutput) -> list[Request]:
-        """The requests a step computes for or copies blocks of: a failed step fails them."""
-        swapped_out = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED]
-        return [*(s.request for s in plan.scheduled), *plan.swapped_in, *swapped_out]
+    def finish_step(
+        self, plan: SchedulerOutput, sampled: SampledTokens, touched: dict[str, RequestState]
+    ) -> list[RequestOutput]:
+        """After the step ran: the core advances its requests by their tokens (`EngineCore.update`), the outputs
+        record them and decide which stop (`OutputProcessor.process`), the core ends those; then the kept proposals
+        and the next ones. The reports of every request it touched (the step's, the failed, and `touched`: the
+        earlier ones not reported yet)."""
+        core = self.core
+        sampled = core.update(plan, sampled)
+        for request, status, error in self.outputs.process(*sampled):
+            core.finish(request, status, error)
+        if core.speculator is not None:  # the kept tokens after each request's first, then the next proposals
+            core.finish_speculation(self._record_kept)
+            core.propose()
+        return self.outputs.reports(plan, touched)
 
-    def _sample(
-        self, logits: torch.Tensor, plan: SchedulerOutput, sampling: list[Request]
-    ) -> tuple[list[Request], list[int | None], Sequence[SampledLogprobs | None]]:
-        """The requests still in `sampling` afterwards, with their tokens (None for a beam: its row goes to its
-        beam search) and logprobs; one request's parameters never fail the others: a request whose row fails is
-        failed with its samples and leaves the plan, and so do the tokens its samples drew."""
-        rows = [request.sampling_row for request in sampling]  # None for a beam (OutputProcessor.add)
-        if None in rows:
-            tokens: list[int | None] = [None] * len(sampling)
-            logprobs: list[SampledLogprobs | None] = [None] * len(sampling)
-            errors: list[Exception | None] = [None] * len(sampling)
-            for i, request in enumerate(sampling):
-                if request.group.beam is not None:
-                    request.group.beam.deposit(request, logits[i])
-            sampled = [i for i, request in enumerate(sampling) if request.group.beam is None]
-            if sampled:
-                drawn = sample_each(logits[sampled], [rows[i] for i in sampled])
-                for i, token, token_logprobs, error in zip(sampled, *drawn, strict=True):
-                    tokens[i], logprobs[i], errors[i] = token, token_logprobs, error
-        else:
-            tokens, logprobs, errors = sample_each(logits, rows)
-        if not any(errors):
-            return sampling, tokens, logprobs
-        for request, error in zip(sampling, errors, strict=True):
-            if error is not None and not request.status.is_finished:
-                self._fail(plan, [request], f"sampling failed: {type(error).__name__}: {error}")
-        kept = [i for i, request in enumerate(sampling) if not request.status.is_finished]
-        return [sampling[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
+    def _record_kept(self, request: Request, token: int, entry: SampledLogprobs | None) -> None:
+        for stopped, status, error in self.outputs.process([request], [token], [entry]):
+            self.core.finish(stopped, status, error)
 
-    def _advance_beam_searches(self, sampling: list[Request]) -> None:
-        """Take the step of each beam search whose every beam has deposited its row
-        (hybridkv/sampling/beam_search.py)."""
-        searches = {id(r.group): r.group.beam for r in sampling if r.group.beam is not None}
-        for search in searches.values():
-            if search.ready:
-                search.advance(self.scheduler)
+    def _finish_alone(self, plan: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
+        """`finish_step` in one pass over the step's requests, for a step whose every request is `greedy_alone` and
+        nothing earlier waits to be reported (`OutputProcessor.record_alone`); then the step's blocks are updated
+        and the stopped requests finished."""
+        reports, stopped = self.outputs.record_alone(plan, tokens, advance=True)
+        self.core.update_blocks(plan)
+        for request, status, state in stopped:
+            self.core.finish(request, status)
+            self.outputs.output(state)
+        self.core.propose()  # a step that checked no proposal: the next one's
+        return reports
 
-    def _discard_checkpoints(self) -> None:
-        """A failed step's state checkpoints were not (all) written: none of them may be hit."""
-        if self.coordinator.state_checkpoints is not None:
-            self.coordinator.state_checkpoints.discard()
+    # ---- loops over steps: generate, chat, beam_search, stream ---------------------------------------
 
-    def _fail(self, plan: SchedulerOutput, requests: Sequence[Request], error: str) -> None:
-        """Fail the requests with every sample of their groups, and take them out of the plan."""
-        failed = []
-        for request in requests:
-            failed.extend(self.scheduler.finish_group(request.group, RequestStatus.FINISHED_ERROR, error))
-        plan.failed.extend(failed)
-        plan.drop(failed)
+    @exclusive
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.generate`: run every prompt to completion; outputs come back in input order. A prompt is
+        text, token ids, a 1-D tensor, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` (with
+        `multi_modal_data` for images); a [B, N] tensor is B prompts. `sampling_params`: one for all prompts, one
+        each, or None for the model's defaults (`get_default_sampling_params`). Every prompt and params are
+        checked before any is queued; if the call fails or is interrupted, the requests it queued are aborted.
+        `priority` changes nothing here (accepted as vLLM's); a `lora_request` is refused."""
+        refuse_lora_request(lora_request)
+        prompts = prompt_list(prompts)
+        params = _params_for(sampling_params, len(prompts), "prompts")
+        checked = [self.check_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
+        return self._run_to_completion(checked, use_tqdm)
 
-    # ---- stats --------------------------------------------------------------------------------
+    @exclusive
+    def chat(
+        self,
+        messages: Messages | list[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: `generate` for conversations (one, or a list of them), each rendered with the
+        tokenizer's chat template, or `chat_template` (Jinja text), with `add_generation_prompt` (the model answers as
+        the assistant) or `continue_final_message` (it continues the last message), and `chat_template_kwargs` for
+        the template (e.g. `enable_thinking`). `tools`, OpenAI's function definitions, go to the template
+        (hybridkv.serving.tool_calls parses the calls out of the text); a tokenizer without a template is a clear error.
+        A message's content may be HF's parts, images among them (`{"type": "image", "image": image}`): the processor
+        given to patch renders and processes that conversation."""
+        refuse_lora_request(lora_request)
+        if chat_template_content_format != "auto":
+            raise ValueError(
+                f"chat_template_content_format={chat_template_content_format!r}: hybridkv gives the template each "
+                "message's content as it is ('auto'); convert the contents yourself"
+            )
+        options = ChatOptions(chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        rendered = []
+        for conversation in conversations(messages):
+            images = chat_images(conversation)
+            if images:  # content parts with images: the processor renders and processes them
+                rendered.append(image_chat_prompt(self.processor, conversation, images, tools, options))
+            else:
+                rendered.append(chat_prompt(self.tokenizer, conversation, tools, options))
+        params = _params_for(sampling_params, len(rendered), "conversations")
+        checked = []
+        for (text, prompt), p in zip(rendered, params, strict=True):
+            checked.append(self.check_request(prompt, p, None)._replace(prompt_text=text))
+        return self._run_to_completion(checked, use_tqdm)
+
+    @exclusive
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: beam search for every prompt (vLLM's `{"prompt": text}` /
+        `{"prompt_token_ids": ids}` dicts, or plain text or ids), in the same continuous batch as any other request
+        (see hybridkv/sampling/beam_search.py for the rule, transformers' `generate(num_beams=...)`); one output per
+        prompt, in input order, whose `.sequences` are its beam_width best hypotheses, best first, each with the
+        prompt's and its own tokens and text, as vLLM's. `concurrency_limit` changes nothing here: every search runs in
+        the batch."""
+        refuse_lora_request(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a hybridkv.BeamSearchParams, got {type(params).__name__}")
+        prompts = prompt_list(prompts)
+        checked = [self.check_request(prompt, params, None) for prompt in prompts]
+        outputs = self._run_to_completion(checked, use_tqdm)
+        for output in outputs:
+            if output.error:
+                raise RuntimeError(f"beam search of request {output.request_id!r} failed: {output.error}")
+        return [BeamSearchOutput.of(output, params, self.tokenizer) for output in outputs]
+
+    def _run_to_completion(self, checked: list[CheckedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        """Queue checked requests and step until all finish; if that fails or is interrupted, abort them."""
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        progress = progress_bar(len(checked), use_tqdm)
+        try:
+            ids.extend(self.enqueue(request) for request in checked)
+            wanted = set(ids)
+            while len(done) < len(ids):
+                for output in self._step_claiming(wanted):
+                    if output.finished:
+                        done[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            for request_id in ids:
+                self._abort(request_id)
+            raise
+        finally:
+            progress.close()
+        return [done[request_id] for request_id in ids]
+
+    @exclusive
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
+        """Queue a request and return its stream: iterating it yields each sample's new tokens and text
+        (`StreamDelta`) as the engine produces them, until the request ends. Closing the stream, or
+        dropping it, aborts the request. Other queued requests keep running meanwhile; their results
+        wait for the next step() call."""
+        if isinstance(sampling_params, BeamSearchParams):
+            raise ValueError(
+                "beam search does not stream: its best sequences are known only at the end; use beam_search()"
+            )
+        if sampling_params is not None and sampling_params.num_samples > sampling_params.n:
+            raise ValueError(
+                f"best_of={sampling_params.best_of} > n={sampling_params.n} does not stream: the best samples are "
+                "known only at the end; use generate(), or best_of=n"
+            )
+        request_id = self.enqueue(self.check_request(prompt, sampling_params, request_id))
+        return RequestStream(self, self.outputs.states[request_id])
+
+    @exclusive
+    def advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]:
+        """Step until the stream's request has news (unless it ended elsewhere, e.g. aborted); its deltas
+        and whether it finished (`RequestStream.__next__`)."""
+        if not state.output.finished:
+            self._step_claiming({state.group.request_id})
+        return self.outputs.stream_deltas(state), state.output.finished
+
+    def _step_claiming(self, wanted: set[str]) -> list[RequestOutput]:
+        """One step; finished outputs of requests not in `wanted` are kept for the caller of step()."""
+        outputs = self.step()
+        mine = [o for o in outputs if o.request_id in wanted]
+        self.unclaimed.extend(o for o in outputs if o.request_id not in wanted and o.finished)
+        return mine
+
+
+def _params_for(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int, what: str
+) -> list[SamplingParams | None]:
+    """One SamplingParams per prompt: the same for all (None: the model's defaults), or one each."""
+    if isinstance(params, (SamplingParams, BeamSearchParams)) or params is None:
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {count} {what} but {len(params)} SamplingParams; give one or one each")
+    return params

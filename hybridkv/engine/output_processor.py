@@ -20,6 +20,7 @@ from hybridkv.sampling.sampler import SampledLogprobs, SamplingRow
 from hybridkv.sampling.structured_outputs import CompiledGrammar
 from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
+from hybridkv.scheduling.scheduler import SchedulerOutput
 from hybridkv.scheduling.stopping import StopRules
 
 
@@ -57,13 +58,15 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Records of every unfinished request, keyed by its id."""
+    """Records of every unfinished request, keyed by its id, and of those that ended outside a step
+    (`unreported`: rejected when added, failed by an interrupted step), which the next step reports."""
 
     def __init__(self, tokenizer: Any, stop_rules: StopRules, device: torch.device) -> None:
         self.tokenizer = tokenizer
         self.stop_rules = stop_rules
         self.device = device
         self.states: dict[str, RequestState] = {}
+        self.unreported: list[RequestState] = []
         self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
 
     def add(self, parts: list[SampleGroup], prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
@@ -159,7 +162,7 @@ class OutputProcessor:
         """Record each request's new token (already appended to the request) and its logprobs, extend its
         text, advance its grammar, and decide whether it stops (a completed grammar stops it). Returns the
         requests that stop, with their status and error: the caller finishes them in the scheduler. (A step of
-        `greedy_alone` requests does this in `LLMEngine._update_alone`'s one pass: keep the two alike.)"""
+        `greedy_alone` requests does this in `record_alone`'s one pass: keep the two alike.)"""
         now = time.monotonic()
         stopped = []
         check = self.stop_rules.check
@@ -184,6 +187,65 @@ class OutputProcessor:
             if status is not None:
                 stopped.append((request, status, None))
         return stopped
+
+    def record_alone(
+        self, plan: SchedulerOutput, tokens: list[int], advance: bool
+    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus, RequestState]]]:
+        """A step whose every request is `greedy_alone` (no beam, fork, grammar or logprobs to record; each is its
+        group's only sample, so its report is its own) in one pass: each request advances (`advance`; an async step's
+        requests advanced at launch, and each token it appends was pending), takes and records its token and is
+        checked for a stop as `Scheduler.update` and `process` would. The reports (live records) and the requests
+        that stopped, with their states, not finished yet. With `advance` False a request that finished since the
+        step's launch (aborted) is passed over, its token dropped. Most decode steps take it: one pass instead of
+        four, each of which met every request's records cold after the forward."""
+        check = self.stop_rules.check
+        now = time.monotonic()
+        next_token = iter(tokens).__next__
+        reports: list[RequestOutput] = []
+        stopped: list[tuple[Request, RequestStatus, RequestState]] = []
+        for request, num_new, samples in plan.scheduled:
+            if advance:
+                request.num_computed_tokens += num_new
+            elif request.status.is_finished:
+                if samples:
+                    next_token()
+                continue
+            sample = request.sample_state
+            state = sample.state
+            reports.append(state.output)  # the live record: a stopped request's is finished by the caller, in place
+            if samples:
+                token = next_token()
+                if not advance:
+                    request.num_pending_tokens -= 1
+                request.append_token(token)
+                sample.completion.token_ids.append(token)
+                if sample.metrics.first_token_time is None:
+                    sample.metrics.first_token_time = now
+                status = check(request, token, sample.detokenizer)
+                if status is not None:
+                    stopped.append((request, status, state))
+                    continue
+            if sample.detokenizer is not None:  # what `output` reads into an unfinished record
+                sample.completion.text = sample.detokenizer.text
+            sample.metrics.num_cached_tokens = request.num_cached_tokens
+        return reports, stopped
+
+    def take_unreported(self) -> dict[str, RequestState]:
+        """The requests that ended outside a step, by id (the next step's reports start with them)."""
+        touched = {state.group.request_id: state for state in self.unreported}
+        self.unreported = []
+        return touched
+
+    def reports(self, plan: SchedulerOutput, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """A step's reports: each request it `touched` (those that ended outside it first), then its own and its
+        failed ones, each once; a request reported finished already (e.g. aborted while waiting to be reported) is not
+        reported again."""
+        states = self.states
+        for request in [s.request for s in plan.scheduled] + plan.failed:
+            request_id = request.group.request_id
+            if request_id not in touched and request_id in states:
+                touched[request_id] = states[request_id]
+        return [self.output(state) for state in touched.values() if not state.output.finished]
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output as of now; a finished request's records are dropped."""

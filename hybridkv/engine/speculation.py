@@ -33,7 +33,7 @@ proposal ends the backoff.
 
 The draft model runs in an engine of its own (its own pages, prefix caching on), where each request that speculates has
 a request of its own, kept from round to round while it speculates: a round sets it to go on from the request's
-tokens (`LLMEngine._continue_from`: cut where the two part, the kept tokens appended) and steps the draft's engine
+tokens (`LLMEngine.continue_from`: cut where the two part, the kept tokens appended) and steps the draft's engine
 until it holds k greedy tokens more; the next round computes only what the model kept since. Where the draft's layers
 are not all full attention (a window or a state cannot go back), or the cut would reach into a computed block, the
 draft's request is added again each round, and its prefix cache holds most of what it computed.
@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -55,16 +55,43 @@ from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.sampling.structured_outputs import mask_along
 from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams
-from hybridkv.scheduling.scheduler import SchedulerOutput
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerOutput
 
 # The most steps a request whose proposals keep failing skips proposing for (`Speculator.verify`'s backoff).
 MAX_SKIPS = 15
 
 
+class DraftEngine(Protocol):
+    """What a draft model's engine gives the speculator: an `LLMEngine` (hybridkv/engine/llm_engine.py, which builds on
+    this module: named here, not imported), through its public calls."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> str: ...
+
+    def abort(self, request_id: str) -> Any: ...
+
+    def step(self) -> list[Any]: ...
+
+    def continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool: ...
+
+    def sample_request(self, request_id: str) -> Request: ...
+
+    def close(self) -> None: ...
+
+
+# What the front does with each kept token after a request's first (`Speculator.finish`): records it and ends the
+# request where it stops.
+RecordToken = Callable[[Request, int, SampledLogprobs | None], None]
+
+
 class Speculator:
     """The engine's proposals and their check (module docstring), with the counts `stats()` reports."""
 
-    def __init__(self, config: SpeculativeConfig, draft_engine: Callable[[torch.nn.Module], Any] | None = None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, draft_engine: Callable[[torch.nn.Module], DraftEngine] | None = None
+    ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.draft = None
@@ -147,18 +174,18 @@ class Speculator:
         for request, k in wanted:
             context = request.token_ids
             draft_id, known = drafting.get(request, (None, 0))
-            if draft_id is None or not draft._continue_from(draft_id, context, known):
+            if draft_id is None or not draft.continue_from(draft_id, context, known):
                 if draft_id is not None:
                     draft.abort(draft_id)
                 draft_id = draft.add_request(f"draft-{next(self._draft_ids)}", list(context), self._draft_params)
             self._drafting[request] = (draft_id, len(context))
-            own = draft.outputs.states[draft_id].members[0]
+            own = draft.sample_request(draft_id)
             goals.append((request, own, len(context), len(context) + k))
         # Each step gives every running draft request a token once it has computed what it was given (in chunks of
         # max_num_batched_tokens). A request that reached its goal runs on while others catch up; the steps are
         # bounded, so a draft's engine short of blocks (preempting) ends the round with shorter proposals.
         pending = sum(len(own.token_ids) - own.num_computed_tokens for _, own, _, _ in goals)
-        steps = self.k + len(goals) + pending // draft.config.max_num_batched_tokens + 1
+        steps = self.k + len(goals) + pending // draft.max_num_batched_tokens + 1
         for _ in range(steps):
             if not any(len(own.token_ids) < goal and not own.status.is_finished for _, own, _, goal in goals):
                 break
@@ -218,9 +245,10 @@ class Speculator:
         self._stored = plan.spec_stored
         return normal, kept
 
-    def finish(self, scheduler: Any, outputs: Any) -> int:
-        """Append the step's kept tokens after each request's first (`verify`), each checked for a stop as a sampled
-        token is (the request ends at the first that stops it); returns how many were appended."""
+    def finish(self, scheduler: Scheduler, record: RecordToken) -> int:
+        """Append the step's kept tokens after each request's first (`verify`), each recorded and checked for a stop
+        as a sampled token is (`record`: the request ends at the first that stops it); returns how many were
+        appended."""
         appended = 0
         kept, self._kept = self._kept, []
         for request, pairs in kept:
@@ -229,8 +257,7 @@ class Speculator:
                     break
                 request.append_token(token)
                 appended += 1
-                for stopped, status, error in outputs.process([request], [token], [entry]):
-                    scheduler.finish(stopped, status, error)
+                record(request, token, entry)
             if self._stored and not request.status.is_finished:
                 # The kept proposals' K/V are in their blocks: computed (the model's own last token is not yet).
                 request.num_computed_tokens += len(pairs)

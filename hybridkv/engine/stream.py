@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 class StreamingEngine(Protocol):
     """What a stream asks of its engine (`LLMEngine`; named here, not imported: the engine imports this module)."""
 
-    def _advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]: ...
+    def advance_stream(self, state: RequestState) -> tuple[list[StreamDelta], bool]: ...
 
-    def _release_stream(self, request_id: str) -> None: ...
+    def release_stream(self, request_id: str) -> None: ...
 
 
 class RequestStream:
@@ -43,7 +43,7 @@ class RequestStream:
         while not self._pending:
             if self._finished:
                 raise StopIteration
-            deltas, self._finished = self._engine._advance_stream(self._state)
+            deltas, self._finished = self._engine.advance_stream(self._state)
             self._pending.extend(deltas)
         return self._pending.popleft()
 
@@ -52,7 +52,7 @@ class RequestStream:
         if not self._finished:
             self._finished = True
             self._pending.clear()
-            self._engine._release_stream(self.request_id)
+            self._engine.release_stream(self.request_id)
 
     def __enter__(self) -> RequestStream:
         return self

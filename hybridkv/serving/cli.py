@@ -191,7 +191,7 @@ def chat_template_text(value: str) -> str:
 def worked_as_rank(model: torch.nn.Module, llm: hybridkv.LLMEngine) -> bool:
     """On a worker rank of a tensor-parallel model: run rank 0's steps until it stops, then unpatch; True
     when it did (the command has nothing else to do on this rank)."""
-    if llm.tp is None or llm.tp.driver:
+    if llm.core.worker_rank is None:
         return False
     llm.run_worker()
     hybridkv.unpatch(model)
