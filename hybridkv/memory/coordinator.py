@@ -144,6 +144,8 @@ class KVCacheCoordinator:
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
         self._first = self.managers[0]
+        # Whether every group's list covers a request's first n tokens: with one block size, the first group's says.
+        self._covered = self._first.covers if self._one_block_size else self._every_group_covers
         # Requests that may share a block they write into (forks, and groups swapped back in together):
         # only they pay the copy-on-write check.
         self._may_share: set[str] = set()
@@ -461,10 +463,8 @@ class KVCacheCoordinator:
             given += manager.fill_middle(self.pool.num_free_blocks)
         return given
 
-    def _covered(self, request_id: str, num_tokens: int) -> bool:
-        """Whether every group's block list already covers num_tokens tokens of the request."""
-        if self._one_block_size:  # every list covers the same positions
-            return self._first.covers(request_id, num_tokens)
+    def _every_group_covers(self, request_id: str, num_tokens: int) -> bool:
+        """Whether every group's block list already covers num_tokens tokens of the request (`_covered`)."""
         return all(m.covers(request_id, num_tokens) for m in self.managers)
 
     def update_computed(self, request: KVRequest) -> None:
