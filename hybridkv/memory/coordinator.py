@@ -24,6 +24,13 @@ from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowMa
 _NOW = (0, 0, 0)
 _NEVER = sys.maxsize
 
+# The manager of each attention type (`KVCacheGroupSpec.attention_type`; vLLM's `spec_manager_map`).
+MANAGER_CLASSES: dict[str, type[SingleTypeManager]] = {
+    "full": FullAttentionManager,
+    "sliding_window": SlidingWindowManager,
+    "chunked_local": ChunkedLocalManager,
+}
+
 
 @dataclass(slots=True)
 class TableUpdates:
@@ -126,27 +133,19 @@ class KVCacheCoordinator:
         # state checkpoint, that another model computed.
         self.model_key = b""
         self.pool = BlockPool(num_blocks, len(config.groups), enable_caching)
-        self.managers: list[SingleTypeManager] = []
-        for group in config.groups:
-            stride = group.block_size // config.block_size
-            if group.attention_chunk_size is not None:
-                manager = ChunkedLocalManager(
-                    group.group_id, self.pool, group.block_size, group.attention_chunk_size, stride
-                )
-            elif group.sliding_window is None:
-                manager = FullAttentionManager(group.group_id, self.pool, group.block_size, stride)
-            else:
-                manager = SlidingWindowManager(
-                    group.group_id, self.pool, group.block_size, group.sliding_window, stride
-                )
-            self.managers.append(manager)
+        self.managers: list[SingleTypeManager] = [
+            MANAGER_CLASSES[group.attention_type].for_group(group, self.pool, group.block_size // config.block_size)
+            for group in config.groups
+        ]
         self._windowed = [m for m in self.managers if isinstance(m, WindowedManager)]
         self._is_windowed = [isinstance(m, WindowedManager) for m in self.managers]
         # Prefix-closed kinds first: their hit only shrinks the search of the others.
         self._search_order = sorted(self.managers, key=lambda m: not m.hits_are_prefix_closed)
         # With one block size, one group's list length says whether any group needs a block.
         self._one_block_size = len({m.block_size for m in self.managers}) == 1
-        self._first_lists, self._first_size = self.managers[0].req_to_blocks, self.managers[0].block_size
+        self._first = self.managers[0]
+        # Whether every group's list covers a request's first n tokens: with one block size, the first group's says.
+        self._covered = self._first.covers if self._one_block_size else self._every_group_covers
         # Requests that may share a block they write into (forks, and groups swapped back in together):
         # only they pay the copy-on-write check.
         self._may_share: set[str] = set()
@@ -162,7 +161,6 @@ class KVCacheCoordinator:
         # it) and at which a window or chunk start next passes a block (returning blocks waits for it, or for a
         # windowed group's pending step, which an update drops).
         self._next_change: dict[str, tuple[int, int, int]] = {}
-        self._window_steps = [m.steps for m in self._windowed]
         # What `_next_change_after` reads of each group: (block size, window, chunk size), once per distinct kind.
         self._change_rules = list(
             dict.fromkeys(
@@ -257,18 +255,9 @@ class KVCacheCoordinator:
         pool is short, spare fresh blocks of other pending steps come back first (`WindowedManager`).
         """
         request_id = request.request_id
+        if hit is None and self._needs_nothing(request_id, request.num_computed_tokens + num_new_tokens):
+            return True  # most decode steps
         slots = self.state_slots
-        if hit is None and self._one_block_size and request_id not in self._may_share:
-            # Most decode steps need no block in any group (one block size: every list covers the same
-            # positions) and the request holds its state slot already: say so without counting. (`decode_needs`
-            # makes this first test for a whole decode batch in one pass: the two must stay the same test.)
-            held = self._first_lists.get(request_id)
-            if (
-                held is not None
-                and request.num_computed_tokens + num_new_tokens <= len(held) * self._first_size
-                and (slots is None or request_id in slots.held)
-            ):
-                return True
         if slots is not None and request_id not in slots.held:
             if not slots.num_free:
                 return False
@@ -285,27 +274,28 @@ class KVCacheCoordinator:
         """For a decode step of `requests` (each one token, its last known): None unless each is one token short of
         its known tokens; else those whose token `allocate_slots` does not pass at its first test (no block to
         take, its state slot held, nothing shared), in order, which the caller allocates for, and no other: the
-        rest need nothing (a few requests a step start a block). One pass, where a call per request would cost
-        more than the test (which is `allocate_slots`' own, written out here for the batch)."""
-        lists, size, shared = self._first_lists, self._first_size, self._may_share
-        if not self._one_block_size:  # each request's groups cover different positions: allocate_slots decides
-            size = 0
-        held = self.state_slots.held if self.state_slots is not None else None
+        rest need nothing (a few requests a step start a block). One pass, where a call of `allocate_slots` per
+        request would cost more than its first test (`_needs_nothing`), which is the one made here."""
         needs = []
+        needs_nothing = self._needs_nothing
         for request in requests:
             num_tokens = request.num_computed_tokens + 1
             if num_tokens != len(request.token_ids) + request.num_pending_tokens:
                 return None
-            request_id = request.request_id
-            blocks = lists.get(request_id)
-            if (
-                blocks is None
-                or num_tokens > len(blocks) * size
-                or request_id in shared
-                or (held is not None and request_id not in held)
-            ):
+            if not needs_nothing(request.request_id, num_tokens):
                 needs.append(request)
         return needs
+
+    def _needs_nothing(self, request_id: str, num_tokens: int) -> bool:
+        """Whether a step of the request up to num_tokens tokens, without a cache hit, takes nothing: every group's
+        list covers them, the request holds its state slot and may share no block it writes. The first test of
+        `allocate_slots`, and of `decode_needs` for each request of a batch."""
+        slots = self.state_slots
+        return (
+            request_id not in self._may_share
+            and (slots is None or request_id in slots.held)
+            and self._covered(request_id, num_tokens)
+        )
 
     def _allocate_blocks(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None) -> bool:
         """`allocate_slots` in every KV cache group (the state slot aside)."""
@@ -313,7 +303,7 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_total = num_computed + num_new_tokens
         shared = self._shared_writes(request_id, num_computed) if request_id in self._may_share else []
-        # Most decode steps need no block in any group: say so without counting.
+        # A request that may share, or takes its state slot now, may still need no block.
         if hit is None and not shared and self._covered(request_id, num_total):
             return True
         if hit is None and not shared and self._one_block_size and self._append_one_block(request_id, num_total):
@@ -358,18 +348,16 @@ class KVCacheCoordinator:
         this step (nothing to move or keep). Then every group takes one fresh block, popped together, as
         `allocate_step` and `allocate_new_blocks` would give them one by one. False, changing nothing, for any
         other step, or when the pool lacks a block per group."""
-        blocks = self._first_lists.get(request_id)
-        size = self._first_size
-        if blocks is None:
+        position = self._first.num_positions(request_id)
+        if position is None:
             return False
-        position = len(blocks)
+        size = self._first.block_size
         managers = self.managers
         # The step is [position * size, num_total): the whole of the new position, and only it.
         if not position * size < num_total <= (position + 1) * size or len(managers) > self.pool.num_free_blocks:
             return False
         for manager in self._windowed:
-            start = manager.window_start.get(request_id)
-            if start is None or start < manager.first_needed_block(num_total):
+            if not manager.keeps_window(request_id, num_total):
                 return False
         for manager, block in zip(managers, self.pool.get_new_blocks(len(managers)), strict=True):
             manager.append_block(request_id, block)
@@ -472,16 +460,12 @@ class KVCacheCoordinator:
             return 0
         given = 0
         for manager in self._windowed:
-            if manager.steps:  # most decode steps leave none pending
-                given += manager.fill_middle(self.pool.num_free_blocks)
+            given += manager.fill_middle(self.pool.num_free_blocks)
         return given
 
-    def _covered(self, request_id: str, num_tokens: int) -> bool:
-        """Whether every group's block list already covers num_tokens tokens of the request."""
-        if self._one_block_size:
-            manager = self.managers[0]
-            return num_tokens <= len(manager.blocks_of(request_id)) * manager.block_size
-        return all(num_tokens <= len(m.blocks_of(request_id)) * m.block_size for m in self.managers)
+    def _every_group_covers(self, request_id: str, num_tokens: int) -> bool:
+        """Whether every group's block list already covers num_tokens tokens of the request (`_covered`)."""
+        return all(m.covers(request_id, num_tokens) for m in self.managers)
 
     def update_computed(self, request: KVRequest) -> None:
         """After a step computed tokens: cache blocks that became full, then return the blocks that
@@ -496,7 +480,7 @@ class KVCacheCoordinator:
         num_computed = request.num_computed_tokens
         _, fills_at, moves_at = self._next_change.get(request_id, _NOW)
         caches = num_computed >= fills_at
-        returns = num_computed >= moves_at or any(steps and request_id in steps for steps in self._window_steps)
+        returns = num_computed >= moves_at or any(m.has_pending_step(request_id) for m in self._windowed)
         if not (caches or returns):  # most decode steps
             return
         # Counted from the known tokens: a token still on the device (async scheduling) is computed, but the block
@@ -527,15 +511,15 @@ class KVCacheCoordinator:
         """Most caching (a decode step's token filling a block): with one block size, every group's cached blocks
         end one block short of the computed tokens' full blocks. Then each group's block there is registered under
         its hash, as `cache_blocks` would, without a call per group. False, changing nothing, for any other case."""
-        full = num_computed // self._first_size
+        full = num_computed // self._first.block_size
         if not 0 < full <= len(block_hashes):
             return False
         before = full - 1
         managers = self.managers
         for manager in managers:
-            if manager.num_cached_blocks.get(request_id, 0) != before:
+            if manager.num_cached(request_id) != before:
                 return False
-        blocks = [manager.req_to_blocks[request_id][before] for manager in managers]
+        blocks = [manager.blocks_of(request_id)[before] for manager in managers]
         for manager in managers:
             manager.set_num_cached_blocks(request_id, full)
         self.pool.cache_block_per_group(blocks, block_hashes[before])
@@ -545,8 +529,7 @@ class KVCacheCoordinator:
         """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary
         and have no pending step are passed over with one comparison each."""
         next_change = self._next_change
-        window_steps = self._window_steps
-        pending = set().union(*window_steps) if any(window_steps) else ()
+        pending = set().union(*(m.pending_requests() for m in self._windowed))
         for request in requests:
             request_id = request.request_id
             if request.num_computed_tokens >= next_change.get(request_id, _NOW)[0] or request_id in pending:
@@ -618,14 +601,8 @@ class KVCacheCoordinator:
         hybridkv/execution/input_batch.py). Called once a step's allocations are made."""
         updates = TableUpdates(freed=self._freed, slots=self._slot_updates)
         self._freed, self._slot_updates = [], []
-        entries = updates.entries
         for manager in self.managers:
-            if not manager.changed_from:  # most decode steps change no group's tables
-                continue
-            changed, manager.changed_from = manager.changed_from, {}
-            tables = manager.req_to_block_ids
-            for request_id, start in changed.items():
-                entries.append((manager.group_id, request_id, start, tables[request_id][start:]))
+            updates.entries += manager.take_changes()
         return updates
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
@@ -645,13 +622,10 @@ class KVCacheCoordinator:
     def block_tables(self, request_ids: list[str]) -> list[list[list[int]]]:
         """Per group, the block-table row of each request, which must hold blocks (the managers' live
         lists: read, never change)."""
-        return [[m.req_to_block_ids[request_id] for request_id in request_ids] for m in self.managers]
+        return [m.block_table_rows(request_ids) for m in self.managers]
 
     def stats(self) -> KVCacheStats:
-        per_group = [
-            len({b.block_id for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null})
-            for m in self.managers
-        ]
+        per_group = [m.num_blocks_in_use() for m in self.managers]
         return KVCacheStats(
             num_blocks=self.pool.num_blocks,
             num_free_blocks=self.pool.num_free_blocks,

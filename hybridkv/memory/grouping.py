@@ -55,6 +55,13 @@ class KVCacheGroupSpec:
         return self.sliding_window is None and self.attention_chunk_size is None
 
     @property
+    def attention_type(self) -> str:
+        """Its attention rule: "full", "sliding_window" or "chunked_local" (the coordinator's `MANAGER_CLASSES`)."""
+        if self.attention_chunk_size is not None:
+            return "chunked_local"
+        return "full" if self.sliding_window is None else "sliding_window"
+
+    @property
     def kind(self) -> str:
         if self.attention_chunk_size is not None:
             return f"chunks of {self.attention_chunk_size}"

@@ -27,15 +27,16 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
     slots = coordinator.state_slots
     if slots is not None:
         slots.check_integrity()
-        holders = set(coordinator.managers[0].req_to_blocks)
+        holders = set(coordinator.managers[0].request_ids())
         assert set(slots.held) == holders, f"state slots held by {set(slots.held)}, blocks by {holders}"
     if coordinator.state_checkpoints is not None:
         coordinator.state_checkpoints.check_integrity()
         assert coordinator.state_checkpoints.first_slot == slots.num_slots, "checkpoints overlap requests' slots"
     expected_refs = [0] * pool.num_blocks
     for manager in coordinator.managers:
-        assert manager.req_to_block_ids.keys() == manager.req_to_blocks.keys(), "block tables out of step"
-        for request_id, blocks in manager.req_to_blocks.items():
+        manager.check_tables()
+        for request_id in manager.request_ids():
+            blocks = manager.blocks_of(request_id)
             seen = set()
             for block in blocks:
                 if block.is_null:
@@ -45,14 +46,6 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
                 expected_refs[block.block_id] += 1
                 if block.block_hash is not None:
                     assert block.hash_group == manager.group_id, f"{block} cached for another group"
-            table = manager.block_table(request_id)
-            assert len(table) == len(blocks), f"{request_id}'s block table in group {manager.group_id}"
-            for position, (block_id, block) in enumerate(zip(table, blocks, strict=True)):
-                # A moved block shows as -id where it is read this step, and is held further on.
-                moved = block_id < 0 and block.is_null and -block_id in seen
-                assert block_id == block.block_id or moved, (
-                    f"{request_id}'s block table in group {manager.group_id} disagrees with its blocks at {position}"
-                )
     for block in pool.blocks[1:]:
         assert block.ref_cnt == expected_refs[block.block_id], (
             f"{block}: ref count {block.ref_cnt} but held by {expected_refs[block.block_id]} lists"
@@ -60,8 +53,8 @@ def check_coordinator(coordinator: KVCacheCoordinator, requests: dict[str, KVReq
     if requests is None:
         return
     for manager in coordinator.managers:
-        for request_id, blocks in manager.req_to_blocks.items():
-            _check_request(manager, requests[request_id], blocks)
+        for request_id in manager.request_ids():
+            _check_request(manager, requests[request_id], manager.blocks_of(request_id))
 
 
 def _check_request(manager: SingleTypeManager, request: KVRequest, blocks: list[KVBlock]) -> None:
@@ -75,10 +68,10 @@ def _check_request(manager: SingleTypeManager, request: KVRequest, blocks: list[
     assert len(blocks) >= computed_blocks, f"{request_id} lost blocks of computed tokens"
     table = manager.block_table(request_id)
     first_read = manager.first_needed_block(request.num_computed_tokens)
-    step = manager.steps.get(request_id) if isinstance(manager, WindowedManager) else None
+    step_end = manager.pending_step_end(request_id) if isinstance(manager, WindowedManager) else None
     # The step's middle is read in flight: its positions may be null; keys before it are read from
     # blocks (moved ones included), and the tail is stored into.
-    middle = range(computed_blocks, manager.first_needed_block(step.end)) if step else range(0)
+    middle = range(computed_blocks, manager.first_needed_block(step_end)) if step_end is not None else range(0)
     for position in range(first_read, len(blocks)):
         assert position in middle or table[position] != 0, (
             f"{request_id} has a null block at {position}, where group {manager.group_id} still attends"

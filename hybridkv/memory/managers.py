@@ -15,9 +15,13 @@ chained hash of everything up to the block's end.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
+from typing import TYPE_CHECKING
 
 from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock, cdiv
+
+if TYPE_CHECKING:
+    from hybridkv.memory.grouping import KVCacheGroupSpec
 
 
 def num_window_blocks(sliding_window: int, block_size: int) -> int:
@@ -45,6 +49,11 @@ class SingleTypeManager(ABC):
         # changes (its `take_table_updates`): what the model runner's persistent block tables must copy.
         self.changed_from: dict[str, int] = {}
 
+    @classmethod
+    def for_group(cls, group: KVCacheGroupSpec, pool: BlockPool, hash_stride: int) -> SingleTypeManager:
+        """The manager of `group`'s blocks (the coordinator picks the class by the group's attention type)."""
+        return cls(group.group_id, pool, group.block_size, hash_stride)
+
     @abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         """The longest hit of at most max_num_blocks of this group's blocks, as the block list it would
@@ -71,7 +80,58 @@ class SingleTypeManager(ABC):
             self.changed_from[request_id] = position
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks by position (the null block where it holds none); the live list: read it, never
+        change it."""
         return self.req_to_blocks.get(request_id, [])
+
+    def request_ids(self) -> KeysView[str]:
+        """The requests that have a block list in this group (it may be empty)."""
+        return self.req_to_blocks.keys()
+
+    def num_positions(self, request_id: str) -> int | None:
+        """The length of the request's block list, null entries included; None when it has no list."""
+        blocks = self.req_to_blocks.get(request_id)
+        return None if blocks is None else len(blocks)
+
+    def covers(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's list already reaches num_tokens tokens: a step up to there takes no block here."""
+        return num_tokens <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
+
+    def num_cached(self, request_id: str) -> int:
+        """How many of the request's first blocks are registered under their hashes."""
+        return self.num_cached_blocks.get(request_id, 0)
+
+    def num_blocks_in_use(self) -> int:
+        """Distinct real blocks this group's requests hold."""
+        return len({b.block_id for blocks in self.req_to_blocks.values() for b in blocks if not b.is_null})
+
+    def block_table_rows(self, request_ids: Sequence[str]) -> list[list[int]]:
+        """The block-table row of each request, which must have a list (the live lists: read, never change)."""
+        tables = self.req_to_block_ids
+        return [tables[request_id] for request_id in request_ids]
+
+    def take_changes(self) -> list[tuple[int, str, int, list[int]]]:
+        """(group id, request id, first changed position, the request's ids from there on) of each request whose
+        block ids changed since the last call (`changed_from`), which it forgets."""
+        if not self.changed_from:  # most decode steps change no table
+            return []
+        changed, self.changed_from = self.changed_from, {}
+        tables, group_id = self.req_to_block_ids, self.group_id
+        return [(group_id, request_id, start, tables[request_id][start:]) for request_id, start in changed.items()]
+
+    def check_tables(self) -> None:
+        """Assert that the block-id lists agree with the block lists: the same requests and lengths, and at each
+        position the block's id, but for a moved block's -id where the request holds the block further on."""
+        assert self.req_to_block_ids.keys() == self.req_to_blocks.keys(), "block tables out of step"
+        for request_id, blocks in self.req_to_blocks.items():
+            table = self.req_to_block_ids[request_id]
+            assert len(table) == len(blocks), f"{request_id}'s block table in group {self.group_id}"
+            held = {block.block_id for block in blocks if not block.is_null}
+            for position, (block_id, block) in enumerate(zip(table, blocks, strict=True)):
+                moved = block_id < 0 and block.is_null and -block_id in held
+                assert block_id == block.block_id or moved, (
+                    f"{request_id}'s block table in group {self.group_id} disagrees with its blocks at {position}"
+                )
 
     def append_block(self, request_id: str, block: KVBlock) -> None:
         """Give the request a fresh block at the position just past its list (the coordinator's decode fast path)."""

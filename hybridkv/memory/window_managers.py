@@ -30,11 +30,15 @@ The kinds then add their own rules (which blocks a query reads, which cached run
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, KeysView, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock, cdiv
 from hybridkv.memory.managers import SingleTypeManager, num_window_blocks
+
+if TYPE_CHECKING:
+    from hybridkv.memory.grouping import KVCacheGroupSpec
 
 
 @dataclass(slots=True)
@@ -66,6 +70,26 @@ class WindowedManager(SingleTypeManager):
         # Per request, the first position that may hold a real block (every earlier one is null); a list
         # that arrives some other way (a copy of another request's) is scanned once (`_window_start`).
         self.window_start: dict[str, int] = {}
+
+    def has_pending_step(self, request_id: str) -> bool:
+        """Whether the request's allocated step left something for its update to return (a middle, spare fresh
+        tail blocks, old-window blocks kept past the step's end)."""
+        return request_id in self.steps
+
+    def pending_requests(self) -> KeysView[str]:
+        """The requests with a pending step (`has_pending_step`)."""
+        return self.steps.keys()
+
+    def pending_step_end(self, request_id: str) -> int | None:
+        """The tokens the request's pending step computes up to; None without one."""
+        step = self.steps.get(request_id)
+        return None if step is None else step.end
+
+    def keeps_window(self, request_id: str, num_total_tokens: int) -> bool:
+        """Whether a step up to num_total_tokens leaves none of the request's blocks behind its window (nothing to
+        move or keep: its new tail takes fresh blocks); False when the request's first real position is not known."""
+        start = self.window_start.get(request_id)
+        return start is not None and start >= self.first_needed_block(num_total_tokens)
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -176,6 +200,8 @@ class WindowedManager(SingleTypeManager):
         """Give the middles of pending steps free blocks, lowest positions first, up to `max_blocks`, where
         the block's hash is known and no block caches it yet: they are stored this step and go back to
         the pool hashed after it. Returns how many blocks were given."""
+        if not self.steps:  # most decode steps leave none pending
+            return 0
         cached = self.pool.cached[self.group_id]
         null = self.pool.null_block
         stride = self.hash_stride
@@ -345,6 +371,10 @@ class SlidingWindowManager(WindowedManager):
         super().__init__(group_id, pool, block_size, sliding_window, hash_stride)
         self.sliding_window = sliding_window
 
+    @classmethod
+    def for_group(cls, group: KVCacheGroupSpec, pool: BlockPool, hash_stride: int) -> SlidingWindowManager:
+        return cls(group.group_id, pool, group.block_size, group.sliding_window, hash_stride)
+
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         cached = self.pool.cached[self.group_id]
         need = self.num_window_blocks
@@ -384,6 +414,10 @@ class ChunkedLocalManager(WindowedManager):
     ) -> None:
         super().__init__(group_id, pool, block_size, attention_chunk_size, hash_stride)
         self.attention_chunk_size = attention_chunk_size
+
+    @classmethod
+    def for_group(cls, group: KVCacheGroupSpec, pool: BlockPool, hash_stride: int) -> ChunkedLocalManager:
+        return cls(group.group_id, pool, group.block_size, group.attention_chunk_size, hash_stride)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
         cached = self.pool.cached[self.group_id]
