@@ -154,7 +154,7 @@ def decode_micro() -> None:
 
 def _time_decode(batch, heads, latent, rotary, nope, value, context, block_size=16) -> tuple[float, float]:
     from hybridkv.kernels import PagedAttentionMetadata
-    from hybridkv.kernels.contexts import latent_attention
+    from hybridkv.kernels.latent_attention import latent_attention
 
     per_seq = -(-context // block_size)
     torch.manual_seed(0)

@@ -171,7 +171,7 @@ def test_the_default_on_one_gpu_compiles_and_captures_its_graphs_over_the_compil
 def test_latent_attention_is_captured_on_16_bit_pages_and_not_over_fp8_pages(patched):
     """MiniCPM3 (latent attention, no experts): its decode steps are captured and give generate's tokens; over fp8
     pages its decode rows take the torch path, built per step, so graph mode does not
-    pad them, and nothing is captured (hybridkv/kernels/contexts.py)."""
+    pad them, and nothing is captured (hybridkv/kernels/latent_attention.py)."""
     model = LATENT["minicpm3"]().to(DEVICE)
     llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=8)
     assert llm.stats()["cuda_graphs"] == [1, 2, 4, 8], llm.stats()["cuda_graph_error"]

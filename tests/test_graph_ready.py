@@ -102,10 +102,10 @@ def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_latent_attention_models_pad_decode_steps_in_graph_mode_and_compile_when_asked(backend, patched, eager_pieces):
     """A latent attention model's decode steps are padded to buckets in graph mode: a step of decode rows only attends
-    over the step buffers' own tables and lengths (hybridkv/kernels/contexts.py, what a CUDA graph captures), padding
-    rows included, and gives eager mode's tokens, on the torch path (the CPU decode kernel) and the Triton latent kernel
-    (the interpreter). It does not compile by default; compile=True traces the forward, its cache updates as
-    `store_latent` ops, and gives eager mode's tokens too."""
+    over the step buffers' own tables and lengths (hybridkv/kernels/latent_attention.py, what a CUDA graph captures),
+    padding rows included, and gives eager mode's tokens, on the torch path (the CPU decode kernel) and the Triton
+    latent kernel (the interpreter). It does not compile by default; compile=True traces the forward, its cache
+    updates as `store_latent` ops, and gives eager mode's tokens too."""
     model = LATENT["deepseek_v3"]()
     batch = prompts((7, 33, 70))
     common = dict(block_size=8, max_model_len=256, attention_backend=backend)

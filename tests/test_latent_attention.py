@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.kernels import PagedAttentionMetadata
-from hybridkv.kernels.contexts import latent_attention
+from hybridkv.kernels.latent_attention import latent_attention
 from hybridkv.patches.attention import running_step, store_latent_op
 from hybridkv.patches.inspection import inspect_model
 

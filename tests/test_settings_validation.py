@@ -12,6 +12,7 @@ from accelerate import init_empty_weights
 
 import hybridkv
 from hybridkv import EngineConfig, SamplingParams
+from hybridkv.execution import config as config_module
 from hybridkv.sampling.sampler import SamplingRow, sample
 from hybridkv.tiny import tiny_model
 
@@ -182,6 +183,48 @@ def test_gpu_memory_utilization_must_be_a_share(utilization):
 def test_gpu_memory_utilization_must_be_finite():
     with pytest.raises(ValueError, match=r"^gpu_memory_utilization must be a finite number, got nan$"):
         EngineConfig(gpu_memory_utilization=math.nan)
+
+
+@pytest.fixture
+def host_of_16_gib(monkeypatch):
+    """A host with 16 GiB of memory, whatever this one has: 70% of it is 11.20 GiB."""
+    monkeypatch.setattr(config_module, "host_memory_bytes", lambda: 16 << 30)
+
+
+def test_swap_space_beyond_70_percent_of_the_hosts_memory_names_the_most_it_may_be(host_of_16_gib):
+    message = (
+        r"^swap_space=1e\+06 GiB asks for 1,073,741,824,000,000 bytes of CPU memory, more than 70% of the host's "
+        r"17,179,869,184 bytes; lower swap_space to at most 11\.20 GiB$"
+    )
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(preemption_mode="swap", swap_space=10**6)
+
+
+def test_swap_space_given_with_recompute_is_checked_too_and_the_error_says_it_is_not_taken(host_of_16_gib):
+    message = (
+        r"^swap_space=12 GiB asks for 12,884,901,888 bytes of CPU memory, more than 70% of the host's 17,179,869,184 "
+        r"bytes; lower swap_space to at most 11\.20 GiB, or leave it out: preemption_mode='recompute' takes none$"
+    )
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(swap_space=12)
+
+
+def test_swap_space_up_to_70_percent_of_the_hosts_memory_is_accepted(host_of_16_gib):
+    assert EngineConfig(preemption_mode="swap", swap_space=11.2).swap_space_bytes == int(11.2 * (1 << 30))
+
+
+def test_the_default_swap_space_passes_on_a_small_host_where_recompute_takes_none(monkeypatch):
+    monkeypatch.setattr(config_module, "host_memory_bytes", lambda: 2 << 30)
+    assert EngineConfig().swap_space_bytes == 0
+    with pytest.raises(ValueError, match=r"^swap_space=4 GiB asks for .* lower swap_space to at most 1\.40 GiB$"):
+        EngineConfig(preemption_mode="swap")
+
+
+def test_hybridkv_patch_refuses_a_petabyte_of_swap_space_and_leaves_the_model_alone():
+    model = tiny_model("gemma3")
+    with pytest.raises(ValueError, match=r"^swap_space=1e\+06 GiB asks for .* more than 70% of the host's"):
+        hybridkv.patch(model, swap_space=10**6)
+    assert not hybridkv.is_patched(model)
 
 
 def test_preemption_mode_must_be_recompute_or_swap():

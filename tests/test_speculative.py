@@ -17,8 +17,9 @@ import torch
 import hybridkv
 from hybridkv import SamplingParams, StructuredOutputsParams
 from hybridkv.async_engine import AsyncLLMEngine
+from hybridkv.sampling.acceptance import accept
+from hybridkv.sampling.prompt_lookup import ngram_proposal
 from hybridkv.sampling.sampler import SamplingRow
-from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.serving.cli import build_parser, patch_settings
 from hybridkv.tiny import tiny_model
 

@@ -50,8 +50,9 @@ import torch
 
 from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
+from hybridkv.sampling.acceptance import accept
+from hybridkv.sampling.prompt_lookup import ngram_proposal
 from hybridkv.sampling.sampler import SampledLogprobs, token_logprobs
-from hybridkv.sampling.speculative import accept, ngram_proposal
 from hybridkv.sampling.structured_outputs import mask_along
 from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams

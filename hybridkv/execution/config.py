@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 from dataclasses import dataclass, fields
 from typing import Any, get_args
 
@@ -16,6 +17,17 @@ from hybridkv.scheduling.validation import check_bool, check_choice, check_float
 ATTENTION_BACKENDS = (None, *get_args(Backend))
 GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values but a folder's path (load its GenerationConfig yourself)
 GIB = 1 << 30
+DEFAULT_SWAP_SPACE = 4  # GiB, vLLM's default
+# The most of the host's memory swap space may ask for (vLLM's CacheConfig refuses more than 70% of total CPU memory).
+MAX_SWAP_SHARE = 0.7
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory in bytes, or None where the platform does not say (no `os.sysconf`)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -27,10 +39,12 @@ class EngineConfig:
     one for every layer or one per layer kind, fp8 included (hybridkv/execution/kv_dtypes.py). With
     `preemption_mode="swap"`, `swap_space` GiB of CPU memory (vLLM's unit and default, 4) hold preempted requests'
     blocks (never more blocks than the device pool; with state layers, up to half of it holds their states, one CPU slot
-    per swapped request); with "recompute" none is taken. `generation_config`: "auto" (vLLM's default) gives a request
-    without sampling settings the model's generation config's (`LLMEngine.get_default_sampling_params`), "vllm"
-    SamplingParams'. `cpu_threads`: torch threads for the steps of a model on the CPU: "auto" (the cores other processes
-    leave free, at most torch's count; hybridkv/execution/cpu_threads.py), a count, or None (torch's setting as it is).
+    per swapped request); with "recompute" none is taken. More than 70% of the host's memory is an error (vLLM's
+    rule), in either mode, but the default with "recompute" asks for nothing. `generation_config`: "auto" (vLLM's
+    default) gives a request without sampling settings the model's generation config's
+    (`LLMEngine.get_default_sampling_params`), "vllm" SamplingParams'. `cpu_threads`: torch threads for the steps of a
+    model on the CPU: "auto" (the cores other processes leave free, at most torch's count;
+    hybridkv/execution/cpu_threads.py), a count, or None (torch's setting as it is).
     `enforce_eager` (vLLM's name): False runs decode steps in graph mode, padded to bucket sizes and, on a
     single GPU, replayed as captured CUDA graphs (hybridkv/execution/graphs.py; elsewhere run eagerly over the same
     padded buffers, which tests what a GPU captures); True runs every step eagerly, unpadded; None (default)
@@ -73,7 +87,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
-    swap_space: float = 4
+    swap_space: float = DEFAULT_SWAP_SPACE
     generation_config: str = "auto"
     attention_backend: str | None = None
     cpu_threads: int | str | None = "auto"
@@ -135,6 +149,24 @@ class EngineConfig:
             if isinstance(self.cpu_threads, str):
                 raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
             set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
+        self._check_swap_space_fits_the_host()
+
+    def _check_swap_space_fits_the_host(self) -> None:
+        """`swap_space` asks for at most `MAX_SWAP_SHARE` of the host's memory (vLLM's rule), else a ValueError naming
+        the most it may be. With "recompute" none is taken: the default asks for nothing there (so it passes on any
+        host), but a value given beyond the limit is still named as the mistake it is."""
+        if self.preemption_mode != "swap" and self.swap_space == DEFAULT_SWAP_SPACE:
+            return
+        host = host_memory_bytes()
+        requested = int(self.swap_space * GIB)
+        if host is None or requested <= MAX_SWAP_SHARE * host:
+            return
+        unused = ", or leave it out: preemption_mode='recompute' takes none" if self.preemption_mode != "swap" else ""
+        raise ValueError(
+            f"swap_space={self.swap_space:g} GiB asks for {requested:,} bytes of CPU memory, more than "
+            f"{MAX_SWAP_SHARE:.0%} of the host's {host:,} bytes; lower swap_space to at most "
+            f"{MAX_SWAP_SHARE * host / GIB:.2f} GiB{unused}"
+        )
 
     @property
     def swap_space_bytes(self) -> int:

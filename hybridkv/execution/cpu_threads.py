@@ -2,8 +2,8 @@
 
 A step on the CPU is many short operations, and each one parallel over torch's threads ends at a
 barrier: when another process holds one of the cores, every barrier waits for the thread that lost its
-core. Measured on 2 cores with one kept busy (`benchmarks/throughput.py --busy`): 2 threads ran the
-hybrid workload 2.0x slower than 1 thread did. So with ``cpu_threads="auto"`` (the default) an engine
+core. Measured on 2 cores with one kept busy: 2 threads ran the hybrid workload slower than 1 thread did
+(benchmarks/RESULTS.md, 'Choices in the code'). So with ``cpu_threads="auto"`` (the default) an engine
 watches how much CPU other processes use (Linux: /proc/stat, less this process's own time, sampled at
 most five times a second) and runs its steps on the cores they leave, never more threads than torch had
 when the engine was made; between steps torch's own setting is back, so code around the engine sees

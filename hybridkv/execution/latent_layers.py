@@ -6,8 +6,8 @@ and expands whatever the cache returns into its keys and values. `StepKVCache.up
 layer's pages (`torch.ops.hybridkv.store_latent`, hybridkv/patches/attention.py: K rows of the latent then the rotary
 key, whose latent is also the V row, at the step's slot mapping) and returns them: the layer expands only the step's
 rows, and its attention op reads the whole contexts from the pages and attends through the up-projection
-(hybridkv/kernels/contexts.py). Every other layer's update passes its K/V through (the paged attention op keeps them),
-as `PassThroughCache` does."""
+(hybridkv/kernels/latent_attention.py). Every other layer's update passes its K/V through (the paged attention op
+keeps them), as `PassThroughCache` does."""
 
 from __future__ import annotations
 

@@ -205,9 +205,9 @@ class ModelWatch:
 
     def _build_sample_views(self) -> list[list[Any]]:
         """Views of `SAMPLES` elements of every tensor with data, as integers of their element size, grouped by
-        device and element size: one concatenation a group reads them all (numpy's on the CPU, 6x faster than
-        torch's for 346 small views: benchmarks/model_watch.py). A view holds its tensor's storage until the views
-        are built again (at the next check that finds the tensor replaced) or the watch is closed."""
+        device and element size: one concatenation a group reads them all (numpy's on the CPU, faster than
+        torch's for many small views: benchmarks/RESULTS.md, 'Choices in the code'). A view holds its tensor's storage
+        until the views are built again (at the next check that finds the tensor replaced) or the watch is closed."""
         groups: dict[tuple[torch.device, int], list[Any]] = {}
         for tensor in self._tensors():
             view = _sample_view(tensor)

@@ -269,8 +269,8 @@ def launch_config(queries_per_kv: int, head_dim: int, element_size: int, interpr
 
     On a GPU: 16 rows (the tl.dot minimum); key tiles of 128 tokens for heads up to 64 wide, 64 up to
     128, 32 beyond (the same bytes a tile); 4 warps; 3 pipeline stages for 16-bit queries, 2 for fp32.
-    Chosen by a sweep on an H200 (docs/kernels.md): against the first choice (32-key tiles, 3 stages)
-    bf16 decode of 32 spread sequences took 26 us instead of 56, fp32 148 instead of 228. Under the
+    Chosen by a sweep on an H200 (docs/kernels.md): faster than the first choice (32-key tiles, 3 stages)
+    on every step swept, bf16 and fp32 (measured: benchmarks/RESULTS.md, 'Choices in the code'). Under the
     interpreter each program x KV tile costs milliseconds of Python, so tiles are as large as the test
     shapes allow.
     """

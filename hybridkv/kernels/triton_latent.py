@@ -1,12 +1,12 @@
-"""Latent attention's decode rows in Triton (hybridkv/patches/latent.py, hybridkv/kernels/contexts.py): attention in
-latent space over paged latents and rotary keys, FlashMLA's and vLLM's form.
+"""Latent attention's decode rows in Triton (hybridkv/patches/latent.py, hybridkv/kernels/latent_attention.py):
+attention in latent space over paged latents and rotary keys, FlashMLA's and vLLM's form.
 
 The up-projection's key part is folded into the query before the kernel (`absorbed`, `[rows, heads, latent]`) and
 its value part applied to the kernel's output after it, so the kernel is multi-query attention with keys
 `[latent | rotary key]` and values `latent`, both read from the pages: one program per decode row and block of
 `BLOCK_H` heads, which loops over the row's keys in tiles of `TILE_N` tokens (block ids looked up per key) with an
 online softmax in base 2, every key tile read once for all the program's heads. 16/32-bit pages; fp8 pages go
-through the torch path (`hybridkv/kernels/contexts.py`).
+through the torch path (`hybridkv/kernels/latent_attention.py`).
 """
 
 from __future__ import annotations

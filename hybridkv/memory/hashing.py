@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from hashlib import sha256
 
 try:  # CPython's own SHA-256 (`_sha2` from 3.12, `_sha256` before): the same digests as OpenSSL's `hashlib.sha256`,
-    # whose per-call dispatch costs 10-14 us against 6-7 right after a forward has evicted the caches (measured:
-    # benchmarks/hashing.py --cold); a decode step hashes one block at a time. OpenSSL stays for many blocks (it is
-    # faster per call when warm, and per byte).
+    # whose per-call dispatch costs more right after a forward has evicted the caches (measured: benchmarks/RESULTS.md,
+    # 'Choices in the code'); a decode step hashes one block at a time. OpenSSL stays for many blocks (it is faster per
+    # call when warm, and per byte).
     from _sha2 import sha256 as _one_block_sha256
 except ImportError:
     try:

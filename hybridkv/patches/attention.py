@@ -38,7 +38,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from hybridkv.kernels import PagedAttentionMetadata, attend, store_kv
-from hybridkv.kernels.contexts import latent_attention
+from hybridkv.kernels.latent_attention import latent_attention
 from hybridkv.kernels.metadata import KeyLimits
 
 ATTN_IMPLEMENTATION = "hybridkv"
@@ -70,7 +70,8 @@ class LatentUp:
     owner: torch.nn.Module
     name: str
     nope_dim: int
-    # Decode rows attend in latent space (`hybridkv/kernels/contexts.py`) where the projection is a plain linear layer.
+    # Decode rows attend in latent space (`hybridkv/kernels/latent_attention.py`) where the projection is a plain linear
+    # layer.
     absorb: bool = True
 
     def module(self) -> torch.nn.Module:
@@ -100,7 +101,7 @@ class LayerKV:
     defers_store: bool = False
     stores_after: tuple[int, ...] = ()
     # A latent attention layer (hybridkv/patches/latent.py): its cache update stored the step's latent and rotary-key
-    # rows; it attends over its pages through its up-projection (`LatentUp`, hybridkv/kernels/contexts.py).
+    # rows; it attends over its pages through its up-projection (`LatentUp`, hybridkv/kernels/latent_attention.py).
     latent: LatentUp | None = None
 
 

@@ -9,7 +9,7 @@ for DeepSeek's layout instead of the expanded heads' 5,120 or more, as vLLM does
 latent then the rotary key and whose V row is a view of the latent (`LayerSpec(num_kv_heads=1, head_dim=latent +
 rotary, v_head_dim=latent, value_in_key=True)`). In a step, the cache's update stores the step's rows
 (hybridkv/execution/latent_layers.py), and the attention op attends over the pages through the up-projection
-(`LayerKV.latent`, hybridkv/kernels/contexts.py).
+(`LayerKV.latent`, hybridkv/kernels/latent_attention.py).
 
 A layer is latent when the probe forward shows both: a linear layer inside its attention module whose output, per
 head, is exactly the keys' leading columns and the values the attention function received (`up_projection`), and,

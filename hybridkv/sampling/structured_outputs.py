@@ -1,9 +1,9 @@
 """Structured outputs: a request's tokens constrained to a JSON schema, a regex, a choice list or a grammar.
 
-The grammar library is llguidance, chosen by measurement (benchmarks/grammar_backends.py, RESULTS.md):
-against xgrammar its JSON-schema mask costs 0.74x per token on a 32k vocabulary and 0.27x on a 262k one,
-and its "compilation" is lazy (about 1 ms where xgrammar's took 0.2 s and 1.9 s), so nothing has to be
-compiled ahead of the step; xgrammar is faster only on choice lists (both well under 0.1 ms).
+The grammar library is llguidance, chosen by measurement (benchmarks/grammar_backends.py; benchmarks/RESULTS.md,
+'Choices in the code'): against xgrammar its JSON-schema mask costs less per token on both vocabularies measured,
+and its "compilation" is lazy, so nothing has to be compiled ahead of the step; xgrammar is faster only on choice
+lists, where both are cheap.
 
 Each sample of a constrained request holds its own matcher (`GrammarMatcher`). Before a step's sampling
 the sampler asks every constrained row's matcher for its next-token bitmask and sets the disallowed

@@ -229,7 +229,7 @@ def serve(args: argparse.Namespace) -> None:
     from hybridkv.serving import build_app
 
     # The HTTP loop and the engine thread need a core of their own: torch's threads spinning on every
-    # core measured 2.6x fewer requests/s on 2 cores (benchmarks/serving.py, 1 vs 2 threads).
+    # core served fewer requests/s on 2 cores (measured: benchmarks/RESULTS.md, 'Choices in the code').
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
     model, tokenizer = load_checkpoint(args.model, args.dtype)
     if args.chat_template is not None:
