@@ -1,6 +1,6 @@
 """A decode step's two fast paths change nothing but speed: the scheduler planning the last decode batch again
 (`Scheduler._schedule_decode_batch`, with `KVCacheCoordinator.decode_needs` saying which requests start a block),
-and the engine updating a step of `greedy_alone` requests in one pass (`LLMEngine._update_alone`). Two engines on
+and the engine updating a step of `greedy_alone` requests in one pass (`OutputProcessor.record_alone`). Two engines on
 two copies of one model, one with both turned off, take the same seeded random operations (greedy and sampled
 requests, n > 1, stop tokens, stop strings, min_tokens, aborts, requests arriving mid-batch, a pool small enough
 to preempt, both preemption modes) and must agree after every step on what it reports, the queues, every block

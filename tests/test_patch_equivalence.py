@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import hybridkv
+from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
 from hybridkv.scheduling.request import Request
 from hybridkv.scheduling.sampling_params import SamplingParams
-from hybridkv.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from model_zoo import ZOO

@@ -1,6 +1,7 @@
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
 from hybridkv.scheduling.sampling_params import SamplingParams
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 from hybridkv.scheduling.stopping import StopRules
 
 from alloc_helpers import make_coordinator
@@ -177,10 +178,10 @@ def test_the_plan_carries_each_requests_block_table_rows_and_whether_it_samples(
     plan = scheduler.schedule()
     assert [(s.request, s.num_new_tokens, s.samples) for s in plan.scheduled] == [(a, 6, (a,)), (b, 6, ())]
     assert plan.sampling == [a]
-    assert plan.block_tables == [
+    assert scheduler.block_tables(plan) == [
         [scheduler.coordinator.block_ids("a")[group], scheduler.coordinator.block_ids("b")[group]] for group in (0, 1)
     ]
-    assert [len(row) for row in plan.block_tables[0]] == [2, 2]
+    assert [len(row) for row in scheduler.block_tables(plan)[0]] == [2, 2]
 
 
 def test_the_samples_of_one_prompt_wait_for_the_leader_are_forked_from_it_and_preempted_alone():

@@ -44,8 +44,8 @@ from hybridkv.engine.output_processor import OutputProcessor, RequestState
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling import sampler
 from hybridkv.sampling.sampler import SampledLogprobs, draw_tokens
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request
-from hybridkv.scheduling.scheduler import SchedulerOutput
 
 
 class StepFront(Protocol):
@@ -174,12 +174,14 @@ class AsyncSteps:
         in_flight, self.in_flight = self.in_flight, None
         return [] if in_flight is None else self._finish(in_flight)
 
-    @staticmethod
-    def _launchable(plan: SchedulerOutput) -> bool:
+    def _launchable(self, plan: SchedulerOutput) -> bool:
         """Whether the plan's tokens can be left on the device at launch: each request samples alone (a fork's
         followers and a beam search's choice take their tokens on the host); a greedy_alone plan always can."""
-        return plan.greedy_alone or all(
-            len(s.samples) < 2 and s.request.sampling_row is not None for s in plan.scheduled if s.samples
+        if plan.greedy_alone:
+            return True
+        sampling = [s for s in plan.scheduled if s.samples]
+        return all(len(s.samples) < 2 for s in sampling) and None not in self.outputs.rows(
+            [s.request for s in sampling]
         )
 
     def _may_overlap(self, step: InFlightStep) -> bool:
@@ -257,7 +259,7 @@ class AsyncSteps:
             step.sampling = sampling
             core.num_generated_tokens += len(sampling)
             return
-        rows = [request.sampling_row for request in sampling]
+        rows = self.outputs.rows(sampling)
         if all(request.overlaps for request in sampling):
             seeded = [(row.generator, row.generator.get_state()) for row in rows if row.generator is not None]
             try:

@@ -43,14 +43,17 @@ from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.patches.inspection import ModelLayout
 from hybridkv.patches.probe import attention_installed
 from hybridkv.sampling import sampler
-from hybridkv.sampling.sampler import SampledLogprobs, sample_each, token_logprobs
+from hybridkv.sampling.sampler import SampledLogprobs, SamplingRow, sample_each, token_logprobs
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from hybridkv.scheduling.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger("hybridkv")
 
 # Makes a draft model's engine for speculative decoding, the core it drafts for given (its block count, its length).
 DraftFactory = Callable[[torch.nn.Module, "EngineCore"], DraftEngine]
+# What the sampler reads for each request (its front's records: `OutputProcessor.rows`); None for a beam.
+RowsOf = Callable[[Sequence[Request]], list[SamplingRow | None]]
 
 
 class MemoryPlan(NamedTuple):
@@ -104,16 +107,19 @@ def compiles_by_default(captures: bool) -> bool:
 
 class EngineCore:
     """The scheduler, the memory manager and the model runner of one model, stepped through public methods (module
-    docstring). Not thread-safe: its front serialises calls (`hybridkv/engine/call_guard.py`)."""
+    docstring). Not thread-safe: its front serialises calls (`hybridkv/engine/call_guard.py`). `rows_of` gives what
+    the sampler reads for each request; `draft_engine` makes a draft model's engine for speculative decoding."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         config: EngineConfig,
+        rows_of: RowsOf,
         draft_engine: DraftFactory | None = None,
     ) -> None:
         self.model = model
         self.config = config
+        self.rows_of = rows_of
         self.layout = self._probe()
         buckets, captures, compiled = self._plan_steps(self.layout)
         memory = self._plan_memory(self.layout, max(buckets, default=0))
@@ -165,7 +171,7 @@ class EngineCore:
         # State layers run per request segment, which no graph captures yet: their models' steps are not padded to
         # buckets. Latent attention's decode steps are captured where its decode rows take the Triton latent kernel,
         # over the step buffers alone; over fp8 pages they take the torch path, built per step: not padded either
-        # (hybridkv/kernels/contexts.py). A latent model compiles when asked to, compile=True.
+        # (hybridkv/kernels/latent_attention.py). A latent model compiles when asked to, compile=True.
         latent_fp8 = any(is_fp8(self.layer_dtypes.dtypes[layer_idx]) for layer_idx in layout.latent)
         graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
@@ -294,7 +300,7 @@ class EngineCore:
         # Under tensor parallelism the driver proposes and checks; a worker runs the rows it is sent (no draft).
         worker = self.tp is not None and not self.tp.driver
         drafts = None if worker or draft_engine is None else functools.partial(draft_engine, core=self)
-        speculator = Speculator(speculative, drafts)
+        speculator = Speculator(speculative, self.rows_of, drafts)
         self.scheduler.speculative = True
         self.scheduler.stores_proposals = stores_proposals
         return speculator
@@ -463,7 +469,7 @@ class EngineCore:
         """Each request's token from its row of `logits` (None for a beam: its row goes to its beam search); one
         request's parameters never fail the others: a request whose row fails is failed with its samples and leaves
         the plan, and so do the tokens its samples drew."""
-        rows = [request.sampling_row for request in sampling]  # None for a beam (OutputProcessor.add)
+        rows = self.rows_of(sampling)  # None for a beam
         if None in rows:
             tokens: list[int | None] = [None] * len(sampling)
             logprobs: list[SampledLogprobs | None] = [None] * len(sampling)

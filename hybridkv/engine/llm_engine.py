@@ -23,6 +23,7 @@ hashed under the new model's key, so the prefix cache never serves it K/V of the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -36,7 +37,7 @@ from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
-from hybridkv.engine.output_processor import OutputProcessor, RequestState
+from hybridkv.engine.output_processor import OutputProcessor, RequestState, SampleState, sampling_rows
 from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
 from hybridkv.engine.stream import RequestStream
@@ -60,9 +61,9 @@ from hybridkv.patches.probe import image_attention_layers
 from hybridkv.sampling.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from hybridkv.sampling.sampler import SampledLogprobs
 from hybridkv.sampling.structured_outputs import GrammarCompiler
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
 from hybridkv.scheduling.sampling_params import SamplingParams, generation_config_defaults
-from hybridkv.scheduling.scheduler import SchedulerOutput
 from hybridkv.scheduling.stopping import StopRules
 from hybridkv.scheduling.validation import check_bool
 
@@ -91,8 +92,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.processor = processor
         self.config = config
-        self.core = EngineCore(model, config, self._draft_engine)
-        self._build_requests()
+        # The samples' records, made before the core, which reads their sampling rows (`sampling_rows`), and held by
+        # the output processor, which fills them.
+        samples: dict[Request, SampleState] = {}
+        self.core = EngineCore(model, config, functools.partial(sampling_rows, samples), self._draft_engine)
+        self._build_requests(samples)
         # Finished outputs no caller claimed yet (those of `abort_request`, of a loop's step that other requests
         # finished in, of an async step finished early): the next `step()` returns them first.
         self.unclaimed: list[RequestOutput] = []
@@ -113,14 +117,14 @@ class LLMEngine:
             ahead = self.core.on_one_gpu and not speculates
         self.async_steps = AsyncSteps(self.core, self.outputs, self) if ahead else None
 
-    def _build_requests(self) -> None:
+    def _build_requests(self, samples: dict[Request, SampleState]) -> None:
         """What a request goes through besides the step: its prompt checked into ids, its images encoded, its
         grammar compiled, its outputs and stop rules, and the defaults of a request without sampling settings."""
         model, tokenizer = self.model, self.tokenizer
         self.inputs = InputProcessor(model, tokenizer)
         self.eos_token_ids = eos_token_ids(model, tokenizer)
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
-        self.outputs = OutputProcessor(tokenizer, stop_rules, self.core.input_device)
+        self.outputs = OutputProcessor(tokenizer, stop_rules, self.core.input_device, samples)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
         self.images_refused: str | None = None  # why a model that takes images cannot get them here
         self.images = self._image_encoder(model, self.processor)
@@ -426,11 +430,12 @@ class LLMEngine:
             return False
         del own[shared:]
         del request.block_hashes[shared // block_size :]
-        del request.sample_state.completion.token_ids[shared - request.num_prompt_tokens :]
+        completion = self.outputs.samples[request].completion
+        del completion.token_ids[shared - request.num_prompt_tokens :]
         request.num_computed_tokens = min(request.num_computed_tokens, shared)
         added = token_ids[shared:]
         request.append_token_ids(added)
-        request.sample_state.completion.token_ids.extend(added)
+        completion.token_ids.extend(added)
         return True
 
     def release_stream(self, request_id: str) -> None:

@@ -19,19 +19,20 @@ from hybridkv.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 from hybridkv.sampling.sampler import SampledLogprobs, SamplingRow
 from hybridkv.sampling.structured_outputs import CompiledGrammar
 from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
-from hybridkv.scheduling.scheduler import SchedulerOutput
 from hybridkv.scheduling.stopping import StopRules
 
 
 @dataclass(slots=True)
 class SampleState:
-    """One sample (its request's `sample_state`): its scheduler request (whose `sampling_row` is what the sampler
-    reads for it: params, generator, tokens so far), its text, its output record, its request's metrics (shared
+    """One sample (`OutputProcessor.samples[request]`): its scheduler request, what the sampler reads for it (`row`:
+    params, generator, tokens so far, grammar matcher), its text, its output record, its request's metrics (shared
     by the request's samples), how much of it a stream has yielded, and its request's state (`RequestState`,
     whose output the engine reports: set once that is made)."""
 
     request: Request
+    row: SamplingRow
     detokenizer: IncrementalDetokenizer | None
     completion: CompletionOutput
     metrics: RequestMetrics
@@ -61,11 +62,19 @@ class OutputProcessor:
     """Records of every unfinished request, keyed by its id, and of those that ended outside a step
     (`unreported`: rejected when added, failed by an interrupted step), which the next step reports."""
 
-    def __init__(self, tokenizer: Any, stop_rules: StopRules, device: torch.device) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_rules: StopRules,
+        device: torch.device,
+        samples: dict[Request, SampleState] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_rules = stop_rules
         self.device = device
         self.states: dict[str, RequestState] = {}
+        # Each unfinished sample's record, by its request (a beam search's beams have none: their search samples).
+        self.samples: dict[Request, SampleState] = {} if samples is None else samples
         self.unreported: list[RequestState] = []
         self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
 
@@ -95,19 +104,20 @@ class OutputProcessor:
                 )
             logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
-            request.sampling_row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
-            request.greedy_alone = request.sampling_row.plain_greedy and len(members) == 1
+            row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
+            request.greedy_alone = row.plain_greedy and len(members) == 1
             # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone).
             request.overlaps = (
                 len(members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
             )
-            request.sample_state = SampleState(
+            sample = self.samples[request] = SampleState(
                 request=request,
+                row=row,
                 detokenizer=detokenizer,
                 completion=CompletionOutput(index=index, text="", token_ids=[], logprobs=logprobs),
                 metrics=metrics,
             )
-            samples.append(request.sample_state)
+            samples.append(sample)
         prompt_logprobs = getattr(params, "prompt_logprobs", None)
         output = RequestOutput(
             request_id=group.request_id,
@@ -166,10 +176,11 @@ class OutputProcessor:
         now = time.monotonic()
         stopped = []
         check = self.stop_rules.check
+        records = self.samples
         for request, token, token_logprobs in zip(requests, tokens, logprobs, strict=True):
-            sample = request.sample_state
+            sample = records[request]
             completion = sample.completion
-            matcher = request.sampling_row.matcher
+            matcher = sample.row.matcher
             if matcher is not None and (error := matcher.accept(token)) is not None:
                 # A token its grammar refuses (a grammar the vocabulary cannot write): never part of the output.
                 stopped.append((request, RequestStatus.FINISHED_ERROR, f"structured outputs: {error}"))
@@ -201,6 +212,7 @@ class OutputProcessor:
         check = self.stop_rules.check
         now = time.monotonic()
         next_token = iter(tokens).__next__
+        records = self.samples
         reports: list[RequestOutput] = []
         stopped: list[tuple[Request, RequestStatus, RequestState]] = []
         for request, num_new, samples in plan.scheduled:
@@ -210,7 +222,7 @@ class OutputProcessor:
                 if samples:
                     next_token()
                 continue
-            sample = request.sample_state
+            sample = records[request]
             state = sample.state
             reports.append(state.output)  # the live record: a stopped request's is finished by the caller, in place
             if samples:
@@ -229,6 +241,10 @@ class OutputProcessor:
                 sample.completion.text = sample.detokenizer.text
             sample.metrics.num_cached_tokens = request.num_cached_tokens
         return reports, stopped
+
+    def rows(self, requests: Sequence[Request]) -> list[SamplingRow | None]:
+        """What the sampler reads for each request (None for a beam: its row goes to its beam search)."""
+        return sampling_rows(self.samples, requests)
 
     def take_unreported(self) -> dict[str, RequestState]:
         """The requests that ended outside a step, by id (the next step's reports start with them)."""
@@ -276,6 +292,8 @@ class OutputProcessor:
             output.finished = True
             output.metrics.finished_time = time.monotonic()
             self.states.pop(group.request_id, None)
+            for sample in state.samples:
+                self.samples.pop(sample.request, None)
         return output
 
     def stream_deltas(self, state: RequestState) -> list[StreamDelta]:
@@ -296,6 +314,16 @@ class OutputProcessor:
                     StreamDelta(completion.index, new_tokens, text, completion.finish_reason, error, logprobs)
                 )
         return deltas
+
+
+def sampling_rows(samples: dict[Request, SampleState], requests: Sequence[Request]) -> list[SamplingRow | None]:
+    """What the sampler reads for each request, from the records `samples` (None for a beam)."""
+    get = samples.get
+    found: list[SamplingRow | None] = []
+    for request in requests:
+        sample = get(request)
+        found.append(None if sample is None else sample.row)
+    return found
 
 
 def _cumulative_logprob(completion: CompletionOutput) -> float:

@@ -5,7 +5,7 @@ its logits alone: no penalty, bias, beam or best_of; logprobs are read off the s
 up to k proposals (hybridkv/execution/speculative_config.py): n-gram prompt lookup, or a draft model's greedy
 continuation (a grammar keeps those it would accept). Its next step computes its unseen tokens as usual and, after
 its last one, one row per proposal (`SchedulerOutput.spec_tokens`, within the step's token budget); the k + 1 rows'
-logits decide which proposals it keeps and one more token of the model's own (hybridkv/sampling/speculative.py):
+logits decide which proposals it keeps and one more token of the model's own (hybridkv/sampling/acceptance.py):
 `generate`'s tokens for a greedy request, the model's distribution for a sampled one.
 
 By default nothing a proposal computes is kept, so nothing has to be rolled back, on any layer kind:
@@ -52,11 +52,12 @@ from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
 from hybridkv.sampling.acceptance import accept
 from hybridkv.sampling.prompt_lookup import ngram_proposal
-from hybridkv.sampling.sampler import SampledLogprobs, token_logprobs
+from hybridkv.sampling.sampler import SampledLogprobs, SamplingRow, token_logprobs
 from hybridkv.sampling.structured_outputs import mask_along
+from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus
 from hybridkv.scheduling.sampling_params import SamplingParams
-from hybridkv.scheduling.scheduler import Scheduler, SchedulerOutput
+from hybridkv.scheduling.scheduler import Scheduler
 
 # The most steps a request whose proposals keep failing skips proposing for (`Speculator.verify`'s backoff).
 MAX_SKIPS = 15
@@ -91,9 +92,13 @@ class Speculator:
     """The engine's proposals and their check (module docstring), with the counts `stats()` reports."""
 
     def __init__(
-        self, config: SpeculativeConfig, draft_engine: Callable[[torch.nn.Module], DraftEngine] | None = None
+        self,
+        config: SpeculativeConfig,
+        rows_of: Callable[[Sequence[Request]], list[SamplingRow | None]],
+        draft_engine: Callable[[torch.nn.Module], DraftEngine] | None = None,
     ) -> None:
         self.config = config
+        self.rows_of = rows_of  # what the sampler reads for each request (its engine's records)
         self.k = config.num_speculative_tokens
         self.draft = None
         if config.method == "draft_model" and draft_engine is not None:  # None: a tensor-parallel worker's
@@ -155,8 +160,9 @@ class Speculator:
                 )
         else:
             self._draft_round(wanted)
-        for request, _ in wanted:  # a grammar keeps the proposals it would accept, in order
-            matcher = request.sampling_row.matcher
+        rows = self.rows_of([request for request, _ in wanted])
+        for (request, _), row in zip(wanted, rows, strict=True):  # a grammar keeps the proposals it would accept
+            matcher = row.matcher
             if matcher is not None and request.spec_token_ids:
                 del request.spec_token_ids[matcher.valid_prefix(request.spec_token_ids) :]
         self.propose_seconds += time.perf_counter() - start
@@ -213,13 +219,14 @@ class Speculator:
             count = len(proposed)
             rows = logits[row : row + count + 1]
             row += count + 1
-            matcher = request.sampling_row.matcher
+            (sampling,) = self.rows_of([request])
+            matcher = sampling.matcher
             try:
                 if matcher is not None:  # checked against the grammar's rows up to its first refused proposal
                     proposed = proposed[: matcher.valid_prefix(proposed)]
                     rows = rows[: len(proposed) + 1]
                 masked = rows if matcher is None else mask_along(rows, proposed, matcher)
-                tokens = accept(masked, proposed, request.sampling_row)
+                tokens = accept(masked, proposed, sampling)
             except Exception as error:  # the request fails alone, as a row of the sampler does (`_verify`)
                 self.errors[request] = error
                 continue

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from hybridkv.execution.model_runner import ModelRunner, StepInputs
-from hybridkv.scheduling.scheduler import SchedulerOutput
+from hybridkv.scheduling.output import SchedulerOutput
 
 _STOP = "stop"
 _STEP = "step"

@@ -31,11 +31,12 @@ from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import TableUpdates
 from hybridkv.memory.grouping import KVCacheConfig
 from hybridkv.memory.kv_spec import StateSpec
+from hybridkv.memory.prompt_images import PromptImages
 from hybridkv.patches.attention import LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.patches.latent import LatentLayer
 from hybridkv.patches.layer_kinds import text_config
-from hybridkv.scheduling.scheduler import SchedulerOutput
+from hybridkv.scheduling.output import SchedulerOutput
 
 
 class _Zeros:
@@ -714,8 +715,11 @@ class PreparedStep:
     key_limits: KeyLimits | None = None
 
 
-def _image_rows(inputs: StepInputs, multimodal: MultiModalInputs, start: int, end: int, offset: int) -> None:
-    """A request's image placeholders in its positions [start, end), whose first row is `offset`."""
+def _image_rows(inputs: StepInputs, multimodal: PromptImages, start: int, end: int, offset: int) -> None:
+    """A request's image placeholders in its positions [start, end), whose first row is `offset`: the embeddings
+    its images carry (`MultiModalInputs`, which the engine gives a request with images)."""
+    if not isinstance(multimodal, MultiModalInputs):
+        raise TypeError(f"a request's images must carry their embeddings (MultiModalInputs), got {type(multimodal)}")
     for position, features in multimodal.rows(start, end):
         inputs.image_rows.append(offset + position - start)
         inputs.image_features.append(features)

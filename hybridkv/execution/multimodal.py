@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from hybridkv.memory.prompt_images import ImagePlacement, PromptImages
+
 # Processor outputs that are not per-image data.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 DEFAULT_ENCODER_CACHE_BYTES = 256 << 20
@@ -40,47 +42,25 @@ _HASH_BYTES = 32  # an image's content hash (SHA-256), the end of its encoder-ca
 
 
 @dataclass(frozen=True)
-class ImageInput:
-    """One image of a prompt: its content hash, its embeddings `[tokens, hidden]` and the prompt positions of
-    its placeholder tokens (in order; an image's placeholders may have other tokens between them, e.g.
-    Pixtral's row breaks)."""
+class ImageInput(ImagePlacement):
+    """One image of a prompt (its content hash and placeholder positions: `ImagePlacement`) with its embeddings
+    `[tokens, hidden]`."""
 
-    content_hash: bytes
     features: torch.Tensor
-    positions: tuple[int, ...]
-
-    @property
-    def span(self) -> tuple[int, int]:
-        return self.positions[0], self.positions[-1] + 1
 
 
 @dataclass
-class MultiModalInputs:
-    """A request's images, in prompt order, whether their tokens attend both ways within an image, and the key of
-    the model whose vision tower made their embeddings (hybridkv/execution/model_watch.py; the scheduler admits the
-    request only under that model)."""
+class MultiModalInputs(PromptImages):
+    """A request's images (`PromptImages`: placements, both-ways attention, the encoding model's key) with their
+    embeddings, which the step's placeholder rows take."""
 
     images: list[ImageInput]
-    bidirectional: bool = False
-    model_key: bytes = b""
     _positions: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for index, image in enumerate(self.images):
             for row, position in enumerate(image.positions):
                 self._positions[position] = (index, row)
-
-    @property
-    def spans(self) -> list[tuple[int, int]]:
-        return [image.span for image in self.images]
-
-    def block_keys(self, block_size: int) -> dict[int, bytes]:
-        """Extra hash keys per block: the content hash of every image whose first placeholder is in it."""
-        keys: dict[int, bytes] = {}
-        for image in self.images:
-            block = image.positions[0] // block_size
-            keys[block] = keys.get(block, b"") + image.content_hash
-        return keys
 
     def rows(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """(prompt position, embedding) of every placeholder in positions [start, end)."""
@@ -90,27 +70,6 @@ class MultiModalInputs:
             if place is not None:
                 found.append((position, self.images[place[0]].features[place[1]]))
         return found
-
-    def limits(self, start: int, end: int) -> list[tuple[int, int]]:
-        """(prompt position, last key position it sees) of every position in [start, end) inside an image
-        span that attends both ways: the span's end, past the position itself."""
-        found = []
-        for span_start, span_end in self.spans:
-            for position in range(max(start, span_start), min(end, span_end) - 1):
-                found.append((position, span_end - 1))
-        return found
-
-    def fit(self, start: int, num_new: int) -> int:
-        """The tokens of [start, start + num_new) a prefill chunk may compute without splitting a span that
-        attends both ways: cut back to the span's start, or 0 when the span began before `start` (a
-        prefix-cache hit inside it) and does not end in the chunk."""
-        if not self.bidirectional:
-            return num_new
-        end = start + num_new
-        for span_start, span_end in self.spans:
-            if span_start < end < span_end:
-                return max(0, span_start - start)
-        return num_new
 
 
 class ImageEncoder:
@@ -278,7 +237,7 @@ class ImageEncoder:
                     f"images make {used + count} or more embeddings: expand each image's placeholder as the "
                     "processor does"
                 )
-            images.append(ImageInput(content_hash, features, tuple(positions[used : used + count])))
+            images.append(ImageInput(content_hash, tuple(positions[used : used + count]), features))
             used += count
         if used != len(positions):
             raise ValueError(

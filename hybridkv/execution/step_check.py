@@ -46,9 +46,9 @@ from hybridkv.patches.devices import input_device
 from hybridkv.patches.inspection import ModelLayout
 from hybridkv.patches.layer_kinds import text_config
 from hybridkv.patches.probe import attention_installed
+from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
 from hybridkv.scheduling.request import Request
 from hybridkv.scheduling.sampling_params import SamplingParams
-from hybridkv.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 
 # Largest |logit difference| / largest |logit| of a row: fp32 rounding gives <= 1e-5 on the zoo, the
 # wrong-token types >= 0.2.

@@ -4,9 +4,9 @@ hashes. The scheduler's `Request` (hybridkv/scheduling/request.py) extends it; t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from hybridkv.memory.hashing import hash_full_blocks, root_hash
+from hybridkv.memory.prompt_images import PromptImages
 
 
 class KVRequest:
@@ -42,7 +42,7 @@ class KVRequest:
         prompt_token_ids: Sequence[int],
         block_size: int | None,
         cache_salt: str | None = None,
-        multimodal: Any = None,
+        multimodal: PromptImages | None = None,
         model_key: bytes = b"",
     ) -> None:
         if not prompt_token_ids:
@@ -53,7 +53,7 @@ class KVRequest:
         self.num_computed_tokens = 0
         self.num_pending_tokens = 0
         self.cache_salt = cache_salt
-        self.multimodal = multimodal  # the prompt's images (hybridkv/execution/multimodal.py), None for text
+        self.multimodal = multimodal  # the prompt's images, None for text
         self.block_size = block_size
         self.model_key = model_key
         self._root_hash = root_hash(cache_salt, model_key)

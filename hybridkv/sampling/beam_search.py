@@ -37,7 +37,7 @@ from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.validation import check_bool, check_float, check_int
 
 if TYPE_CHECKING:
-    from hybridkv.execution.multimodal import MultiModalInputs
+    from hybridkv.memory.prompt_images import PromptImages
     from hybridkv.scheduling.scheduler import Scheduler
 
 EARLY_STOPPING = (True, False, "never")
@@ -161,7 +161,7 @@ class BeamSearch:
         eos_token_ids: Iterable[int],
         max_model_len: int,
         block_size: int | None,
-        multimodal: MultiModalInputs | None = None,
+        multimodal: PromptImages | None = None,
         model_key: bytes = b"",
     ) -> None:
         self.request_id = request_id

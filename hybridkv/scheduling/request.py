@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
 
 from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.kv_request import KVRequest
+from hybridkv.memory.prompt_images import PromptImages
 from hybridkv.scheduling.sampling_params import SamplingParams
 
 
@@ -43,8 +43,6 @@ class Request(KVRequest):
         "overlaps",
         "params",
         "sample_index",
-        "sample_state",
-        "sampling_row",
         "spec_length",
         "spec_misses",
         "spec_skips",
@@ -60,7 +58,7 @@ class Request(KVRequest):
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         block_size: int | None,
-        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
+        multimodal: PromptImages | None = None,
         model_key: bytes = b"",
     ) -> None:
         super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
@@ -73,15 +71,10 @@ class Request(KVRequest):
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
         self.group = SampleGroup(request_id, [self])
         self.sample_index = 0
-        # What the sampler reads for this sample (hybridkv/sampling/sampler.py) and the output processor's record of it
-        # (hybridkv/engine/output_processor.py): the output processor gives both (a beam has neither).
-        # What the sampler reads for it (sampler.SamplingRow, a layer above: named, not imported), set when added.
-        self.sampling_row: Any = None
-        # The output processor's record of it (output_processor.SampleState: that module builds on this one, so this
-        # one names the type without importing it), set when the request is added.
-        self.sample_state: Any = None
-        # Plainly greedy (its sampling row's argmax is its token) and alone in its group: set with the sampling
-        # row. A step of such requests only takes the engine's one-pass update (`LLMEngine._update_alone`).
+        # What the sampler reads for this sample and the output's record of it are the engine's, by request
+        # (`OutputProcessor.samples`). Plainly greedy (its sampling row's argmax is its token) and alone in its group:
+        # set with the sampling row. A step of such requests only takes the engine's one-pass update
+        # (`OutputProcessor.record_alone`).
         self.greedy_alone = False
         # Its next step may be scheduled before its sampled token reaches the host (async scheduling): nothing in
         # its sampling or output reads that token first (no grammar, penalty, logprobs, beam or other sample).
@@ -137,9 +130,9 @@ class SampleGroup:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         block_size: int | None,
-        multimodal: Any = None,  # the prompt's images: multimodal.MultiModalInputs (a layer above)
+        multimodal: PromptImages | None = None,
         model_key: bytes = b"",
-    ):
+    ) -> SampleGroup:
         """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key`."""
         count = params.num_samples
         members = [

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from hybridkv.memory.block_pool import NULL_BLOCK_ID
-from hybridkv.memory.coordinator import KVCacheCoordinator, TableUpdates
+from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.memory.state_slots import StateSlots
 from hybridkv.memory.swap import SwapRecord, SwapSpace
+from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
 from hybridkv.scheduling.validation import check_choice, check_int
 
@@ -57,93 +57,6 @@ class SchedulerConfig:
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.preemption_mode == "swap" and self.num_swap_blocks < 1:
             raise ValueError("preemption_mode='swap' needs swap space: set swap_space (GiB) to hold blocks")
-
-
-class ScheduledRequest(NamedTuple):
-    """One request in a step: its next `num_new_tokens` tokens are computed. When they reach its last
-    known token, the last row's logits give the next token of each request in `samples`: the request
-    itself, then the samples of its group forked from it in this step (empty when it does not sample)."""
-
-    request: Request
-    num_new_tokens: int
-    samples: tuple[Request, ...]
-
-
-_new_tuple = tuple.__new__
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's plan, everything the model runner needs: the requests to run (in batch order), their
-    block-table rows per group on request (`block_tables[group][i]` for `scheduled[i]`: the managers' own
-    integer tables, read before the step's update and never changed by the runner), and the block copies to
-    make before the forward, in this order: swap_out (device block, CPU block) pairs, swap_in (CPU block,
-    device block) pairs, then blocks_to_copy (source, destination) pairs (copy-on-write). `table_updates`:
-    what changed in the block tables since the last plan that ran (the runner's persistent batch applies it;
-    a plan with nothing to run leaves them for the next). `preempted`, `swapped_in` and `failed` say what
-    else changed."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # A model with state layers, in this order before the forward: the state-slot copies (source, destination)
-    # of the forks made since the last step, swapped states ((device slot, CPU slot) out, then (CPU slot, device
-    # slot) in: a slot freed by a swap-out may be given again in the same step), and the copies made while this
-    # plan was made (checkpoints that prefix-cache hits restore); then per request, the checkpoints its step
-    # writes (tokens into the step, checkpoint slot).
-    state_fork_copies: list[tuple[int, int]] = field(default_factory=list)
-    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-    state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    table_updates: TableUpdates = field(default_factory=TableUpdates)
-    num_tokens: int = 0
-    # Whether every request added is `greedy_alone` (its token its row's argmax, no other sample in its group):
-    # the engine then samples and updates the step in one pass (`LLMEngine._update_alone`).
-    greedy_alone: bool = True
-    # Whose lists `block_tables` reads (set by `Scheduler.schedule`; none for a plan made by hand).
-    coordinator: KVCacheCoordinator | None = field(default=None, repr=False)
-    # Speculative decoding: per request id, the proposed tokens its step checks after its last token (rows beyond
-    # `num_new_tokens`, counted in `num_tokens`; they store nothing and take no block).
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Whether the proposals' rows store their K/V (`Scheduler.stores_proposals`).
-    spec_stored: bool = False
-
-    @property
-    def block_tables(self) -> list[list[list[int]]]:
-        """`block_tables[group][i]`: the block-table row of `scheduled[i]` in each group, the managers' live lists
-        (read them before the step's update; the model runner needs none of them: `table_updates`)."""
-        if self.coordinator is None:
-            return []
-        return self.coordinator.block_tables([s.request.request_id for s in self.scheduled])
-
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        samples: tuple[Request, ...] = ()
-        if request.num_computed_tokens + num_new_tokens == len(request.token_ids) + request.num_pending_tokens:
-            members = request.group.members
-            samples = (request,) if len(members) == 1 else (request, *request.group.held_followers(request))
-        if not request.greedy_alone:
-            self.greedy_alone = False
-        # tuple.__new__: a NamedTuple's own constructor is a Python function, and this runs per request and step.
-        self.scheduled.append(_new_tuple(ScheduledRequest, (request, num_new_tokens, samples)))
-        self.num_tokens += num_new_tokens
-
-    def drop(self, requests: list[Request]) -> None:
-        """Take requests out of the batch (preempted after they were scheduled), with their proposals."""
-        kept = [s for s in self.scheduled if s.request not in requests]
-        for request in requests:
-            self.spec_tokens.pop(request.request_id, None)
-        self.num_tokens = sum(s.num_new_tokens for s in kept) + sum(map(len, self.spec_tokens.values()))
-        self.scheduled = kept
-
-    @property
-    def sampling(self) -> list[Request]:
-        """The requests that produce a token this step, in batch order: sampled tokens align with it."""
-        return [request for s in self.scheduled for request in s.samples]
 
 
 class Scheduler:
@@ -222,7 +135,6 @@ class Scheduler:
             self._decode_batch = self._decode_batch_of(out)
         # Every allocation of the step is made: what the pool has left stores windows' middles for caching.
         self.coordinator.use_slack_for_caching()
-        out.coordinator = self.coordinator
         out.blocks_to_copy = self.coordinator.take_copies()
         if out.scheduled or out.swap_out or out.swap_in or out.state_swap_out:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()
@@ -500,12 +412,17 @@ class Scheduler:
             self.num_swaps += 1
         return True
 
+    def block_tables(self, out: SchedulerOutput) -> list[list[list[int]]]:
+        """`block_tables(out)[group][i]`: the block-table row of `out.scheduled[i]` in each group, the managers' live
+        lists (read them before the step's update; the model runner needs none of them: `out.table_updates`)."""
+        return self.coordinator.block_tables([s.request.request_id for s in out.scheduled])
+
     def update(self, out: SchedulerOutput, sampled_tokens: Sequence[int | None]) -> None:
         """After the step ran: advance every scheduled request by its computed tokens, append the sampled
         tokens (aligned with `out.sampling`; None for a beam, whose token the beam search chooses), cache
         blocks that became full and return blocks that left a window, and fork the samples that drew
         their first token from a leader's logits. Stopping is the caller's: `finish`. (A step of `greedy_alone`
-        requests is advanced in `LLMEngine._update_alone`'s one pass instead: keep the two alike.)"""
+        requests is advanced in `OutputProcessor.record_alone`'s one pass instead: keep the two alike.)"""
         tokens = iter(sampled_tokens)
         forks = []
         for request, num_new, samples in out.scheduled:
