@@ -5,7 +5,8 @@ block arithmetic every layer shares), the chained block hashes (`hashing.py`), t
 cache groups (`kv_spec.py`, `grouping.py`, `layouts.py` for published models' layouts), one manager per group
 and attention kind (`managers.py` full attention, `window_managers.py` sliding and chunked windows), state slots
 (`state_slots.py`), swap space (`swap.py`), and the coordinator that drives the managers for a request
-(`coordinator.py`, its invariants in `integrity.py`, the request as it sees one in `kv_request.py`).
+(`coordinator.py`, its invariants in `integrity.py`, the request as it sees one in `kv_request.py`, a prompt's
+images as it sees them in `prompt_images.py`).
 
 Imports: nothing of hybridkv but `hybridkv.outputs`, and never torch (pyproject.toml's import-linter contracts):
 memory is bookkeeping over integers; the tensors live in hybridkv/kernels/ and `hybridkv.execution`.
