@@ -137,7 +137,6 @@ class EngineCore:
         self.num_generated_tokens = 0
         self.num_forward_tokens = 0
         self.schedule_seconds = 0.0
-        self.update_seconds = 0.0
         # Requests (their leaders) whose prompt logprobs are not all computed yet (`_prompt_logprob_rows`).
         self.prompt_logprobs_pending: set[str] = set()
 
