@@ -14,6 +14,7 @@ from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utiliz
 from hybridkv.memory.coordinator import blocks_for_request
 from hybridkv.memory.grouping import KVCacheConfig, group_layers
 from hybridkv.patches.inspection import ModelLayout, inspect_model
+from hybridkv.patches.position_limit import PositionLimit
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -27,27 +28,34 @@ def kv_layout(model: torch.nn.Module, config: EngineConfig) -> tuple[LayerDtypes
     layout = inspect_model(model, model_dtype)
     specs, layer_dtypes = resolve_layer_dtypes(config.kv_cache_dtype, layout.specs, model_dtype, layout.kv_amax)
     kv_config = group_layers(specs, config.block_size)
-    limit = layout.max_exact_tokens
-    if limit is not None and max_model_len > limit:
+    for limit in layout.position_limits:
+        max_model_len = _within_limit(model, config, limit, max_model_len)
+    return layer_dtypes, layout, kv_config, max_model_len
+
+
+def _within_limit(model: torch.nn.Module, config: EngineConfig, limit: PositionLimit, max_model_len: int) -> int:
+    """`max_model_len` capped at `limit` (a warning) where the config left it to the model, else a ValueError
+    beyond it; a ValueError for a max_num_batched_tokens beyond a limit that counts a step's rows."""
+    name = type(model).__name__
+    if max_model_len > limit.max_tokens:
         if config.max_model_len:
             raise ValueError(
-                f"max_model_len={max_model_len} is beyond what hybridkv serves exactly for this "
-                f"{type(model).__name__}: {layout.limit_reason}. Pass max_model_len <= {limit}"
+                f"max_model_len={max_model_len} is beyond what hybridkv serves exactly for this {name}: "
+                f"{limit.reason}. Pass max_model_len <= {limit.max_tokens}"
             )
         warnings.warn(
-            f"hybridkv serves this {type(model).__name__} up to {limit} tokens ({layout.limit_reason}); "
-            f"max_model_len is {limit}, not max_position_embeddings={max_model_len}",
-            stacklevel=4,
+            f"hybridkv serves this {name} up to {limit.max_tokens} tokens ({limit.reason}); "
+            f"max_model_len is {limit.max_tokens}, not the model's context of {max_model_len}",
+            stacklevel=5,
         )
-        max_model_len = limit
-    if limit is not None and config.max_num_batched_tokens > limit:
-        # The model counts a step's rows as positions there, so the rows must stay below the limit too.
+        max_model_len = limit.max_tokens
+    if limit.counts_step_rows and config.max_num_batched_tokens > limit.max_tokens:
         raise ValueError(
             f"max_num_batched_tokens={config.max_num_batched_tokens} is beyond what hybridkv serves exactly for "
-            f"this {type(model).__name__}: {layout.limit_reason}, and a step's rows count as positions there. "
-            f"Pass max_num_batched_tokens <= {limit}"
+            f"this {name}: {limit.reason}, and a step's rows count as positions there. "
+            f"Pass max_num_batched_tokens <= {limit.max_tokens}"
         )
-    return layer_dtypes, layout, kv_config, max_model_len
+    return max_model_len
 
 
 def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:

@@ -35,7 +35,7 @@ from hybridkv.patches.layer_kinds import (
     config_layers,
     text_config,
 )
-from hybridkv.patches.position_limit import position_limit
+from hybridkv.patches.position_limit import PositionLimit, position_limits
 from hybridkv.patches.probe import (
     PROBE_TOKENS,
     AttentionCall,
@@ -63,10 +63,9 @@ class ModelLayout:
 
     specs: list[LayerSpec]
     module_names: dict[int, str]
-    # Tokens up to which the model's output does not depend on state a step lacks (None: no limit),
-    # and why: see `hybridkv/patches/position_limit.py`.
-    max_exact_tokens: int | None = None
-    limit_reason: str = ""
+    # Tokens up to which the model's output does not depend on state a step lacks, and why (none for most
+    # models): see `hybridkv/patches/position_limit.py`.
+    position_limits: list[PositionLimit] = field(default_factory=list)
     # Per layer, the largest |K| and |V| of the probe forward: the calibration of fp8 pages' scales.
     kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
     # The state layers (linear attention, SSM, short convolution): a per-request state each, in layer order.
@@ -179,7 +178,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     }
     latent = {idx: found for idx, found in latent.items() if isinstance(found, LatentLayer)}
     kv_amax.update({idx: (max(found.latent_amax, found.rope_amax),) * 2 for idx, found in latent.items()})
-    return ModelLayout(specs, module_names, *position_limit(config), kv_amax=kv_amax, states=states, latent=latent)
+    return ModelLayout(specs, module_names, position_limits(config), kv_amax=kv_amax, states=states, latent=latent)
 
 
 def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[AttentionCall]]):
