@@ -208,6 +208,38 @@ def test_sampled_requests_speculate_reproducibly(patched):
     assert llm.stats()["spec_num_accepted_tokens"] > 0
 
 
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_proposer(patched):
+    """seed=5 with a draft model (a copy of the model: most proposals kept at temperature 0.2), with n-gram lookup and
+    without speculation: the same tokens alone, behind two long prefills (whose chunks leave its checks room for fewer
+    proposals) and beside other sampled requests. Each output position takes one draw of the request's generator,
+    whatever the proposals its step checked, and the check keeps a proposal where that draw samples it."""
+    model = ZOO["llama"]()
+    short, first_long, second_long, *others = prompts((8, 240, 200, 31, 57, 90), seed=3)
+    seeded = SamplingParams(temperature=0.2, seed=5, max_tokens=24)
+    prefill = SamplingParams(temperature=0, max_tokens=4)
+    other = SamplingParams(temperature=1.0, top_k=50, max_tokens=12)
+    batches = [
+        ([short], [seeded]),
+        ([first_long, short, second_long], [prefill, seeded, prefill]),
+        ([first_long, second_long, short], [prefill, prefill, seeded]),
+        ([*others, short], [other, SamplingParams(temperature=0.9, seed=8, max_tokens=20), other, seeded]),
+    ]
+    # Prefix caching off: each batch computes its prefills again.
+    settings = dict(block_size=8, max_model_len=256, max_num_batched_tokens=32, long_prefill_token_threshold=30)
+    settings["enable_prefix_caching"] = False
+    expected = None
+    for speculative_config in (None, {"model": copy.deepcopy(model), "num_speculative_tokens": 3}, NGRAM):
+        llm = patched(model, speculative_config=speculative_config, **settings)
+        for batch, params in batches:
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            tokens = outputs[batch.index(short)].outputs[0].token_ids
+            expected = expected or tokens
+            assert tokens == expected
+        if speculative_config is not None:
+            assert llm.stats()["spec_num_drafts"] > 0
+        hybridkv.unpatch(model)
+
+
 def test_ngram_proposal_is_the_longest_earliest_match():
     # vLLM's example: [4, 2, 3] follows the earliest [2, 3].
     assert ngram_proposal([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]
