@@ -301,6 +301,8 @@ class EngineCore:
         worker = self.tp is not None and not self.tp.driver
         drafts = None if worker or draft_engine is None else functools.partial(draft_engine, core=self)
         speculator = Speculator(speculative, self.rows_of, drafts)
+        if speculator.draft is not None:  # a request's end ends its draft's request
+            self.scheduler.on_finish = speculator.end_draft
         self.scheduler.speculative = True
         self.scheduler.stores_proposals = stores_proposals
         return speculator
@@ -599,14 +601,19 @@ class EngineCore:
         return change
 
     def sleep(self) -> None:
-        """Give back the pages, state slots and graphs (the prefix cache's contents go with them)."""
+        """Give back the pages, state slots and graphs (the prefix cache's contents go with them), and a draft model's
+        engine its own (`Speculator.sleep`)."""
         self.coordinator.forget_cached()
         self.runner.sleep()
+        if self.speculator is not None:
+            self.speculator.sleep()
 
     def wake_up(self) -> None:
-        """Allocate what `sleep` gave back (pages zeroed, graphs captured again)."""
+        """Allocate what `sleep` gave back (pages zeroed, graphs captured again), a draft model's engine's too."""
         if self.runner.asleep:
             self.runner.wake_up()
+            if self.speculator is not None:
+                self.speculator.wake_up()
 
     def run_worker(self) -> None:
         """On a tensor-parallel worker rank: run the steps rank 0 sends until it closes its engine."""

@@ -42,7 +42,7 @@ from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
 from hybridkv.engine.stream import RequestStream
 from hybridkv.execution.config import EngineConfig
-from hybridkv.execution.eval_semantics import eval_modules, restore_training
+from hybridkv.execution.eval_semantics import eval_modules, evaluating, restore_training
 from hybridkv.execution.inputs import (
     InputProcessor,
     Prompt,
@@ -157,7 +157,8 @@ class LLMEngine:
             use_tqdm=False,
             async_scheduling=False,
         )
-        engine = LLMEngine(draft, None, draft_config)
+        with evaluating(draft):  # a draft in training mode is probed and checked without dropout, as the model is
+            engine = LLMEngine(draft, None, draft_config)
         attention.install(draft)
         return engine
 

@@ -36,7 +36,9 @@ a request of its own, kept from round to round while it speculates: a round sets
 tokens (`LLMEngine.continue_from`: cut where the two part, the kept tokens appended) and steps the draft's engine
 until it holds k greedy tokens more; the next round computes only what the model kept since. Where the draft's layers
 are not all full attention (a window or a state cannot go back), or the cut would reach into a computed block, the
-draft's request is added again each round, and its prefix cache holds most of what it computed.
+draft's request is added again each round, and its prefix cache holds most of what it computed. A request's end
+(a stop, an abort, a failure, a closed stream: `Scheduler.on_finish`) ends its draft's request at once, and `sleep`
+gives back the draft's pages and prefix cache with the model's.
 """
 
 from __future__ import annotations
@@ -74,11 +76,17 @@ class DraftEngine(Protocol):
 
     def abort(self, request_id: str) -> Any: ...
 
+    def abort_all(self) -> Any: ...
+
     def step(self) -> list[Any]: ...
 
     def continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool: ...
 
     def sample_request(self, request_id: str) -> Request: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -276,9 +284,30 @@ class Speculator:
         """A failed step's kept tokens are not appended."""
         self._kept = []
 
+    def end_draft(self, request: Request) -> None:
+        """A request ended (`Scheduler.on_finish`: a stop, an abort, a failure, a closed stream): its draft's request
+        ends now, every block it held back in the draft's pool."""
+        drafting = self._drafting.pop(request, None)
+        if drafting is not None:
+            self.draft.abort(drafting[0])
+
+    def sleep(self) -> None:
+        """The draft's engine gives its pages back too (`LLMEngine.sleep`: its prefix cache goes with them), once every
+        request of it has ended."""
+        if self.draft is not None:
+            self._drafting.clear()
+            self.draft.abort_all()
+            self.draft.sleep()
+
+    def wake_up(self) -> None:
+        """The draft's engine takes its pages again (`LLMEngine.wake_up`)."""
+        if self.draft is not None:
+            self.draft.wake_up()
+
     def close(self) -> None:
         """Release the draft model's engine and give the draft its own attention back."""
         if self.draft is not None:
+            self._drafting.clear()
             self.draft.close()
             attention.uninstall(self.config.model)
             self.draft = None
