@@ -278,7 +278,7 @@ def test_settings_are_checked_naming_the_fix(patched):
         with pytest.raises((ValueError, TypeError), match=message):
             hybridkv.patch(model, block_size=8, max_model_len=256, speculative_config=config)
         assert not hybridkv.is_patched(model)
-    with pytest.raises(ValueError, match="async_scheduling=False"):
+    with pytest.raises(ValueError, match=r"plans each step before the last one's tokens.*async_scheduling=False"):
         hybridkv.patch(model, block_size=8, max_model_len=256, speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match=r"latent attention.*state layers or windows.*without speculative_config"):
         hybridkv.patch(LATENT["kimi_linear"](), block_size=8, max_model_len=256, speculative_config=NGRAM)
@@ -292,6 +292,25 @@ def test_settings_are_checked_naming_the_fix(patched):
             speculative_config={"model": other_vocab, "num_speculative_tokens": 2},
         )
     assert not hybridkv.is_patched(other_vocab)
+    short = copy.deepcopy(model)
+    short.config.max_position_embeddings = 128
+    shared = copy.deepcopy(model)  # the model's first layer itself, not a copy
+    shared.model.layers = torch.nn.ModuleList(model.model.layers[:1])
+    shared.config.num_hidden_layers = 1
+    drafts = [
+        (
+            short,
+            r"the draft model's context \(max_position_embeddings=128\) is shorter than the model's "
+            r"max_model_len=256.*max_model_len <= 128",
+        ),
+        (shared, r"runs the model's own attention layers \(model.layers.0.self_attn\).*copies of them"),
+    ]
+    for draft, message in drafts:
+        with pytest.raises(ValueError, match=message):
+            hybridkv.patch(
+                model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 2}
+            )
+        assert not hybridkv.is_patched(model) and not hybridkv.is_patched(draft)
     llm = patched(model, block_size=8, max_model_len=256, speculative_config=dict(NGRAM))
     assert llm.stats()["spec_method"] == "ngram" and not llm.stats()["async_scheduling"]
 

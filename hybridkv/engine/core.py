@@ -294,8 +294,10 @@ class EngineCore:
             )
         if config.async_scheduling:
             raise ValueError(
-                "speculative_config needs each step's kept tokens before the next is planned: patch with "
-                "async_scheduling=False (or None)"
+                "speculative_config with async_scheduling=True is not supported yet: async scheduling plans each step "
+                "before the last one's tokens are read, and a speculating request's next step depends on how many of "
+                "its proposals the last one kept (its tokens, its next proposals); patch with async_scheduling=False "
+                "(or None)"
             )
         # Under tensor parallelism the driver proposes and checks; a worker runs the rows it is sent (no draft).
         worker = self.tp is not None and not self.tp.driver

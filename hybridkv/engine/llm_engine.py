@@ -139,9 +139,9 @@ class LLMEngine:
         """A draft model's engine for speculative decoding (`EngineCore`'s speculator): as many blocks as the model's,
         its length, greedy by default."""
         config = self.config
-        draft_vocab = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
+        draft_text_config = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
         target_vocab = self.model.config.get_text_config().vocab_size
-        check_draft(draft, self.model, target_vocab, getattr(draft_vocab, "vocab_size", None))
+        check_draft(draft, self.model, target_vocab, draft_text_config, core.max_model_len)
         draft_config = EngineConfig(
             block_size=config.block_size,
             num_blocks=core.num_blocks,

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridkv.execution.sizing import context_length
 from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
 from hybridkv.sampling.acceptance import accept
@@ -313,18 +314,45 @@ class Speculator:
             self.draft = None
 
 
-def check_draft(draft: torch.nn.Module, target: torch.nn.Module, target_vocab: int, draft_vocab: int) -> None:
-    """A draft model hybridkv can run beside `target`: another module, not patched, of the same vocabulary."""
+def check_draft(
+    draft: torch.nn.Module, target: torch.nn.Module, target_vocab: int, draft_text_config: Any, max_model_len: int
+) -> None:
+    """A draft model hybridkv can run beside `target` (served up to `max_model_len`): another module, not patched,
+    running none of the model's own layers, of the same vocabulary and a context at least `max_model_len` long."""
     if not isinstance(draft, torch.nn.Module):
         raise TypeError(f"speculative_config's model must be a transformers causal LM, got {type(draft).__name__}")
     if draft is target:
         raise ValueError("speculative_config's draft model is the model itself; give a smaller model (or use 'ngram')")
     if "_hybridkv_engine" in draft.__dict__:
         raise ValueError("speculative_config's draft model is patched already; hybridkv.unpatch(draft) first")
+    draft_vocab = getattr(draft_text_config, "vocab_size", None)
     if draft_vocab != target_vocab:
         raise ValueError(
             f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's ({target_vocab}); a draft must "
             "share the model's tokenizer"
+        )
+    # A layer's attention reads its implementation from the config it was built with: the model's, for one of the
+    # model's layers, which the draft's engine cannot switch to its own steps.
+    model_modules = {id(module) for module in target.modules()}
+    shared = [
+        name
+        for name, module in draft.named_modules()
+        if id(module) in model_modules and hasattr(module, "config") and hasattr(module, "layer_idx")
+    ]
+    if shared:
+        names = ", ".join(shared[:2]) + (", ..." if len(shared) > 2 else "")
+        raise ValueError(
+            f"speculative_config's draft model runs the model's own attention layers ({names}), which read their "
+            "attention implementation from the model's config, not the draft's; give the draft copies of them "
+            "(copy.deepcopy, as benchmarks/speculative.py's draft of the model's first layers)"
+        )
+    context = context_length(draft_text_config) if draft_text_config is not None else None
+    if context is not None and context[0] < max_model_len:
+        length, source = context
+        raise ValueError(
+            f"the draft model's context ({source}) is shorter than the model's max_model_len={max_model_len}, and "
+            f"it proposes at every length the model serves; pass max_model_len <= {length}, or give a draft of a "
+            "longer context"
         )
 
 
