@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 
+import psutil
 import pytest
 import torch
 
@@ -208,6 +209,38 @@ def test_sampled_requests_speculate_reproducibly(patched):
     assert llm.stats()["spec_num_accepted_tokens"] > 0
 
 
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch_and_proposer(patched):
+    """seed=5 with a draft model (a copy of the model: most proposals kept at temperature 0.2), with n-gram lookup and
+    without speculation: the same tokens alone, behind two long prefills (whose chunks leave its checks room for fewer
+    proposals) and beside other sampled requests. Each output position takes one draw of the request's generator,
+    whatever the proposals its step checked, and the check keeps a proposal where that draw samples it."""
+    model = ZOO["llama"]()
+    short, first_long, second_long, *others = prompts((8, 240, 200, 31, 57, 90), seed=3)
+    seeded = SamplingParams(temperature=0.2, seed=5, max_tokens=24)
+    prefill = SamplingParams(temperature=0, max_tokens=4)
+    other = SamplingParams(temperature=1.0, top_k=50, max_tokens=12)
+    batches = [
+        ([short], [seeded]),
+        ([first_long, short, second_long], [prefill, seeded, prefill]),
+        ([first_long, second_long, short], [prefill, prefill, seeded]),
+        ([*others, short], [other, SamplingParams(temperature=0.9, seed=8, max_tokens=20), other, seeded]),
+    ]
+    # Prefix caching off: each batch computes its prefills again.
+    settings = dict(block_size=8, max_model_len=256, max_num_batched_tokens=32, long_prefill_token_threshold=30)
+    settings["enable_prefix_caching"] = False
+    expected = None
+    for speculative_config in (None, {"model": copy.deepcopy(model), "num_speculative_tokens": 3}, NGRAM):
+        llm = patched(model, speculative_config=speculative_config, **settings)
+        for batch, params in batches:
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            tokens = outputs[batch.index(short)].outputs[0].token_ids
+            expected = expected or tokens
+            assert tokens == expected
+        if speculative_config is not None:
+            assert llm.stats()["spec_num_drafts"] > 0
+        hybridkv.unpatch(model)
+
+
 def test_ngram_proposal_is_the_longest_earliest_match():
     # vLLM's example: [4, 2, 3] follows the earliest [2, 3].
     assert ngram_proposal([1, 2, 3, 4, 2, 3], 4, 2, 3) == [4, 2, 3]
@@ -245,7 +278,7 @@ def test_settings_are_checked_naming_the_fix(patched):
         with pytest.raises((ValueError, TypeError), match=message):
             hybridkv.patch(model, block_size=8, max_model_len=256, speculative_config=config)
         assert not hybridkv.is_patched(model)
-    with pytest.raises(ValueError, match="async_scheduling=False"):
+    with pytest.raises(ValueError, match=r"plans each step before the last one's tokens.*async_scheduling=False"):
         hybridkv.patch(model, block_size=8, max_model_len=256, speculative_config=NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match=r"latent attention.*state layers or windows.*without speculative_config"):
         hybridkv.patch(LATENT["kimi_linear"](), block_size=8, max_model_len=256, speculative_config=NGRAM)
@@ -259,6 +292,25 @@ def test_settings_are_checked_naming_the_fix(patched):
             speculative_config={"model": other_vocab, "num_speculative_tokens": 2},
         )
     assert not hybridkv.is_patched(other_vocab)
+    short = copy.deepcopy(model)
+    short.config.max_position_embeddings = 128
+    shared = copy.deepcopy(model)  # the model's first layer itself, not a copy
+    shared.model.layers = torch.nn.ModuleList(model.model.layers[:1])
+    shared.config.num_hidden_layers = 1
+    drafts = [
+        (
+            short,
+            r"the draft model's context \(max_position_embeddings=128\) is shorter than the model's "
+            r"max_model_len=256.*max_model_len <= 128",
+        ),
+        (shared, r"runs the model's own attention layers \(model.layers.0.self_attn\).*copies of them"),
+    ]
+    for draft, message in drafts:
+        with pytest.raises(ValueError, match=message):
+            hybridkv.patch(
+                model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 2}
+            )
+        assert not hybridkv.is_patched(model) and not hybridkv.is_patched(draft)
     llm = patched(model, block_size=8, max_model_len=256, speculative_config=dict(NGRAM))
     assert llm.stats()["spec_method"] == "ngram" and not llm.stats()["async_scheduling"]
 
@@ -535,3 +587,72 @@ def test_each_round_proposes_the_drafts_own_greedy_continuation_of_the_kept_toke
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 24)[0] for p in batch]
     assert len(checked) > 10 and all(checked)
     assert 0 < llm.stats()["spec_acceptance_rate"] < 1
+
+
+def test_an_ended_request_ends_its_drafts_request_at_once(patched):
+    """An abort between steps, a closed stream and a stop each end the request's draft request then, not at the next
+    round: the draft's engine holds no block once no request is unfinished, whatever ended them."""
+    model = ZOO["llama"]()
+    draft = {"model": copy.deepcopy(model), "num_speculative_tokens": 3}
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=draft)
+    engine = llm.core.speculator.draft
+    batch = prompts((20, 27))
+    for prompt, max_tokens in zip(batch, (40, 6), strict=True):
+        llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    while len(engine.outputs.states) < 2:  # both drafting
+        llm.step()
+    finished = False
+    while not finished:  # the second stops at max_tokens: its draft's request ends in that step
+        finished = any(output.finished for output in llm.step())
+    assert len(engine.outputs.states) == 1
+    llm.abort_all()
+    assert not engine.has_unfinished_requests() and engine.stats()["blocks_in_use"] == 0
+    stream = llm.stream(batch[0], SamplingParams(temperature=0, max_tokens=40))
+    next(stream), next(stream)
+    assert engine.stats()["blocks_in_use"] > 0
+    stream.close()
+    assert not engine.has_unfinished_requests() and engine.stats()["blocks_in_use"] == 0
+
+
+def test_sleep_gives_back_the_drafts_pages_and_prefix_cache_and_wake_up_restores_them(patched):
+    """After an abort, sleep() gives back the draft's pool with the model's (both measured in the process's memory)
+    and drops the draft's prefix cache; wake_up() restores both engines, which serve the same tokens again."""
+    model = ZOO["llama"]()
+    draft = {"model": copy.deepcopy(model), "num_speculative_tokens": 3}
+    llm = patched(model, block_size=8, max_model_len=256, kv_cache_memory=64 << 20, speculative_config=draft)
+    engine = llm.core.speculator.draft
+    batch = prompts((20, 27))
+    expected = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    llm.add_request(new_request_id(), batch[0], GREEDY)
+    llm.step(), llm.step()
+    llm.abort_all()
+    pool_bytes = llm.stats()["kv_cache_bytes"] + engine.stats()["kv_cache_bytes"]
+    process = psutil.Process()
+    before = process.memory_info().rss
+    llm.sleep()
+    released = before - process.memory_info().rss
+    assert llm.is_sleeping() and engine.is_sleeping()
+    assert released >= 0.9 * pool_bytes, f"sleep gave back {released:,} bytes of {pool_bytes:,} bytes of pools"
+    llm.wake_up()
+    assert not llm.is_sleeping() and not engine.is_sleeping()
+    hits = engine.stats()["prefix_cache_hits"]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert engine.stats()["prefix_cache_hits"] == hits  # the draft's cache was dropped
+    assert engine.stats()["blocks_in_use"] == 0 and llm.stats()["spec_acceptance_rate"] == 1.0
+
+
+def test_a_draft_in_training_mode_is_served_with_eval_semantics(patched):
+    """A draft left in train() (attention dropout 0.5) is probed, checked and run without dropout, as the model is,
+    and left in its mode: a copy of the model keeps every proposal."""
+    model = ZOO["llama"]()
+    draft = copy.deepcopy(model).train()
+    for layer in draft.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    prompt = prompts((20,))[0]
+    llm = patched(
+        model, block_size=8, max_model_len=256, speculative_config={"model": draft, "num_speculative_tokens": 3}
+    )
+    outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == hf_greedy(model, prompt, MAX_NEW)[0]
+    assert llm.stats()["spec_acceptance_rate"] == 1.0 and draft.training

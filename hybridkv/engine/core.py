@@ -293,13 +293,17 @@ class EngineCore:
             )
         if config.async_scheduling:
             raise ValueError(
-                "speculative_config needs each step's kept tokens before the next is planned: patch with "
-                "async_scheduling=False (or None)"
+                "speculative_config with async_scheduling=True is not supported yet: async scheduling plans each step "
+                "before the last one's tokens are read, and a speculating request's next step depends on how many of "
+                "its proposals the last one kept (its tokens, its next proposals); patch with async_scheduling=False "
+                "(or None)"
             )
         # Under tensor parallelism the driver proposes and checks; a worker runs the rows it is sent (no draft).
         worker = self.tp is not None and not self.tp.driver
         drafts = None if worker or draft_engine is None else functools.partial(draft_engine, core=self)
         speculator = Speculator(speculative, self.rows_of, drafts)
+        if speculator.draft is not None:  # a request's end ends its draft's request
+            self.scheduler.on_finish = speculator.end_draft
         self.scheduler.speculative = True
         self.scheduler.stores_proposals = stores_proposals
         return speculator
@@ -598,14 +602,19 @@ class EngineCore:
         return change
 
     def sleep(self) -> None:
-        """Give back the pages, state slots and graphs (the prefix cache's contents go with them)."""
+        """Give back the pages, state slots and graphs (the prefix cache's contents go with them), and a draft model's
+        engine its own (`Speculator.sleep`)."""
         self.coordinator.forget_cached()
         self.runner.sleep()
+        if self.speculator is not None:
+            self.speculator.sleep()
 
     def wake_up(self) -> None:
-        """Allocate what `sleep` gave back (pages zeroed, graphs captured again)."""
+        """Allocate what `sleep` gave back (pages zeroed, graphs captured again), a draft model's engine's too."""
         if self.runner.asleep:
             self.runner.wake_up()
+            if self.speculator is not None:
+                self.speculator.wake_up()
 
     def run_worker(self) -> None:
         """On a tensor-parallel worker rank: run the steps rank 0 sends until it closes its engine."""

@@ -42,7 +42,7 @@ from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
 from hybridkv.engine.stream import RequestStream
 from hybridkv.execution.config import EngineConfig
-from hybridkv.execution.eval_semantics import eval_modules, restore_training
+from hybridkv.execution.eval_semantics import eval_modules, evaluating, restore_training
 from hybridkv.execution.inputs import (
     InputProcessor,
     Prompt,
@@ -139,9 +139,9 @@ class LLMEngine:
         """A draft model's engine for speculative decoding (`EngineCore`'s speculator): as many blocks as the model's,
         its length, greedy by default."""
         config = self.config
-        draft_vocab = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
+        draft_text_config = getattr(getattr(draft, "config", None), "get_text_config", lambda: None)()
         target_vocab = self.model.config.get_text_config().vocab_size
-        check_draft(draft, self.model, target_vocab, getattr(draft_vocab, "vocab_size", None))
+        check_draft(draft, self.model, target_vocab, draft_text_config, core.max_model_len)
         draft_config = EngineConfig(
             block_size=config.block_size,
             num_blocks=core.num_blocks,
@@ -157,7 +157,8 @@ class LLMEngine:
             use_tqdm=False,
             async_scheduling=False,
         )
-        engine = LLMEngine(draft, None, draft_config)
+        with evaluating(draft):  # a draft in training mode is probed and checked without dropout, as the model is
+            engine = LLMEngine(draft, None, draft_config)
         attention.install(draft)
         return engine
 

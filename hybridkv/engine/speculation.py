@@ -36,7 +36,9 @@ a request of its own, kept from round to round while it speculates: a round sets
 tokens (`LLMEngine.continue_from`: cut where the two part, the kept tokens appended) and steps the draft's engine
 until it holds k greedy tokens more; the next round computes only what the model kept since. Where the draft's layers
 are not all full attention (a window or a state cannot go back), or the cut would reach into a computed block, the
-draft's request is added again each round, and its prefix cache holds most of what it computed.
+draft's request is added again each round, and its prefix cache holds most of what it computed. A request's end
+(a stop, an abort, a failure, a closed stream: `Scheduler.on_finish`) ends its draft's request at once, and `sleep`
+gives back the draft's pages and prefix cache with the model's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hybridkv.execution.sizing import context_length
 from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.patches import attention
 from hybridkv.sampling.acceptance import accept
@@ -74,11 +77,17 @@ class DraftEngine(Protocol):
 
     def abort(self, request_id: str) -> Any: ...
 
+    def abort_all(self) -> Any: ...
+
     def step(self) -> list[Any]: ...
 
     def continue_from(self, request_id: str, token_ids: Sequence[int], known: int = 0) -> bool: ...
 
     def sample_request(self, request_id: str) -> Request: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -276,26 +285,74 @@ class Speculator:
         """A failed step's kept tokens are not appended."""
         self._kept = []
 
+    def end_draft(self, request: Request) -> None:
+        """A request ended (`Scheduler.on_finish`: a stop, an abort, a failure, a closed stream): its draft's request
+        ends now, every block it held back in the draft's pool."""
+        drafting = self._drafting.pop(request, None)
+        if drafting is not None:
+            self.draft.abort(drafting[0])
+
+    def sleep(self) -> None:
+        """The draft's engine gives its pages back too (`LLMEngine.sleep`: its prefix cache goes with them), once every
+        request of it has ended."""
+        if self.draft is not None:
+            self._drafting.clear()
+            self.draft.abort_all()
+            self.draft.sleep()
+
+    def wake_up(self) -> None:
+        """The draft's engine takes its pages again (`LLMEngine.wake_up`)."""
+        if self.draft is not None:
+            self.draft.wake_up()
+
     def close(self) -> None:
         """Release the draft model's engine and give the draft its own attention back."""
         if self.draft is not None:
+            self._drafting.clear()
             self.draft.close()
             attention.uninstall(self.config.model)
             self.draft = None
 
 
-def check_draft(draft: torch.nn.Module, target: torch.nn.Module, target_vocab: int, draft_vocab: int) -> None:
-    """A draft model hybridkv can run beside `target`: another module, not patched, of the same vocabulary."""
+def check_draft(
+    draft: torch.nn.Module, target: torch.nn.Module, target_vocab: int, draft_text_config: Any, max_model_len: int
+) -> None:
+    """A draft model hybridkv can run beside `target` (served up to `max_model_len`): another module, not patched,
+    running none of the model's own layers, of the same vocabulary and a context at least `max_model_len` long."""
     if not isinstance(draft, torch.nn.Module):
         raise TypeError(f"speculative_config's model must be a transformers causal LM, got {type(draft).__name__}")
     if draft is target:
         raise ValueError("speculative_config's draft model is the model itself; give a smaller model (or use 'ngram')")
     if "_hybridkv_engine" in draft.__dict__:
         raise ValueError("speculative_config's draft model is patched already; hybridkv.unpatch(draft) first")
+    draft_vocab = getattr(draft_text_config, "vocab_size", None)
     if draft_vocab != target_vocab:
         raise ValueError(
             f"the draft model's vocabulary ({draft_vocab} tokens) is not the model's ({target_vocab}); a draft must "
             "share the model's tokenizer"
+        )
+    # A layer's attention reads its implementation from the config it was built with: the model's, for one of the
+    # model's layers, which the draft's engine cannot switch to its own steps.
+    model_modules = {id(module) for module in target.modules()}
+    shared = [
+        name
+        for name, module in draft.named_modules()
+        if id(module) in model_modules and hasattr(module, "config") and hasattr(module, "layer_idx")
+    ]
+    if shared:
+        names = ", ".join(shared[:2]) + (", ..." if len(shared) > 2 else "")
+        raise ValueError(
+            f"speculative_config's draft model runs the model's own attention layers ({names}), which read their "
+            "attention implementation from the model's config, not the draft's; give the draft copies of them "
+            "(copy.deepcopy, as benchmarks/speculative.py's draft of the model's first layers)"
+        )
+    context = context_length(draft_text_config) if draft_text_config is not None else None
+    if context is not None and context[0] < max_model_len:
+        length, source = context
+        raise ValueError(
+            f"the draft model's context ({source}) is shorter than the model's max_model_len={max_model_len}, and "
+            f"it proposes at every length the model serves; pass max_model_len <= {length}, or give a draft of a "
+            "longer context"
         )
 
 

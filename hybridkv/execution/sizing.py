@@ -60,7 +60,7 @@ def _within_limit(model: torch.nn.Module, config: EngineConfig, limit: PositionL
 
 def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
     """`config.max_model_len`, else the model's context length; a ValueError beyond that length."""
-    context = _context_length(model.config.get_text_config())
+    context = context_length(model.config.get_text_config())
     if context is None:
         if config.max_model_len is None:
             raise ValueError(f"{type(model).__name__}'s config has no max_position_embeddings; pass max_model_len")
@@ -75,7 +75,7 @@ def _max_model_len(model: torch.nn.Module, config: EngineConfig) -> int:
     return config.max_model_len
 
 
-def _context_length(text_config: Any) -> tuple[int, str] | None:
+def context_length(text_config: Any) -> tuple[int, str] | None:
     """The longest context a model is made for, and where that number comes from: max_position_embeddings,
     or YaRN rope scaling's factor x original_max_position_embeddings where that is longer (vLLM's rule:
     Qwen's YaRN recipe leaves max_position_embeddings at the original length). None if neither is set."""

@@ -96,7 +96,7 @@ def draw_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tens
     if random_rows:
         index = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[index], [rows[i].params for i in random_rows])
-        tokens[index] = _race(probs, [rows[i].generator for i in random_rows])
+        tokens[index] = race(probs, [rows[i].generator for i in random_rows])
     return tokens
 
 
@@ -215,8 +215,9 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return probs
 
 
-def _race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a draw from each row of probs."""
+def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """argmax(probs / q), q ~ Exp(1): a draw from each row of probs. A seeded row takes its q from its own generator,
+    one vocabulary of draws per row (so one per output position, in the speculative check too: acceptance.py)."""
     q = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:

@@ -25,7 +25,7 @@ preempted alone.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybridkv.memory.block_pool import NULL_BLOCK_ID
@@ -80,6 +80,9 @@ class Scheduler:
         # them, and a kept proposal's stays (else they store nothing: hybridkv/engine/speculation.py).
         self.speculative = False
         self.stores_proposals = False
+        # Called with each request `finish` ends, however it ends (the engine's speculator ends the request's draft
+        # model request with it: hybridkv/engine/speculation.py).
+        self.on_finish: Callable[[Request], None] | None = None
         # The last plan, when it was a decode batch (`_decode_batch_of`): its requests and their scheduled entries.
         self._decode_batch: tuple[list[Request], list[ScheduledRequest]] | None = None
 
@@ -490,6 +493,8 @@ class Scheduler:
         for follower in request.group.held_followers(request):
             follower.finish(status, error)
         request.finish(status, error)
+        if self.on_finish is not None:
+            self.on_finish(request)
 
 
 def _fit(request: Request, start: int, num_new: int) -> int:
