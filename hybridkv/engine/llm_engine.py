@@ -17,7 +17,9 @@ pool.
 
 The engine follows the model (`hybridkv/execution/model_watch.py`): the first step of a call that may admit a request
 (or replay a CUDA graph) checks whether the model changed since the last call, and a request admitted after a change is
-hashed under the new model's key, so the prefix cache never serves it K/V of the old one.
+hashed under the new model's key, so the prefix cache never serves it K/V of the old one. What it does not follow, an
+attention implementation switched or an attention-shaping config value edited, the first step of every call refuses
+(`hybridkv/execution/layout_watch.py`), naming `hybridkv.patch(model)` again.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from hybridkv.execution.inputs import (
     prompt_list,
     refuse_lora_request,
 )
+from hybridkv.execution.layout_watch import ModelReshaped
 from hybridkv.execution.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.execution.progress import progress_bar
 from hybridkv.execution.sizing import min_num_blocks
@@ -111,6 +114,8 @@ class LLMEngine:
         self.update_seconds = 0.0
         # The model as the caches know it: checked at most once per engine call (`follow_model`).
         self._model_checked = True
+        # The attention implementation and config the layout was built for: checked at the first step of each call.
+        self._layout_checked = True
         speculates = self.core.speculator is not None
         ahead = config.async_scheduling
         if ahead is None:
@@ -462,6 +467,7 @@ class LLMEngine:
         call, is to be checked again."""
         self._training_modules = eval_modules(self.model)
         self._model_checked = False
+        self._layout_checked = False
         while self._pending_aborts:
             self._abort(self._pending_aborts.popleft())
 
@@ -476,6 +482,29 @@ class LLMEngine:
         """Whether the step about to be planned must check the model first (`follow_model`): a request may be
         admitted (and hit the prefix cache), or a graph replayed, and the model was not checked in this call."""
         return self.core.model_check_due(self._model_checked)
+
+    def check_layout(self) -> None:
+        """Refuse a model whose attention implementation or attention-shaping config changed since it was patched
+        (`EngineCore.check_layout`: `ModelReshaped`, naming the fix), once in this call, at its first step, whether
+        or not the step admits a request: a running request's next token would be computed with the old layout. A
+        step in flight is finished first (its reports wait for the next `step()`)."""
+        self._layout_checked = True
+        try:
+            self.core.check_layout()
+        except ModelReshaped:
+            if self.async_steps is not None:
+                self.unclaimed.extend(self.async_steps.drain())
+            raise
+
+    def outdated(self) -> str | None:
+        """Why this engine no longer fits its model, which `hybridkv.patch` then builds a new one for: its attention
+        implementation or attention-shaping config changed (`check_layout`), or its vocabulary did
+        (`resize_token_embeddings`). None while it fits."""
+        reason = self.core.layout_watch.changed()
+        if reason is None and self.inputs.vocab_changed():
+            inputs = self.inputs
+            reason = f"its vocabulary has {inputs.model_vocab_size()} tokens, {inputs.vocab_size} when it was patched"
+        return reason
 
     def follow_model(self) -> None:
         """Check the model once in this call (`EngineCore.follow_model`), with nothing in flight; after a change the
@@ -574,6 +603,8 @@ class LLMEngine:
         by later steps."""
         with self.core.step_threads.for_step():
             start = time.perf_counter()
+            if not self._layout_checked:
+                self.check_layout()
             if self.async_steps is not None:  # step N+1 launched before step N's tokens are read
                 reports = self.async_steps.step()
             else:
