@@ -3,7 +3,8 @@
 hybridkv builds its KV layout and installs its attention once, at patch time, from the model's attention
 implementation and its config; a later edit of either is never followed silently: the next engine call raises an
 error naming `hybridkv.patch(model)` again, and patching again serves the model as it now is, token for token
-what `generate` gives (or says why it cannot).
+what `generate` gives (or says why it cannot). The generation config and the tokenizer are read again whenever they
+change: a request added after `model.generation_config.eos_token_id = X` stops at X, as `generate` does.
 """
 
 from __future__ import annotations
@@ -130,6 +131,34 @@ def test_an_untouched_config_is_served_call_after_call(patched):
     model.generation_config.max_length = 99
     assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
     assert hybridkv.patch(model, max_model_len=128, block_size=8) is llm  # nothing to build again
+
+
+# ---- the generation config and the tokenizer ---------------------------------------------------------------------
+
+
+def test_an_eos_set_after_patch_stops_the_next_requests(patched):
+    model, llm, before = served(patched, "llama")
+    eos = before[0][3]
+    model.generation_config.eos_token_id = eos
+    expected = references(model)
+    assert expected != before, "the EOS changes nothing: blind"
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert tokens(outputs) == expected
+    assert outputs[0].outputs[0].finish_reason == "stop"
+    model.generation_config.eos_token_id = [before[1][2], 999]  # a list, as chat models' configs hold
+    assert tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == references(model)
+
+
+def test_generation_config_defaults_are_read_per_call(patched):
+    model, llm, _ = served(patched, "llama")
+    assert llm.get_default_sampling_params().max_tokens == SamplingParams().max_tokens
+    model.generation_config.max_new_tokens = 3
+    model.generation_config.top_k = 5
+    assert llm.default_sampling == {"max_tokens": 3, "top_k": 5}
+    params = llm.get_default_sampling_params()
+    assert (params.max_tokens, params.top_k) == (3, 5)
+    (output,) = llm.generate(PROMPTS[:1], use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
 
 
 # ---- the vocabulary ----------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ The engine follows the model (`hybridkv/execution/model_watch.py`): the first st
 (or replay a CUDA graph) checks whether the model changed since the last call, and a request admitted after a change is
 hashed under the new model's key, so the prefix cache never serves it K/V of the old one. What it does not follow, an
 attention implementation switched or an attention-shaping config value edited, the first step of every call refuses
-(`hybridkv/execution/layout_watch.py`), naming `hybridkv.patch(model)` again.
+(`hybridkv/execution/layout_watch.py`), naming `hybridkv.patch(model)` again. The EOS ids and sampling defaults are read
+from the generation config and the tokenizer as they are when each request is checked
+(`hybridkv/engine/generation_settings.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
+from hybridkv.engine.generation_settings import GenerationSettings
 from hybridkv.engine.output_processor import OutputProcessor, RequestState, SampleState, sampling_rows
 from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
@@ -48,7 +51,6 @@ from hybridkv.execution.eval_semantics import eval_modules, restore_training
 from hybridkv.execution.inputs import (
     InputProcessor,
     Prompt,
-    eos_token_ids,
     plain_prompt,
     prompt_list,
     refuse_lora_request,
@@ -66,7 +68,7 @@ from hybridkv.sampling.sampler import SampledLogprobs
 from hybridkv.sampling.structured_outputs import GrammarCompiler
 from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
-from hybridkv.scheduling.sampling_params import SamplingParams, generation_config_defaults
+from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.stopping import StopRules
 from hybridkv.scheduling.validation import check_bool
 
@@ -127,18 +129,38 @@ class LLMEngine:
         grammar compiled, its outputs and stop rules, and the defaults of a request without sampling settings."""
         model, tokenizer = self.model, self.tokenizer
         self.inputs = InputProcessor(model, tokenizer)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        # The EOS ids and the defaults of a request without sampling settings of its own, read again when the
+        # generation config or the tokenizer changes (`follow_generation_settings`).
+        self.generation = GenerationSettings(model, tokenizer, read_defaults=self.config.generation_config == "auto")
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.core.input_device, samples)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
         self.images_refused: str | None = None  # why a model that takes images cannot get them here
         self.images = self._image_encoder(model, self.processor)
-        # What a request without sampling settings of its own takes (`get_default_sampling_params`).
-        self.default_sampling = (
-            generation_config_defaults(getattr(model, "generation_config", None))
-            if self.config.generation_config == "auto"
-            else {}
-        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sample: the generation config's and the tokenizer's EOS ids, as of the last request
+        checked (`follow_generation_settings`)."""
+        return self.generation.eos_token_ids
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """What a request without sampling settings of its own takes (`get_default_sampling_params`), as the
+        generation config is now."""
+        self.follow_generation_settings()
+        return self.generation.default_sampling
+
+    def follow_generation_settings(self) -> None:
+        """Read the EOS ids and sampling defaults again if the generation config or the tokenizer changed
+        (`GenerationSettings.follow`, a few microseconds): from then on every sample stops at the new EOS ids (those
+        running too), and grammars end there."""
+        before = self.generation.eos_token_ids
+        if self.generation.follow() and self.generation.eos_token_ids != before:
+            self.outputs.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
+            grammars = GrammarCompiler(self.tokenizer, self.inputs.vocab_size, self.eos_token_ids)
+            grammars.counters = self.grammars.counters  # `stats()` counts over the engine's life
+            self.grammars = grammars
 
     def _draft_engine(self, draft: torch.nn.Module, core: EngineCore) -> LLMEngine:
         """A draft model's engine for speculative decoding (`EngineCore`'s speculator): as many blocks as the model's,
@@ -260,7 +282,7 @@ class LLMEngine:
         default) the model's generation config sets those it changes from transformers' defaults among
         temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens); with "vllm",
         SamplingParams' own defaults. A new object each call: change it freely."""
-        return SamplingParams(**self.default_sampling)
+        return SamplingParams(**self.default_sampling)  # read as the generation config is now
 
     def check_request(
         self,
@@ -276,6 +298,7 @@ class LLMEngine:
         key; a request whose images another model encoded is refused when it is queued)."""
         if self.core.asleep:
             raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
+        self.follow_generation_settings()
         if params is None:
             params = self.get_default_sampling_params()
         elif isinstance(params, SamplingParams):
