@@ -23,10 +23,11 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
     passed as `tokenizer`: its own tokenizer is then used) makes prompts with images (hybridkv/execution/multimodal.py).
 
     The model stays an ordinary transformers model: called directly it behaves exactly as before.
-    Patching an already patched model returns its engine when the settings are the same, and
-    rebuilds it (freeing the old KV cache) when they differ, which an engine with unfinished requests
-    refuses. A model in training mode is served with eval semantics (dropout off) and left in its mode
-    (hybridkv/execution/eval_semantics.py). Settings: see `EngineConfig`.
+    Patching an already patched model returns its engine when the settings are the same and the engine
+    still fits the model (`LLMEngine.outdated`: its attention implementation, attention-shaping config and
+    vocabulary as they were), and rebuilds it (freeing the old KV cache) otherwise, which an engine with
+    unfinished requests refuses. A model in training mode is served with eval semantics (dropout off) and left
+    in its mode (hybridkv/execution/eval_semantics.py). Settings: see `EngineConfig`.
     """
     engine_config = EngineConfig.from_kwargs(**config)
     if processor is None and getattr(tokenizer, "image_processor", None) is not None:
@@ -35,13 +36,16 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
         tokenizer = getattr(processor, "tokenizer", None)
     engine = model.__dict__.get(_ENGINE_ATTR)
     if engine is not None:
-        if engine.config == engine_config and engine.tokenizer is tokenizer and engine.processor is processor:
+        same = engine.config == engine_config and engine.tokenizer is tokenizer and engine.processor is processor
+        outdated = engine.outdated()
+        if same and outdated is None:
             return engine
         if engine.has_unfinished_requests():
+            why = "other settings" if outdated is None else f"the model as it is now ({outdated})"
             raise RuntimeError(
-                f"the model's engine has {len(engine.outputs.states)} unfinished requests, which patching with "
-                "other settings would drop; finish them (engine.generate / engine.step) or abort them "
-                "(engine.abort_all()) first"
+                f"the model's engine has {len(engine.outputs.states)} unfinished requests, which patching for "
+                f"{why} would drop; finish them (engine.generate / engine.step) or abort them (engine.abort_all()) "
+                "first"
             )
         unpatch(model)
     with evaluating(model):  # a model in training mode is probed and checked without dropout, and left in its mode

@@ -228,3 +228,18 @@ def test_the_async_engine_sleeps_and_wakes_between_steps_with_vllms_coroutines(g
         asyncio.run(served.sleep())
     held.abort()
     assert blocks_in_use_reaches_zero(served)
+
+
+def test_the_async_engine_resets_the_prefix_cache_between_steps_with_vllms_coroutine(gemma3, served):
+    _, batch, expected = gemma3
+
+    async def run():
+        first = await served.submit(batch[1], GREEDY)
+        hit = await served.submit(batch[1], GREEDY)
+        assert await served.reset_prefix_cache() is True
+        after = await served.submit(batch[1], GREEDY)
+        return first, hit, after
+
+    first, hit, after = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in (first, hit, after)] == [expected[1]] * 3
+    assert hit.metrics.num_cached_tokens > 0 and after.metrics.num_cached_tokens == 0

@@ -33,6 +33,7 @@ from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
 from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.execution.graphs import captures_graphs, decode_buckets, graph_mode
+from hybridkv.execution.layout_watch import LayoutWatch
 from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
 from hybridkv.execution.model_watch import ModelChange, ModelWatch
 from hybridkv.execution.sizing import kv_layout, num_kv_blocks
@@ -120,6 +121,7 @@ class EngineCore:
         self.model = model
         self.config = config
         self.rows_of = rows_of
+        self.layout_watch = LayoutWatch(model)  # the config and attention the layout below is built for
         self.layout = self._probe()
         buckets, captures, compiled = self._plan_steps(self.layout)
         memory = self._plan_memory(self.layout, max(buckets, default=0))
@@ -397,6 +399,12 @@ class EngineCore:
         return not checked and bool(
             scheduler.waiting or (self.runner.graphs is not None and (scheduler.running or scheduler.swapped))
         )
+
+    def check_layout(self) -> None:
+        """Raise `ModelReshaped`, naming the fix, if the model's attention implementation or a config value that
+        shapes its attention changed since the engine was built (`LayoutWatch`): nothing here follows such a change.
+        """
+        self.layout_watch.check()
 
     def follow_model(self) -> ModelChange | None:
         """Check the model (`ModelWatch.check`); after a change, requests admitted from now on are hashed under its

@@ -17,7 +17,11 @@ pool.
 
 The engine follows the model (`hybridkv/execution/model_watch.py`): the first step of a call that may admit a request
 (or replay a CUDA graph) checks whether the model changed since the last call, and a request admitted after a change is
-hashed under the new model's key, so the prefix cache never serves it K/V of the old one.
+hashed under the new model's key, so the prefix cache never serves it K/V of the old one. What it does not follow, an
+attention implementation switched or an attention-shaping config value edited, the first step of every call refuses
+(`hybridkv/execution/layout_watch.py`), naming `hybridkv.patch(model)` again. The EOS ids and sampling defaults are read
+from the generation config and the tokenizer as they are when each request is checked
+(`hybridkv/engine/generation_settings.py`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
+from hybridkv.engine.generation_settings import GenerationSettings
 from hybridkv.engine.output_processor import OutputProcessor, RequestState, SampleState, sampling_rows
 from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
@@ -46,11 +51,11 @@ from hybridkv.execution.eval_semantics import eval_modules, evaluating, restore_
 from hybridkv.execution.inputs import (
     InputProcessor,
     Prompt,
-    eos_token_ids,
     plain_prompt,
     prompt_list,
     refuse_lora_request,
 )
+from hybridkv.execution.layout_watch import ModelReshaped
 from hybridkv.execution.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.execution.progress import progress_bar
 from hybridkv.execution.sizing import min_num_blocks
@@ -63,7 +68,7 @@ from hybridkv.sampling.sampler import SampledLogprobs
 from hybridkv.sampling.structured_outputs import GrammarCompiler
 from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
-from hybridkv.scheduling.sampling_params import SamplingParams, generation_config_defaults
+from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.stopping import StopRules
 from hybridkv.scheduling.validation import check_bool
 
@@ -111,6 +116,8 @@ class LLMEngine:
         self.update_seconds = 0.0
         # The model as the caches know it: checked at most once per engine call (`follow_model`).
         self._model_checked = True
+        # The attention implementation and config the layout was built for: checked at the first step of each call.
+        self._layout_checked = True
         speculates = self.core.speculator is not None
         ahead = config.async_scheduling
         if ahead is None:
@@ -122,18 +129,38 @@ class LLMEngine:
         grammar compiled, its outputs and stop rules, and the defaults of a request without sampling settings."""
         model, tokenizer = self.model, self.tokenizer
         self.inputs = InputProcessor(model, tokenizer)
-        self.eos_token_ids = eos_token_ids(model, tokenizer)
+        # The EOS ids and the defaults of a request without sampling settings of its own, read again when the
+        # generation config or the tokenizer changes (`follow_generation_settings`).
+        self.generation = GenerationSettings(model, tokenizer, read_defaults=self.config.generation_config == "auto")
         stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, stop_rules, self.core.input_device, samples)
         self.grammars = GrammarCompiler(tokenizer, self.inputs.vocab_size, self.eos_token_ids)
         self.images_refused: str | None = None  # why a model that takes images cannot get them here
         self.images = self._image_encoder(model, self.processor)
-        # What a request without sampling settings of its own takes (`get_default_sampling_params`).
-        self.default_sampling = (
-            generation_config_defaults(getattr(model, "generation_config", None))
-            if self.config.generation_config == "auto"
-            else {}
-        )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sample: the generation config's and the tokenizer's EOS ids, as of the last request
+        checked (`follow_generation_settings`)."""
+        return self.generation.eos_token_ids
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """What a request without sampling settings of its own takes (`get_default_sampling_params`), as the
+        generation config is now."""
+        self.follow_generation_settings()
+        return self.generation.default_sampling
+
+    def follow_generation_settings(self) -> None:
+        """Read the EOS ids and sampling defaults again if the generation config or the tokenizer changed
+        (`GenerationSettings.follow`, a few microseconds): from then on every sample stops at the new EOS ids (those
+        running too), and grammars end there."""
+        before = self.generation.eos_token_ids
+        if self.generation.follow() and self.generation.eos_token_ids != before:
+            self.outputs.stop_rules = StopRules(self.eos_token_ids, self.max_model_len)
+            grammars = GrammarCompiler(self.tokenizer, self.inputs.vocab_size, self.eos_token_ids)
+            grammars.counters = self.grammars.counters  # `stats()` counts over the engine's life
+            self.grammars = grammars
 
     def _draft_engine(self, draft: torch.nn.Module, core: EngineCore) -> LLMEngine:
         """A draft model's engine for speculative decoding (`EngineCore`'s speculator): as many blocks as the model's,
@@ -256,7 +283,7 @@ class LLMEngine:
         default) the model's generation config sets those it changes from transformers' defaults among
         temperature, top_k, top_p, min_p, repetition_penalty and max_new_tokens (as max_tokens); with "vllm",
         SamplingParams' own defaults. A new object each call: change it freely."""
-        return SamplingParams(**self.default_sampling)
+        return SamplingParams(**self.default_sampling)  # read as the generation config is now
 
     def check_request(
         self,
@@ -272,6 +299,7 @@ class LLMEngine:
         key; a request whose images another model encoded is refused when it is queued)."""
         if self.core.asleep:
             raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
+        self.follow_generation_settings()
         if params is None:
             params = self.get_default_sampling_params()
         elif isinstance(params, SamplingParams):
@@ -463,6 +491,7 @@ class LLMEngine:
         call, is to be checked again."""
         self._training_modules = eval_modules(self.model)
         self._model_checked = False
+        self._layout_checked = False
         while self._pending_aborts:
             self._abort(self._pending_aborts.popleft())
 
@@ -477,6 +506,29 @@ class LLMEngine:
         """Whether the step about to be planned must check the model first (`follow_model`): a request may be
         admitted (and hit the prefix cache), or a graph replayed, and the model was not checked in this call."""
         return self.core.model_check_due(self._model_checked)
+
+    def check_layout(self) -> None:
+        """Refuse a model whose attention implementation or attention-shaping config changed since it was patched
+        (`EngineCore.check_layout`: `ModelReshaped`, naming the fix), once in this call, at its first step, whether
+        or not the step admits a request: a running request's next token would be computed with the old layout. A
+        step in flight is finished first (its reports wait for the next `step()`)."""
+        self._layout_checked = True
+        try:
+            self.core.check_layout()
+        except ModelReshaped:
+            if self.async_steps is not None:
+                self.unclaimed.extend(self.async_steps.drain())
+            raise
+
+    def outdated(self) -> str | None:
+        """Why this engine no longer fits its model, which `hybridkv.patch` then builds a new one for: its attention
+        implementation or attention-shaping config changed (`check_layout`), or its vocabulary did
+        (`resize_token_embeddings`). None while it fits."""
+        reason = self.core.layout_watch.changed()
+        if reason is None and self.inputs.vocab_changed():
+            inputs = self.inputs
+            reason = f"its vocabulary has {inputs.model_vocab_size()} tokens, {inputs.vocab_size} when it was patched"
+        return reason
 
     def follow_model(self) -> None:
         """Check the model once in this call (`EngineCore.follow_model`), with nothing in flight; after a change the
@@ -575,6 +627,8 @@ class LLMEngine:
         by later steps."""
         with self.core.step_threads.for_step():
             start = time.perf_counter()
+            if not self._layout_checked:
+                self.check_layout()
             if self.async_steps is not None:  # step N+1 launched before step N's tokens are read
                 reports = self.async_steps.step()
             else:

@@ -5,7 +5,8 @@ imply (`sizing.py`, `kv_dtypes.py`), the model runner (`model_runner.py`: the pe
 the step's tensors, the forward), state layers on the flattened batch (`state_layers.py`), images' encoder
 (`multimodal.py`), CUDA graphs (`graphs.py`), the compiled forward (`compilation.py`, `compiled_forward.py`,
 `compile_cache.py`), the end-to-end check run by `patch` (`step_check.py`), tensor parallelism (`distributed.py`),
-the watch on a model that changes (`model_watch.py`), the CPU thread count (`cpu_threads.py`) and the progress a
+the watch on a model that changes (`model_watch.py`) and on its attention implementation and attention-shaping
+config (`layout_watch.py`), the CPU thread count (`cpu_threads.py`) and the progress a
 person watches (`progress.py`).
 
 Imports: `hybridkv.scheduling`, `hybridkv.memory`, `hybridkv.outputs`, hybridkv/kernels/ and hybridkv/patches/; torch.

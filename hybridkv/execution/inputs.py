@@ -95,7 +95,8 @@ class InputProcessor:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = model.config.get_text_config().vocab_size
+        self.text_config = model.config.get_text_config()
+        self.vocab_size = self.text_config.vocab_size  # as patched: what the engine's grammars were made for
         self.media_token_ids = _media_token_ids(model.config)
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -125,7 +126,21 @@ class InputProcessor:
             )
         bad = [t for t in ids if not 0 <= t < self.vocab_size and t != allowed]
         if bad:
+            if self.vocab_changed():
+                raise ValueError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}) the model had when it was "
+                    f"patched; it has {self.model_vocab_size()} tokens now (resize_token_embeddings): call "
+                    "hybridkv.patch(model) again to serve them"
+                )
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
+
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary now (`resize_token_embeddings` changes it)."""
+        return self.text_config.vocab_size
+
+    def vocab_changed(self) -> bool:
+        """Whether the model's vocabulary is another size than when it was patched."""
+        return self.model_vocab_size() != self.vocab_size
 
 
 def eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> list[int]:

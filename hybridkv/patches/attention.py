@@ -324,7 +324,7 @@ def install(model: torch.nn.Module) -> None:
     """Register hybridkv's functions (once per process) and switch the model to them."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, hybridkv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hybridkv_mask)
-    for config in _configs(model):
+    for config in attention_configs(model):
         key = id(config)
         if config._attn_implementation != ATTN_IMPLEMENTATION:  # else a patched model's original stays
             _original_implementation[key] = config._attn_implementation or "eager"
@@ -334,20 +334,22 @@ def install(model: torch.nn.Module) -> None:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Switch the model back to the implementation it had before install(), unless another patched model
-    shares a config with it (then hybridkv's functions stay, and outside a step they call the original)."""
-    configs = _configs(model)
+    shares a config with it (then hybridkv's functions stay, and outside a step they call the original), or the
+    model was switched to another implementation since (it keeps that one)."""
+    configs = attention_configs(model)
     original = _original_implementation.get(id(configs[0]), "sdpa")
     for config in configs:
         _num_patched_models[id(config)] = max(0, _num_patched_models.get(id(config), 1) - 1)
     if any(_num_patched_models[id(config)] for config in configs):
         return
-    model.set_attn_implementation(original)
+    if model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(original)
     for config in configs:
         _num_patched_models.pop(id(config), None)
         _original_implementation.pop(id(config), None)
 
 
-def _configs(model: torch.nn.Module) -> list[Any]:
+def attention_configs(model: torch.nn.Module) -> list[Any]:
     """Every distinct config object the model's modules read _attn_implementation from."""
     seen: dict[int, Any] = {id(model.config): model.config}
     for module in model.modules():

@@ -1,0 +1,118 @@
+"""`LayoutWatch`: whether the model still attends as the engine was built for it, and `ModelReshaped` when not.
+
+`hybridkv.patch` builds the engine's layout once, from the model's text config as it is then: which layers attend
+with which window or attention chunk, their heads and head dims, how many layers run, how far positions go
+(hybridkv/patches/inspection.py); and it switches the model's attention to hybridkv's (hybridkv/patches/attention.py).
+A forward reads much of that config again each time (Mistral's and Phi-3's layers pass `config.sliding_window` to
+attention, the masks read it, `num_hidden_layers` bounds the layers that run, rotary embeddings read their
+parameters), so after an edit `generate` computes with the new values while the engine's pages and windows keep the
+old ones; and a model switched to another implementation (`model.set_attn_implementation("eager")`) no longer runs
+hybridkv's attention in a step at all: each step would attend over its own rows only.
+
+Neither change is followed (the layout is derived again only by patching again): `check()`, at the first step of
+every engine call, raises `ModelReshaped` naming `hybridkv.patch(model)`. It reads each config object's attention
+implementation and each field of `ATTENTION_CONFIG_FIELDS` from the text config's `__dict__` (transformers' config
+attribute lookup costs about 3 us a name, a dict's well under 0.1 us): about 5 us a check.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from hybridkv.patches.attention import ATTN_IMPLEMENTATION, attention_configs
+
+# The text config's values that shape attention (what the layout is built from, or what a forward reads again).
+ATTENTION_CONFIG_FIELDS = (
+    "num_hidden_layers",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "attention_chunk_size",
+    "no_rope_layers",
+    "num_kv_shared_layers",
+    "use_bidirectional_attention",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+    "attn_temperature_tuning",
+    "floor_scale",
+    "attn_scale",
+)
+_ABSENT = object()
+
+
+class ModelReshaped(RuntimeError):
+    """The model's attention implementation, or a config value that shapes its attention, changed since
+    `hybridkv.patch`."""
+
+
+class LayoutWatch:
+    """The attention implementation and attention-shaping config one engine was built for (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.text_config = config = model.config.get_text_config()
+        self.attention_configs = attention_configs(model)
+        # Each field where `setattr` keeps it: in the config's `__dict__`, under the name its `attribute_map` gives.
+        # A field its class computes (a property: `rope_scaling` reads `rope_parameters` in transformers 5) is watched
+        # through the fields it is computed from.
+        stored = {name: config.attribute_map.get(name, name) for name in ATTENTION_CONFIG_FIELDS}
+        values = vars(config)
+        self.patched_values = {
+            name: (key, _copy(values.get(key, _ABSENT)))
+            for name, key in stored.items()
+            if not isinstance(getattr(type(config), name, None), property)
+        }
+
+    def changed(self) -> str | None:
+        """What changed since the model was patched, for a person; None while nothing did."""
+        for config in self.attention_configs:
+            implementation = config._attn_implementation
+            if implementation != ATTN_IMPLEMENTATION:
+                return (
+                    f"the model's attention implementation is {implementation!r} "
+                    f"(model.set_attn_implementation) where hybridkv.patch installed {ATTN_IMPLEMENTATION!r}, "
+                    "through which the engine's steps attend over their pages"
+                )
+        values = vars(self.text_config)
+        for name, (key, patched) in self.patched_values.items():
+            now = values.get(key, _ABSENT)
+            if now != patched:
+                return (
+                    f"config.{name} is {_shown(now)} but was {_shown(patched)} when the model was patched, and "
+                    "hybridkv's KV layout and attention were built for that"
+                )
+        return None
+
+    def check(self) -> None:
+        """Raise `ModelReshaped`, naming the fix, if anything changed (`changed`)."""
+        reason = self.changed()
+        if reason is not None:
+            raise ModelReshaped(
+                f"{reason}: call hybridkv.patch(model) again (it builds the engine for the model as it is now, or "
+                "says why it cannot), or set the value back"
+            )
+
+
+def _copy(value: Any) -> Any:
+    """A copy an in-place edit of the config's value leaves as it was (`layer_types[1] = ...`)."""
+    return value if value is _ABSENT else copy.deepcopy(value)
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is _ABSENT else repr(value)
