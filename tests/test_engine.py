@@ -10,7 +10,7 @@ import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.tiny import tiny_model
 
-from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
+from tiny_models import FAMILIES, hf_greedy, hf_greedy_min_new_tokens, new_request_id, prompts, with_early_eos
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -35,6 +35,45 @@ def tokens(outputs):
 
 def tight_pool(model):
     return hybridkv.min_num_blocks(model, block_size=8, max_model_len=176, max_num_batched_tokens=32) + 1
+
+
+MIN_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def early_eos():
+    model = FAMILIES["llama"]()
+    batch = prompts((9, 30, 17), seed=4)
+    return model, batch, with_early_eos(model, batch[0])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_min_tokens_masks_eos_as_generates_min_new_tokens_does(early_eos, async_scheduling, patched):
+    model, batch, continuation = early_eos
+    eos = model.generation_config.eos_token_id
+    llm = patched(model, block_size=8, max_model_len=128, async_scheduling=async_scheduling)
+    assert tokens(llm.generate(batch[:1], GREEDY, use_tqdm=False)) == [continuation[:2]]  # the EOS comes early
+    expected = [hf_greedy_min_new_tokens(model, prompt, 16, MIN_TOKENS) for prompt in batch]
+    assert eos not in expected[0][:MIN_TOKENS] and expected[0][: MIN_TOKENS - 1] != continuation[: MIN_TOKENS - 1]
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=MIN_TOKENS)
+    assert tokens(llm.generate(batch, params, use_tqdm=False)) == expected
+    assert llm.stats()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sampled_min_tokens_never_draws_eos_or_a_stop_id_before_it(early_eos, async_scheduling, patched):
+    """Seeded samples at a low temperature follow the greedy continuation, which would end at its second token."""
+    model, batch, continuation = early_eos
+    eos, stop = model.generation_config.eos_token_id, continuation[3]
+    llm = patched(model, block_size=8, max_model_len=128, async_scheduling=async_scheduling)
+    settings = dict(n=8, temperature=0.3, seed=3, max_tokens=16, stop_token_ids=[stop])
+    free = llm.generate(batch[:1], SamplingParams(**settings), use_tqdm=False)[0].outputs
+    assert sum(len(sample.token_ids) < MIN_TOKENS for sample in free) >= 4  # without min_tokens most stop early
+    held = llm.generate(batch[:1], SamplingParams(**settings, min_tokens=MIN_TOKENS), use_tqdm=False)[0].outputs
+    for sample in held:
+        assert not {eos, stop} & set(sample.token_ids[:MIN_TOKENS])
+        assert len(sample.token_ids) == 16 or (sample.token_ids[-1] in (eos, stop) and sample.finish_reason == "stop")
+    assert llm.stats()["blocks_in_use"] == 0
 
 
 @pytest.mark.parametrize("swap_space_blocks", [64, 1])

@@ -346,6 +346,25 @@ def _double_attention_scaling(model):
             module.scaling *= 4.0
 
 
+@pytest.mark.parametrize("weights", ["inference_tensors", "through_data"])
+def test_a_partial_column_edit_that_spares_column_0_is_followed(weights, patched):
+    """Inference tensors keep no version counter and `.data` edits move none: only the content sample sees such an
+    edit, so it must not be aligned with the weight's rows (once it read column 0 of 16 rows, and this edit spares
+    column 0)."""
+    inference = weights == "inference_tensors"
+    with torch.inference_mode(inference):
+        model = FAMILIES["llama"]()
+    llm, before = first_generation(patched, model)
+    hits = llm.stats()["prefix_cache_hits"]
+    with torch.inference_mode(inference):  # the only mode that may write an inference tensor
+        for layer in model.model.layers:
+            weight = layer.self_attn.o_proj.weight
+            (weight if inference else weight.data)[:, 16:32].zero_()
+    assert_follows(llm, model, before)
+    assert llm.stats()["model_weight_changes"] == 1
+    assert llm.stats()["prefix_cache_hits"] == hits
+
+
 def test_reset_prefix_cache_covers_a_change_no_check_sees(patched):
     model = FAMILIES["llama"]()
     llm, before = first_generation(patched, model)
@@ -418,6 +437,22 @@ def test_each_signal_is_seen_and_named():
     assert "replaced" in _reasons(watch)
     del model.model.layers[1].mlp.up_proj.weight  # no registration hook sees a deletion
     assert "replaced, added or removed" in _reasons(watch)
+    watch.close()
+
+
+def test_a_one_column_edit_through_data_is_seen_in_every_weight_with_short_rows():
+    """The content sample reads every column of a tensor whose rows are at most `SAMPLES` long (its step is coprime
+    with the row length), whichever column an edit through `.data` (no version counter) touches."""
+    from hybridkv.execution.model_watch import SAMPLES
+
+    model = FAMILIES["llama"]()
+    watch = _watch(model)
+    weights = [p for p in model.parameters() if p.dim() == 2 and p.shape[1] <= SAMPLES]
+    assert {tuple(p.shape) for p in weights} == {(64, 64), (32, 64), (128, 64), (256, 64)}
+    for weight in weights:
+        for column in range(weight.shape[1]):
+            weight.data[:, column] += 1.0
+            assert "contents" in _reasons(watch)
     watch.close()
 
 

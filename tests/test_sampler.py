@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from hybridkv.sampling.sampler import SamplingRow, _apply_penalties, filtered_probs, greedy_tokens, sample
+from hybridkv.sampling.acceptance import accept
+from hybridkv.sampling.sampler import SamplingRow, _apply_penalties, draw_tokens, filtered_probs, greedy_tokens, sample
 from hybridkv.scheduling.sampling_params import SamplingParams
 
 
@@ -114,6 +115,34 @@ def test_logit_bias_shifts_the_logits_of_its_tokens():
     tokens, logprobs = sample(logits, [row(temperature=0, logit_bias={1: -100.0}, logprobs=1)])
     raw = torch.log_softmax(logits[0], -1)
     assert tokens == [2] and logprobs[0].logprob == pytest.approx(raw[2].item())  # the raw distribution's
+
+
+def held(outputs, generator=None, **params):
+    """A row with prompt [9, 9] and `outputs`, min_tokens 2, holding back token 0 (an EOS), 1 (its stop id) and 300
+    (an EOS past this vocabulary)."""
+    params = SamplingParams(min_tokens=2, max_tokens=8, stop_token_ids=[1], **params)
+    return SamplingRow(params, generator, [9, 9, *outputs], 2, min_tokens_ids=(0, 1, 300))
+
+
+@pytest.mark.parametrize(("outputs", "greedy", "drawn"), [((5,), [2, 2], {2, 3}), ((5, 5), [0, 0], {0, 1})])
+def test_min_tokens_masks_its_held_ids_until_the_sample_has_min_tokens_outputs(outputs, greedy, drawn):
+    """Token 0 is the most likely and token 1 next: neither is drawn while the sample has fewer than min_tokens
+    output tokens, by greedy, sampled (top 2) or async scheduling's device draw; both are from then on."""
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0]]).repeat(2, 1)
+    assert not held(outputs, temperature=0).plain_greedy
+    assert sample(logits, [held(outputs, temperature=0), held(outputs, temperature=0, logprobs=0)])[0] == greedy
+    assert draw_tokens(logits, [held(outputs, temperature=0), held(outputs, temperature=0)]).tolist() == greedy
+    rows = [held(outputs, top_k=2), held(outputs, seeded(1), top_k=2)]
+    assert {token for _ in range(100) for token in sample(logits, rows)[0]} == drawn
+
+
+def test_a_speculative_checks_rows_are_masked_each_at_its_place():
+    """A greedy request one token short of min_tokens: its first row masks its held tokens 0 and 1 (a proposed 0 is
+    rejected for the third best, 2), the rows after it are past min_tokens (0, proposed there, is kept)."""
+    logits = torch.tensor([[4.0, 3.0, 1.0]]).repeat(3, 1)
+    one_short = held([5], temperature=0)
+    assert accept(logits, [0, 0], one_short) == [2]
+    assert accept(logits, [2, 0], one_short) == [2, 0, 0]
 
 
 @pytest.mark.parametrize(

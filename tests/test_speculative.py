@@ -26,7 +26,7 @@ from hybridkv.tiny import tiny_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from model_zoo import LATENT, ZOO
-from tiny_models import hf_greedy, new_request_id, prompts
+from tiny_models import hf_greedy, hf_greedy_min_new_tokens, new_request_id, prompts, with_early_eos
 from tiny_tokenizer import tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -114,7 +114,8 @@ def test_ngram_and_draft_model_proposers_give_generates_tokens(name, patched):
 
 
 def test_a_stop_inside_a_kept_run_ends_the_request_there(patched):
-    """A stop token, max_tokens and min_tokens are checked token by token through the kept run."""
+    """A stop token, max_tokens and min_tokens are checked token by token through the kept run (a stop token is
+    never drawn before min_tokens: the request goes on as generate's min_new_tokens does)."""
     model, batch, references = family("llama")
     llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
     use_oracle(llm, batch, references)
@@ -128,7 +129,35 @@ def test_a_stop_inside_a_kept_run_ends_the_request_there(patched):
         assert outputs[0].outputs[0].token_ids == expected[:max_tokens]
     late = SamplingParams(temperature=0, max_tokens=MAX_NEW, stop_token_ids=[stop], min_tokens=len(cut) + 1)
     got = llm.generate([batch[1]], late, use_tqdm=False)[0].outputs[0].token_ids
-    assert got[: len(cut)] == cut and len(got) > len(cut)
+    assert got == hf_greedy_min_new_tokens(model, batch[1], MAX_NEW, len(cut) + 1, eos_token_id=stop)
+    assert got[: len(cut) - 1] == cut[:-1] and stop not in got[: len(cut) + 1]
+    assert llm.stats()["blocks_in_use"] == 0
+
+
+def test_proposals_of_eos_or_a_stop_id_before_min_tokens_are_rejected(patched):
+    """The acceptance rows under min_tokens are masked as the sampler's are: a greedy request keeps generate's
+    min_new_tokens tokens whatever is proposed, and a sampled one never takes an EOS or stop id proposed early."""
+    model = tiny_model("llama")
+    batch = prompts((9, 30, 17), seed=4)
+    continuation = with_early_eos(model, batch[0])
+    eos, stop = model.generation_config.eos_token_id, continuation[3]
+    llm = patched(model, block_size=8, max_model_len=128, speculative_config=NGRAM)
+    expected = [hf_greedy_min_new_tokens(model, prompt, 16, 6) for prompt in batch]
+    use_oracle(llm, batch, [(tokens, None) for tokens in expected])
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=6)
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == expected
+    assert 0 < llm.stats()["spec_acceptance_rate"] < 1
+
+    def propose_the_stops(requests):
+        for request in requests:
+            if request.speculates and request.num_output_tokens >= 1 and not request.status.is_finished:
+                request.spec_token_ids = [eos, stop, eos, stop]
+
+    llm.core.speculator.propose = propose_the_stops
+    params = SamplingParams(n=4, temperature=0.3, seed=5, max_tokens=16, min_tokens=6, stop_token_ids=[stop])
+    for sample in llm.generate(batch[:1], params, use_tqdm=False)[0].outputs:
+        assert not {eos, stop} & set(sample.token_ids[:6])
+        assert len(sample.token_ids) == 16 or sample.token_ids[-1] in (eos, stop)
     assert llm.stats()["blocks_in_use"] == 0
 
 

@@ -16,7 +16,18 @@ import torch
 
 from hybridkv.tiny import COMMON, VOCAB, WINDOW, tiny_model
 
-__all__ = ["COMMON", "DEVICE", "FAMILIES", "VOCAB", "WINDOW", "hf_greedy", "new_request_id", "prompts"]
+__all__ = [
+    "COMMON",
+    "DEVICE",
+    "FAMILIES",
+    "VOCAB",
+    "WINDOW",
+    "hf_greedy",
+    "hf_greedy_min_new_tokens",
+    "new_request_id",
+    "prompts",
+    "with_early_eos",
+]
 
 # benchmarks/gpu_check.sh sets HYBRIDKV_TEST_ON_GPU=1: the kernel tests' batches and the zoo's models are
 # then on the GPU (conftest.py leaves Triton compiled there rather than interpreted).
@@ -62,3 +73,28 @@ def hf_greedy(model, prompt, max_new_tokens):
             return_dict_in_generate=True,
         )
     return out.sequences[0, len(prompt) :].tolist(), [logits[0].float() for logits in out.logits]
+
+
+def with_early_eos(model, prompt, max_new_tokens=16):
+    """Make the model's EOS (its config's and generation config's, which transformers and hybridkv read) the second
+    token of its greedy continuation of `prompt`; that continuation, without an EOS."""
+    continuation = hf_greedy(model, prompt, max_new_tokens)[0]
+    model.generation_config.eos_token_id = model.config.eos_token_id = continuation[1]
+    return continuation
+
+
+def hf_greedy_min_new_tokens(model, prompt, max_new_tokens, min_new_tokens, eos_token_id=None):
+    """transformers' greedy generate with `min_new_tokens` (its EOS, the generation config's unless `eos_token_id`
+    names one, masked until then) for one prompt: the tokens."""
+    eos_token_id = model.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=model.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
+        )
+    return out[0, len(prompt) :].tolist()

@@ -90,6 +90,7 @@ class OutputProcessor:
         metrics = RequestMetrics(arrival_time=time.monotonic())
         samples = []
         members = [m for part in parts for m in part.members] if group.beam is None else []
+        held_until_min_tokens = self.stop_rules.held_until_min_tokens(params)
         for request in members:
             index = request.sample_index
             generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed + index)
@@ -104,12 +105,14 @@ class OutputProcessor:
                 )
             logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
             matcher = grammar.matcher() if grammar is not None else None
-            row = SamplingRow(params, generator, request.token_ids, request.num_prompt_tokens, matcher)
-            request.greedy_alone = row.plain_greedy and len(members) == 1
-            # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone).
-            request.overlaps = (
-                len(members) == 1 and matcher is None and not params.has_penalties and not params.needs_logprob
+            row = SamplingRow(
+                params, generator, request.token_ids, request.num_prompt_tokens, matcher, held_until_min_tokens
             )
+            request.greedy_alone = row.plain_greedy and len(members) == 1
+            # Implied by greedy_alone (async scheduling's steps of greedy_alone requests take their argmax alone). The
+            # min_tokens mask reads the number of output tokens, which a pending token leaves one short: a request
+            # overlaps from its min_tokens-th token on (`process`).
+            request.overlaps = _overlaps(row, len(members)) and not held_until_min_tokens
             sample = self.samples[request] = SampleState(
                 request=request,
                 row=row,
@@ -193,6 +196,8 @@ class OutputProcessor:
             if sample.metrics.first_token_time is None:
                 sample.metrics.first_token_time = now
             status = check(request, token, sample.detokenizer)
+            if sample.row.min_tokens_ids and len(completion.token_ids) == request.params.min_tokens:
+                request.overlaps = _overlaps(sample.row, len(sample.state.samples))
             if status is None and matcher is not None and matcher.is_complete:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
@@ -324,6 +329,13 @@ def sampling_rows(samples: dict[Request, SampleState], requests: Sequence[Reques
         sample = get(request)
         found.append(None if sample is None else sample.row)
     return found
+
+
+def _overlaps(row: SamplingRow, num_samples: int) -> bool:
+    """Whether a sample's next token may be drawn on the device before its last is read (`Request.overlaps`): it is
+    its request's only sample and its draw needs nothing but its logits (no grammar, penalty or logprobs)."""
+    params = row.params
+    return num_samples == 1 and row.matcher is None and not params.has_penalties and not params.needs_logprob
 
 
 def _cumulative_logprob(completion: CompletionOutput) -> float:

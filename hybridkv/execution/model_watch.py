@@ -17,8 +17,10 @@ The signals, cheapest first (`python benchmarks/model_watch.py` times each):
   under `no_grad`), and tensors replaced or reassigned (`p.data = other`);
 - the active, disabled and merged adapters of PEFT's tuner layers, and their scaling;
 - a content sample, `SAMPLES` elements of every tensor compared bit for bit: the catch-all for writes that
-  bypass version counters (`p.data.add_()`, `p.data.copy_()`). An edit that changes none of the sampled
-  elements goes unseen: `LLMEngine.reset_prefix_cache()` is for such edits.
+  bypass version counters (`p.data.add_()`, `p.data.copy_()`, any write to an inference tensor, which keeps no
+  counter). Its elements lie in distinct rows and columns, spread over both (`_sample_step`), every column of a row
+  of at most `SAMPLES` elements. An edit that changes none of the sampled elements goes unseen:
+  `LLMEngine.reset_prefix_cache()` is for such edits.
 
 A tensor whose dtype or device changes is refused with an error naming the fix: the engine's pages, buffers and
 graphs were made for the old one.
@@ -29,7 +31,9 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Iterable
+from functools import cache
 from hashlib import sha256
+from math import gcd
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -37,7 +41,8 @@ import torch
 from torch.nn.modules import module as module_hooks
 from torch.optim import optimizer as optimizer_hooks
 
-SAMPLES = 16  # elements of each tensor the content sample reads
+SAMPLES = 64  # elements of each tensor the content sample reads
+_GOLDEN_SECTION = (5**0.5 - 1) / 2
 _INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -273,14 +278,63 @@ def _sample_view(tensor: torch.Tensor) -> Any:
     if tensor.element_size() not in _INTEGER_OF_SIZE or tensor.is_complex():
         return None
     span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    step = max(1, span // SAMPLES)
-    count = min(SAMPLES, (span + step - 1) // step)
+    step = _sample_step(tuple(tensor.shape), tuple(tensor.stride()), span)
+    count = _sample_count(step, span)
     try:
         view = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
         view = view.view(_INTEGER_OF_SIZE[tensor.element_size()])
         return view.numpy() if tensor.device.type == "cpu" else view
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+@cache
+def _sample_step(shape: tuple[int, ...], strides: tuple[int, ...], span: int) -> int:
+    """The content sample's stride through a storage span of `span` elements: aligned with no dimension, and spread
+    over all of them (issue 61: span // 16 was a multiple of the row length, so it read column 0 of 16 rows).
+
+    The step is coprime with the row length and every stride, so the samples fall in as many distinct columns as
+    they are (every column of a row of at most `SAMPLES` elements), and at most span // SAMPLES, so they reach
+    across the span. Its candidates: the 2 × `SAMPLES` widest such steps and, where the rows outnumber the samples,
+    those congruent to the row length's golden section modulo it (the columns read then spread over the row as a
+    Weyl sequence does, a row each). It takes the candidate whose samples leave the smallest gap, as a share of its
+    size, along every dimension; the widest among equals. Computed once per layout."""
+    if span <= 2 * SAMPLES:
+        return 1
+    widest = span // SAMPLES
+    dims = [(size, stride) for size, stride in zip(shape, strides, strict=True) if size > 1 and stride > 0]
+    row = min((stride for _, stride in dims if stride > 1), default=0)
+    factors = {row, *(stride for _, stride in dims)} - {0, 1}
+    candidates = list(range(widest, max(0, widest - 2 * SAMPLES), -1))
+    if widest >= row > 1:
+        residue = round(row * _GOLDEN_SECTION)
+        while gcd(residue, row) > 1:  # ends by row - 1 at the latest
+            residue += 1
+        top = widest - (widest - residue) % row
+        candidates += range(top, max(0, top - 8 * row), -row)
+    steps = np.array([step for step in candidates if all(gcd(step, n) == 1 for n in factors)] or [1])
+    gaps = _largest_gaps(dims, steps, span)
+    return int(steps[np.lexsort((-steps, gaps))[0]])
+
+
+def _largest_gaps(dims: list[tuple[int, int]], steps: np.ndarray, span: int) -> np.ndarray:
+    """For each step, the largest gap between the coordinates its samples read along any dimension, as a share of
+    that dimension's size (the tensor taken as dense: a coordinate is offset // stride % size)."""
+    counts = np.array([_sample_count(int(step), span) for step in steps])
+    offsets = steps[:, None] * np.arange(counts.max())[None, :]
+    offsets = np.where(np.arange(counts.max())[None, :] < counts[:, None], offsets, 0)  # past a step's count: 0 again
+    largest = np.zeros(len(steps))
+    for size, stride in dims:
+        read = np.sort(offsets // stride % size, axis=1)
+        gaps = np.diff(read, axis=1, append=read[:, :1] + size)
+        largest = np.maximum(largest, gaps.max(axis=1) / size)
+    return largest
+
+
+def _sample_count(step: int, span: int) -> int:
+    """How many elements the content sample reads every `step` elements of a span: `SAMPLES`, or all of a span of
+    at most 2 × `SAMPLES` elements."""
+    return span if span <= 2 * SAMPLES else min(SAMPLES, (span + step - 1) // step)
 
 
 def _address(tensor: torch.Tensor) -> int:

@@ -22,12 +22,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridkv.sampling.sampler import SamplingRow, filtered_probs, greedy_tokens, race
+from hybridkv.sampling.sampler import SamplingRow, filtered_probs, greedy_tokens, mask_before_min_tokens, race
 
 
 def accept(logits: torch.Tensor, proposed: Sequence[int], row: SamplingRow) -> list[int]:
     """The tokens a request keeps from a step that checked `proposed` (`logits`: its `len(proposed) + 1` rows,
-    float32): the accepted proposals, then one token of the model's own (see the module docstring)."""
+    float32): the accepted proposals, then one token of the model's own (see the module docstring). Rows under the
+    request's min_tokens are masked as the sampler masks them, each at its place."""
+    logits = mask_before_min_tokens(logits, [row] * logits.shape[0], range(logits.shape[0]))
     generator = row.generator
     states = []
     if row.params.greedy:

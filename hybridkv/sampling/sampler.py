@@ -1,7 +1,9 @@
 """The sampler: next tokens for a batch of logit rows, vectorised over the batch.
 
-Order of operations (vLLM's): a structured-outputs row's grammar mask (disallowed tokens at -inf), then
-logit biases, then penalties, then greedy rows take the argmax; other rows are divided by their temperature, filtered by
+Order of operations (vLLM's): a structured-outputs row's grammar mask (disallowed tokens at -inf), then the
+min_tokens mask (a row with fewer output tokens than its min_tokens has its EOS and stop ids at -inf, as vLLM's
+MinTokensLogitsProcessor and transformers' MinNewTokensLengthLogitsProcessor do), then logit biases, then
+penalties, then greedy rows take the argmax; other rows are divided by their temperature, filtered by
 top-k, top-p and min-p, and sampled. Sampling is an exponential race (argmax of probs / q with q ~
 Exp(1)), equivalent to drawing from probs; a seeded row draws its q from its own generator, so its
 tokens do not depend on the rest of the batch. Logprobs are those of the model's raw distribution
@@ -35,16 +37,19 @@ class SampledLogprobs:
 @dataclass(slots=True, eq=False)
 class SamplingRow:
     """One row of logits to sample: its params, its own generator if seeded, its tokens so far
-    (prompt then outputs; read only by the penalties, so nothing is copied per step otherwise) and, for
-    structured outputs, its grammar matcher (which the output processor advances). Rows compare by identity
-    (a batch's check for a missing row, `None in rows`, calls no Python)."""
+    (prompt then outputs; read by the penalties and, for its count, by the min_tokens mask, so nothing is copied per
+    step), for structured outputs its grammar matcher (which the output processor advances), and the ids it may not
+    draw before its min_tokens-th output token (`StopRules.held_until_min_tokens`: its stop ids and, unless
+    ignore_eos, the model's EOS ids; empty without min_tokens). Rows compare by identity (a batch's check for a
+    missing row, `None in rows`, calls no Python)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: Sequence[int]
     num_prompt_tokens: int
     matcher: GrammarMatcher | None = None
-    # Greedy with nothing else to compute (no penalty, bias, logprob or grammar): the row is its argmax.
+    min_tokens_ids: tuple[int, ...] = ()
+    # Greedy with nothing else to compute (no penalty, bias, logprob, grammar or min_tokens mask): its argmax.
     plain_greedy: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -55,11 +60,18 @@ class SamplingRow:
             and not params.logit_bias
             and not params.needs_logprob
             and self.matcher is None
+            and not self.min_tokens_ids
         )
 
     @property
     def output_token_ids(self) -> Sequence[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def holds_back(self, ahead: int = 0) -> bool:
+        """Whether the min_tokens mask applies to the row's token `ahead` places after its next one (a speculative
+        check's rows): the sample has fewer than min_tokens output tokens before it."""
+        num_before = len(self.token_ids) - self.num_prompt_tokens + ahead
+        return bool(self.min_tokens_ids) and num_before < self.params.min_tokens
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int], list[SampledLogprobs | None]]:
@@ -81,8 +93,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[list[int]
 
 def draw_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """One token per row, on the logits' device, with nothing read back to the host (what async scheduling takes
-    for rows without a grammar, penalty or logprobs: `sample` applies those): logit biases, penalties, then each
-    row's argmax or draw."""
+    for rows without a grammar, penalty or logprobs: `sample` applies those): the min_tokens mask, logit biases,
+    penalties, then each row's argmax or draw."""
+    logits = mask_before_min_tokens(logits, rows)
     logits = _apply_logit_bias(logits, rows)
     logits = _apply_penalties(logits, rows)
     if all(r.params.greedy for r in rows):
@@ -145,6 +158,26 @@ def sample_each(
         for values, value in zip(results, (token, token_logprobs, error), strict=True):
             values.append(value)
     return results
+
+
+def mask_before_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], ahead: Sequence[int] | None = None
+) -> torch.Tensor:
+    """`logits` with each row's `min_tokens_ids` at -inf where its sample has fewer than min_tokens output tokens
+    before it (`ahead[i]`: how many places after its row's next token row i's token is; a speculative check's rows),
+    a copy when anything is masked. An id past the vocabulary is never drawn, so it is left out."""
+    vocab = logits.shape[-1]
+    places: tuple[list[int], list[int]] = ([], [])
+    for index, row in enumerate(rows):
+        if row.min_tokens_ids and row.holds_back(0 if ahead is None else ahead[index]):
+            ids = [token for token in row.min_tokens_ids if token < vocab]
+            places[0].extend([index] * len(ids))
+            places[1].extend(ids)
+    if not places[0]:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(places[0], device=logits.device), torch.tensor(places[1], device=logits.device)] = float("-inf")
+    return logits
 
 
 def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

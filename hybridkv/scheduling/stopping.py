@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
 from hybridkv.scheduling.request import Request, RequestStatus
+from hybridkv.scheduling.sampling_params import SamplingParams
 
 
 class StopRules:
@@ -16,12 +17,26 @@ class StopRules:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
+    def held_until_min_tokens(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids a sample of `params` may not draw before its min_tokens-th output token (the sampler masks them,
+        hybridkv/sampling/sampler.py): its stop token ids and, unless ignore_eos, the EOS ids; none without
+        min_tokens. vLLM's MinTokensLogitsProcessor's ids; transformers' MinNewTokensLengthLogitsProcessor masks
+        the EOS ids."""
+        if not params.min_tokens:
+            return ()
+        held = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            held |= self.eos_token_ids
+        return tuple(sorted(held))
+
     def check(
         self, request: Request, token: int, detokenizer: IncrementalDetokenizer | None = None
     ) -> RequestStatus | None:
         """The status `request` finishes with now that `token` (already appended) is its newest, or None.
 
-        Length first (max_tokens, None for none, and max_model_len); EOS and stop tokens only from min_tokens on; a stop
+        Length first (max_tokens, None for none, and max_model_len); EOS and stop tokens only from min_tokens on (the
+        sampler never draws them earlier: `held_until_min_tokens`, so they stop a sample from its min_tokens + 1-th
+        token, as in vLLM and transformers); a stop
         string completed by the token's text (the detokenizer sees every token) stops the request
         whatever the token rules said, with the string as its stop_reason. A stop token's id is its
         stop_reason; EOS leaves it None.
