@@ -12,8 +12,9 @@ import torch
 import hybridkv
 from hybridkv.patches.inspection import inspect_model
 
+from greedy_reference import cached_hf_greedy
 from model_zoo import LAYER_KINDS, REFUSED, ZOO
-from tiny_models import hf_greedy, prompts
+from tiny_models import prompts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -69,9 +70,11 @@ def test_greedy_output_depends_on_the_first_prompt_token(name):
     lengths = (40, 150) if None in windows and len(windows) > 1 else (40,)
     for prompt in prompts(lengths):
         changed = [(prompt[0] + 1) % model.config.get_text_config().vocab_size, *prompt[1:]]
-        output = hf_greedy(model, prompt, 16)[0]
+        output = cached_hf_greedy(model, prompt, 16)[0]
         assert len(set(output)) > 1, f"{name}: greedy output is one repeated token"
-        assert hf_greedy(model, changed, 16)[0] != output, f"{name}: the first of {len(prompt)} tokens changes nothing"
+        assert cached_hf_greedy(model, changed, 16)[0] != output, (
+            f"{name}: the first of {len(prompt)} tokens changes nothing"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
