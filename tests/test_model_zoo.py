@@ -13,7 +13,7 @@ import hybridkv
 from hybridkv.patches.inspection import inspect_model
 
 from greedy_reference import cached_hf_greedy
-from model_zoo import LAYER_KINDS, REFUSED, ZOO
+from model_zoo import LAYER_KINDS, REFUSED, ZOO, slow_except
 from tiny_models import prompts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -61,7 +61,7 @@ def test_at_least_thirty_model_types_are_served():
     assert all(ZOO[name]().config.model_type == name for name in ("gemma3", "gemma3n_text", "olmo3", "cohere2_moe"))
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_greedy_output_depends_on_the_first_prompt_token(name):
     """A tiny model whose output ignores early tokens would make every equivalence test blind. For hybrid
     layouts the first token of a 150-token prompt is out of every window: only full layers carry it."""
@@ -86,7 +86,7 @@ def test_families_hybridkv_cannot_serve_exactly_are_refused_with_the_reason(name
     assert model.config._attn_implementation != "hybridkv"
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name, patched):
     """stats()' bytes per token against transformers' DynamicCache after a prompt shorter than every
     window: each layer that stores K/V counts once, KV-sharing layers (which store nothing) not at all."""

@@ -18,11 +18,11 @@ from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.scheduler import ScheduledRequest, SchedulerOutput
 
 from greedy_reference import MAX_NEW, assert_same_greedy, cached_hf_greedy, family
-from model_zoo import ZOO
+from model_zoo import ZOO, slow_except
 from tiny_models import new_request_id, prompts
 
 
-@pytest.fixture(params=sorted(ZOO))
+@pytest.fixture(params=slow_except(sorted(ZOO)))
 def name(request):
     return request.param
 
