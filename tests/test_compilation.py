@@ -247,6 +247,7 @@ def test_a_compiled_program_reads_the_weights_as_they_are_now(compiled_entry, mo
 # ---- following the model ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_switching_adapters_switches_programs_and_back(patched, eager_pieces):
     """An adapter switch changes what the trace read (the active adapter's name and scaling): the engine takes the
     program of the adapter now active, traced once per adapter and kept for switching back."""

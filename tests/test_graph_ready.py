@@ -70,9 +70,7 @@ UNTRACEABLE = {"step3p7"} if Version(transformers.__version__) < Version("5.25")
 WITH_STATE_LAYERS = STATE.keys() | {"kimi_linear", "bailing_hybrid"}
 
 
-@pytest.mark.parametrize(
-    "name", slow_except(sorted(ZOO.keys() - UNTRACEABLE - WITH_STATE_LAYERS), fast=("gpt_oss", "minicpm3"))
-)
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO.keys() - UNTRACEABLE - WITH_STATE_LAYERS), fast=("gpt_oss",)))
 def test_every_served_family_runs_its_compiled_program_with_eager_tokens(name, patched, eager_pieces):
     """One trace per family at patch time (no graph break), split at attention into the program that then serves
     every step: the prompts' step (rows of several lengths) and the decode steps after it run with no trace

@@ -160,7 +160,7 @@ UPDATES = {
 
 
 @pytest.mark.parametrize("update", sorted(UPDATES))
-@pytest.mark.parametrize("family", HYBRID_AND_FULL)
+@pytest.mark.parametrize("family", slow_except(HYBRID_AND_FULL))
 def test_generate_follows_the_weights(family, update, patched):
     model = FAMILIES[family]()
     llm, before = first_generation(patched, model)

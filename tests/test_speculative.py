@@ -81,7 +81,7 @@ def test_greedy_tokens_are_generates_in_every_mode(name, patched):
         hybridkv.unpatch(model)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "bamba", "deepseek_v3"])
+@pytest.mark.parametrize("name", slow_except(["llama", "gemma3_text", "qwen3_next", "bamba", "deepseek_v3"]))
 def test_ngram_and_draft_model_proposers_give_generates_tokens(name, patched):
     """Both proposers through `patch`: n-gram lookup (random weights rarely repeat: few kept), a draft that is a copy
     of the model (every proposal kept) and, for Llama, a draft of its first layer only (some kept)."""
