@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import pytest
 import torch
 from transformers import PreTrainedModel
 from transformers import models as hf
@@ -34,6 +35,16 @@ from hybridkv import tiny
 from hybridkv.tiny import tiny_model
 
 from tiny_models import COMMON, FAMILIES, VOCAB, WINDOW
+
+# The fast tier (`pytest -m "not slow"`) runs each zoo-wide test on these cheap families, one per kind of layer
+# the paged cache serves: full attention, sliding windows beside full layers (with attention sinks), state layers,
+# multi-head latent attention and per-layer K/V shapes. The full suite runs every family.
+FAST_FAMILIES = ("llama", "gpt_oss", "lfm2", "minicpm3", "gemma4_text")
+
+
+def slow_except(names, fast=FAST_FAMILIES):
+    """`names` as parametrize cases (same ids), each marked slow unless it is one of `fast`."""
+    return [name if name in fast else pytest.param(name, marks=pytest.mark.slow) for name in names]
 
 
 class _RoutedLoop(torch.nn.Module):

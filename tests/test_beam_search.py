@@ -15,7 +15,7 @@ from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.memory.integrity import check_coordinator
 from hybridkv.tiny import tiny_model
 
-from model_zoo import ZOO
+from model_zoo import ZOO, slow_except
 from tiny_models import VOCAB, hf_greedy, new_request_id, prompts
 
 K = 4
@@ -91,7 +91,7 @@ def zoo_model(name):
     return _models[name]
 
 
-@pytest.fixture(params=sorted(ZOO))
+@pytest.fixture(params=slow_except(sorted(ZOO)))
 def name(request):
     return request.param
 

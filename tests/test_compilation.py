@@ -102,6 +102,7 @@ def test_the_key_follows_the_active_adapter():
 # ---- one trace, identical pieces compiled once ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_identical_layers_share_their_pieces_whatever_the_depth(patched, eager_pieces):
     """Between two attentions lies the same graph for every layer of a kind: a model 7 layers deeper compiles
     no piece more (its program calls them more often)."""
@@ -192,6 +193,7 @@ def entry_files(cache: Path) -> list[Path]:
     return sorted(entry.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated piece", "missing piece", "program of another format", "garbage"])
 def test_a_bad_cache_entry_is_compiled_again_with_a_warning(damage, compiled_entry, tmp_path, monkeypatch, patched):
     model, cache, expected = compiled_entry
@@ -222,6 +224,7 @@ def test_a_bad_cache_entry_is_compiled_again_with_a_warning(damage, compiled_ent
     assert again.stats()["compiled_from"] == "disk"
 
 
+@pytest.mark.slow
 def test_a_compiled_program_reads_the_weights_as_they_are_now(compiled_entry, monkeypatch, patched):
     """Loaded from disk, the program reads the model's tensors at their paths: an in-place update and a replaced
     parameter both change its tokens to transformers' with the new weights."""
@@ -244,6 +247,7 @@ def test_a_compiled_program_reads_the_weights_as_they_are_now(compiled_entry, mo
 # ---- following the model ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_switching_adapters_switches_programs_and_back(patched, eager_pieces):
     """An adapter switch changes what the trace read (the active adapter's name and scaling): the engine takes the
     program of the adapter now active, traced once per adapter and kept for switching back."""
@@ -305,6 +309,7 @@ def test_when_compiling_is_the_default_an_untraceable_model_runs_eagerly_with_a_
     assert tokens(llm.generate(prompts((7,)), GREEDY, use_tqdm=False)) == references(model, prompts((7,)))
 
 
+@pytest.mark.slow
 def test_set_up_shows_its_progress_unless_asked_not_to(patched, eager_pieces, capsys, caplog):
     model = tiny_model("llama", num_hidden_layers=2)
     with caplog.at_level("INFO", logger="hybridkv"):
@@ -316,6 +321,7 @@ def test_set_up_shows_its_progress_unless_asked_not_to(patched, eager_pieces, ca
     assert "hybridkv: compiling" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_attribute_edit_is_followed_after_reset_prefix_cache(patched, eager_pieces):
     """A plain attribute the forward reads is seen by no check (README, "Models that change"): after
     reset_prefix_cache() the compiled forward is the one traced with the model as it now is."""

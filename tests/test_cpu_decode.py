@@ -135,12 +135,14 @@ def _in_a_fresh_process(environment: dict[str, str], cache_dir) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_torch_path_serves_decode_rows(tmp_path):
     printed = _in_a_fresh_process({"CC": "/bin/false"}, tmp_path)
     assert printed.startswith("False could not build the CPU decode kernel")
     assert not list(tmp_path.glob("*.so"))
 
 
+@pytest.mark.slow
 def test_hybridkv_cpu_kernel_0_turns_the_kernel_off(tmp_path):
     assert _in_a_fresh_process({"HYBRIDKV_CPU_KERNEL": "0"}, tmp_path) == "False HYBRIDKV_CPU_KERNEL=0"
 

@@ -85,8 +85,11 @@ def _params(rng: random.Random) -> SamplingParams:
 
 @pytest.mark.parametrize(
     ("seed", "mode", "caching", "chunk"),
-    [(0, "recompute", True, 0), (1, "swap", True, 0), (2, "recompute", False, 0), (3, "swap", False, 0),
-     (4, "recompute", True, 1), (5, "swap", True, 2)],
+    [(0, "recompute", True, 0), (1, "swap", True, 0),
+     pytest.param(2, "recompute", False, 0, marks=pytest.mark.slow),
+     pytest.param(3, "swap", False, 0, marks=pytest.mark.slow),
+     (4, "recompute", True, 1),
+     pytest.param(5, "swap", True, 2, marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_decode_fast_paths_change_nothing(seed: int, mode: str, caching: bool, chunk: int) -> None:
     """`chunk` caps every prefill chunk (1: a prompt is computed a token a step, as a decode is, but samples nothing

@@ -22,7 +22,7 @@ from hybridkv.kernels import StepMetadata
 from hybridkv.kernels.step_buffers import _FILL, _NATIVE, StepBuffers
 from hybridkv.patches.attention import paged_attention_op, running_step
 
-from model_zoo import LATENT, STATE, ZOO, untraceable_llama
+from model_zoo import LATENT, STATE, ZOO, slow_except, untraceable_llama
 from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -70,7 +70,7 @@ UNTRACEABLE = {"step3p7"} if Version(transformers.__version__) < Version("5.25")
 WITH_STATE_LAYERS = STATE.keys() | {"kimi_linear", "bailing_hybrid"}
 
 
-@pytest.mark.parametrize("name", sorted(ZOO.keys() - UNTRACEABLE - WITH_STATE_LAYERS))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO.keys() - UNTRACEABLE - WITH_STATE_LAYERS), fast=("gpt_oss",)))
 def test_every_served_family_runs_its_compiled_program_with_eager_tokens(name, patched, eager_pieces):
     """One trace per family at patch time (no graph break), split at attention into the program that then serves
     every step: the prompts' step (rows of several lengths) and the decode steps after it run with no trace
@@ -99,7 +99,7 @@ def test_compile_refuses_a_model_whose_forward_cannot_be_traced_whole_naming_the
     assert tokens(llm.generate(prompts((7,)), GREEDY, use_tqdm=False))[0] == hf_greedy(model, prompts((7,))[0], 12)[0]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 def test_latent_attention_models_pad_decode_steps_in_graph_mode_and_compile_when_asked(backend, patched, eager_pieces):
     """A latent attention model's decode steps are padded to buckets in graph mode: a step of decode rows only attends
     over the step buffers' own tables and lengths (hybridkv/kernels/latent_attention.py, what a CUDA graph captures),
@@ -143,6 +143,7 @@ def test_compile_and_graphs_leave_state_layer_models_eager_with_a_clear_error(pa
     assert llm.stats()["decode_buckets"] == [] and llm.stats()["state_layers"] == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3_text", "gemma4"])
 def test_compiled_steps_of_any_size_never_recompile_after_warm_up(name, patched, eager_pieces):
     """Traced once at patch time; after it no step size traces again, whatever the prompts, chunks and decode
@@ -160,6 +161,7 @@ def test_compiled_steps_of_any_size_never_recompile_after_warm_up(name, patched,
     assert unique_graphs() == graphs
 
 
+@pytest.mark.slow
 def test_the_compile_setting_runs_inductors_code_and_gives_eager_tokens_or_a_tie(patched):
     """compile=True: inductor's kernels for the forward (may sum in another order than eager: greedy tokens
     equal transformers', or its top-2 logits tie within 1e-4)."""
@@ -216,7 +218,7 @@ def test_a_decode_step_is_padded_to_its_bucket_and_the_padded_rows_write_nothing
     llm.core.scheduler.update(plan, logits.argmax(-1).tolist())
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_graph_mode_gives_eager_modes_tokens(name, patched):
     """Static buffers and padded decode buckets (what a GPU captures) change no token, with chunked prefill,
     prefix-cache hits and a pool small enough to preempt, by recompute and by swap."""
@@ -240,7 +242,7 @@ def test_graph_mode_gives_eager_modes_tokens(name, patched):
     assert llm.stats()["num_swaps"] > 0
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_graph_mode_forks_samples_and_searches_beams_like_eager_mode(name, patched):
     model = ZOO[name]()
     batch = prompts((9, 40))
@@ -486,6 +488,7 @@ def test_the_engine_writes_its_decode_steps_without_numpy_and_gets_the_same_toke
     assert runs[0] == runs[1] == [hf_greedy(model, p, GREEDY.max_tokens)[0] for p in batch]
 
 
+@pytest.mark.slow
 def test_without_python_headers_the_fill_goes_through_ctypes_and_the_inputs_through_arrays(tmp_path):
     """Where the extension module does not build (here: Python's headers not found), the step buffers call the C
     fill through ctypes and write a decode step's inputs as arrays, and a decode step still writes its buffers."""

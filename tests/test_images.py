@@ -11,7 +11,7 @@ from transformers import models as hf
 import hybridkv
 from hybridkv import SamplingParams
 
-from model_zoo import ZOO, _tiny
+from model_zoo import ZOO, _tiny, slow_except
 from tiny_models import new_request_id
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -111,7 +111,7 @@ def reference(model, ids, data, type_fields, placeholder):
     return out[0, len(ids) :].tolist()
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=slow_except(sorted(FAMILIES), fast=("mistral3",)))
 def family(request):
     model, placeholder, count, type_fields = FAMILIES[request.param]()
     return request.param, model, placeholder, count, type_fields

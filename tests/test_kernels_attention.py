@@ -274,6 +274,7 @@ def test_torch_path_without_the_decode_kernel_matches_reference_on_drawn_shapes(
     _check_drawn_shape(shape, "torch-loop")
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(shape=paged_shapes())
 def test_triton_kernel_matches_reference_on_drawn_shapes(shape):

@@ -167,6 +167,7 @@ def test_torch_path_reads_in_flight_correctly_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch")
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(shape=in_flight_shapes())
 def test_triton_kernel_reads_in_flight_correctly_on_drawn_shapes(shape):

@@ -18,7 +18,7 @@ from hybridkv.tiny import tiny_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from kv_rounding import kv_rounded_like
-from model_zoo import ZOO
+from model_zoo import ZOO, slow_except
 from tiny_models import hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -39,7 +39,7 @@ def fp8_run(name: str) -> tuple[list[list[int]], list, list]:
     return [o.outputs[0].token_ids for o in outputs], rounded, [tokens for tokens, _ in references], outputs
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_fp8_pages_give_generates_tokens_with_kv_rounded_to_fp8(name):
     _, rounded, _, outputs = fp8_run(name)
     assert_same_greedy(outputs, rounded)
@@ -52,6 +52,7 @@ def leading_agreement(tokens: list[int], reference: list[int]) -> int:
     return agreed
 
 
+@pytest.mark.slow
 def test_fp8_greedy_agreement_with_fp32_generate_on_the_zoo():
     """Tokens equal to fp32 generate's before the first difference, over the zoo (64 models x 4 prompts x 16
     tokens): 46% for e4m3 pages, the figure README.md and docs/design.md give. The zoo's tiny random models have

@@ -17,7 +17,7 @@ from hybridkv.patches.inspection import inspect_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
 from kv_rounding import kv_rounded_like
-from model_zoo import LATENT, MLA
+from model_zoo import LATENT, MLA, slow_except
 from tiny_models import DEVICE, hf_greedy, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
@@ -38,7 +38,7 @@ def test_a_latent_layer_is_paged_as_its_latent_and_rotary_key(patched):
     assert llm.bytes_per_block == 8 * (16 + 8) * layers * 4
 
 
-@pytest.mark.parametrize("name", sorted(LATENT))
+@pytest.mark.parametrize("name", slow_except(sorted(LATENT)))
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
 def test_decode_rows_absorbed_or_expanded_give_generates_tokens(name, absorb, patched):
     """Both forms of a decode row, with a prompt's chunks beside decode rows (chunked prefill) and prefix hits."""

@@ -19,6 +19,7 @@ from hybridkv.memory.integrity import check_coordinator
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.tiny import tiny_model
 
+from model_zoo import slow_except
 from tiny_models import FAMILIES, hf_greedy, new_request_id, prompts
 
 MAX_NEW = 8
@@ -159,7 +160,7 @@ UPDATES = {
 
 
 @pytest.mark.parametrize("update", sorted(UPDATES))
-@pytest.mark.parametrize("family", HYBRID_AND_FULL)
+@pytest.mark.parametrize("family", slow_except(HYBRID_AND_FULL))
 def test_generate_follows_the_weights(family, update, patched):
     model = FAMILIES[family]()
     llm, before = first_generation(patched, model)
@@ -168,7 +169,7 @@ def test_generate_follows_the_weights(family, update, patched):
 
 
 @pytest.mark.parametrize("mode", ["chunked", "tiny_pool"])
-@pytest.mark.parametrize("family", HYBRID_AND_FULL)
+@pytest.mark.parametrize("family", slow_except(HYBRID_AND_FULL))
 def test_updates_in_turn_are_followed_with_chunks_and_tiny_pools(family, mode, patched):
     model = FAMILIES[family]()
     llm, before = first_generation(patched, model, mode)

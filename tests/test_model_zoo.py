@@ -12,8 +12,9 @@ import torch
 import hybridkv
 from hybridkv.patches.inspection import inspect_model
 
-from model_zoo import LAYER_KINDS, REFUSED, ZOO
-from tiny_models import hf_greedy, prompts
+from greedy_reference import cached_hf_greedy
+from model_zoo import LAYER_KINDS, REFUSED, ZOO, slow_except
+from tiny_models import prompts
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -60,7 +61,7 @@ def test_at_least_thirty_model_types_are_served():
     assert all(ZOO[name]().config.model_type == name for name in ("gemma3", "gemma3n_text", "olmo3", "cohere2_moe"))
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_greedy_output_depends_on_the_first_prompt_token(name):
     """A tiny model whose output ignores early tokens would make every equivalence test blind. For hybrid
     layouts the first token of a 150-token prompt is out of every window: only full layers carry it."""
@@ -69,9 +70,11 @@ def test_greedy_output_depends_on_the_first_prompt_token(name):
     lengths = (40, 150) if None in windows and len(windows) > 1 else (40,)
     for prompt in prompts(lengths):
         changed = [(prompt[0] + 1) % model.config.get_text_config().vocab_size, *prompt[1:]]
-        output = hf_greedy(model, prompt, 16)[0]
+        output = cached_hf_greedy(model, prompt, 16)[0]
         assert len(set(output)) > 1, f"{name}: greedy output is one repeated token"
-        assert hf_greedy(model, changed, 16)[0] != output, f"{name}: the first of {len(prompt)} tokens changes nothing"
+        assert cached_hf_greedy(model, changed, 16)[0] != output, (
+            f"{name}: the first of {len(prompt)} tokens changes nothing"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -83,7 +86,7 @@ def test_families_hybridkv_cannot_serve_exactly_are_refused_with_the_reason(name
     assert model.config._attn_implementation != "hybridkv"
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", slow_except(sorted(ZOO)))
 def test_kv_bytes_per_token_equal_what_the_models_own_cache_stores(name, patched):
     """stats()' bytes per token against transformers' DynamicCache after a prompt shorter than every
     window: each layer that stores K/V counts once, KV-sharing layers (which store nothing) not at all."""

@@ -17,12 +17,12 @@ from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
 from hybridkv.scheduling.request import Request
 from hybridkv.scheduling.sampling_params import SamplingParams
 
-from greedy_reference import MAX_NEW, assert_same_greedy, family
-from model_zoo import ZOO
-from tiny_models import hf_greedy, new_request_id, prompts
+from greedy_reference import MAX_NEW, assert_same_greedy, cached_hf_greedy, family
+from model_zoo import ZOO, slow_except
+from tiny_models import new_request_id, prompts
 
 
-@pytest.fixture(params=sorted(ZOO))
+@pytest.fixture(params=slow_except(sorted(ZOO)))
 def name(request):
     return request.param
 
@@ -43,7 +43,7 @@ def test_chunked_prefill_matches_generate(name, patched):
 def test_prefix_cache_hits_change_nothing(name, patched):
     model, _, _ = family(name)
     shared = prompts((9, 30, 45), seed=2, shared_prefix=100)
-    references = [hf_greedy(model, p, MAX_NEW) for p in shared]
+    references = [cached_hf_greedy(model, p, MAX_NEW) for p in shared]
     llm = patched(model, block_size=8, max_model_len=256, max_num_batched_tokens=64)
     assert_same_greedy(llm.generate(shared, SamplingParams(temperature=0, max_tokens=MAX_NEW)), references)
     first_hits = llm.stats()["prefix_cache_hits"]

@@ -466,6 +466,7 @@ def test_health_and_metrics_answer(server, client):
     assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] >= 1
 
 
+@pytest.mark.slow
 def test_importing_hybridkv_does_not_import_fastapi():
     code = "import sys, hybridkv; assert 'fastapi' not in sys.modules and 'uvicorn' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

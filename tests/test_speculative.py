@@ -25,7 +25,7 @@ from hybridkv.serving.cli import build_parser, patch_settings
 from hybridkv.tiny import tiny_model
 
 from greedy_reference import MAX_NEW, assert_same_greedy, family
-from model_zoo import LATENT, ZOO
+from model_zoo import LATENT, ZOO, slow_except
 from tiny_models import hf_greedy, hf_greedy_min_new_tokens, new_request_id, prompts, with_early_eos
 from tiny_tokenizer import tiny_tokenizer
 
@@ -54,7 +54,7 @@ def use_oracle(llm, batch, references, k=4):
     llm.core.speculator.propose = propose
 
 
-@pytest.mark.parametrize("name", KINDS)
+@pytest.mark.parametrize("name", slow_except(KINDS))
 def test_greedy_tokens_are_generates_in_every_mode(name, patched):
     """Every number of kept proposals, with chunked prefill beside the checks, prefix-cache hits, and pools small
     enough to preempt by recompute and by swap; every block and state slot comes back."""
@@ -83,7 +83,7 @@ def test_greedy_tokens_are_generates_in_every_mode(name, patched):
         hybridkv.unpatch(model)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text", "qwen3_next", "bamba", "deepseek_v3"])
+@pytest.mark.parametrize("name", slow_except(["llama", "gemma3_text", "qwen3_next", "bamba", "deepseek_v3"]))
 def test_ngram_and_draft_model_proposers_give_generates_tokens(name, patched):
     """Both proposers through `patch`: n-gram lookup (random weights rarely repeat: few kept), a draft that is a copy
     of the model (every proposal kept) and, for Llama, a draft of its first layer only (some kept)."""
@@ -202,6 +202,7 @@ def test_streaming_gives_every_kept_token(patched):
     assert streamed == references[2][0]
 
 
+@pytest.mark.slow
 def test_sampled_tokens_keep_the_models_distribution():
     """accept() on a 4-token vocabulary: the first kept token is distributed as the first row's p, and after a kept
     proposal the next as the second row's, whatever the proposal (20,000 draws, within 0.015)."""
@@ -472,7 +473,7 @@ def test_a_request_can_turn_speculation_off(patched):
         SamplingParams(speculative=1)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3_text", "deepseek_v3"])
+@pytest.mark.parametrize("name", slow_except(["llama", "gemma3_text", "deepseek_v3"]))
 def test_the_compiled_program_checks_proposals_as_eager_mode_does(name, patched, eager_pieces):
     """compile=True (its pieces run as traced: `eager_pieces`): the steps that check proposals run through the same
     program, their rows storing K/V (Llama), storing none (Gemma 3's sliding windows) or storing latents (DeepSeek-V3),

@@ -17,7 +17,7 @@ from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.memory.integrity import check_coordinator
 
 from greedy_reference import MAX_NEW, family
-from model_zoo import STATE, ZOO
+from model_zoo import STATE, ZOO, slow_except
 from tiny_models import hf_greedy, new_request_id, prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -160,7 +160,7 @@ def _fill_kept_checkpoints_with_noise(llm) -> None:
     _noise(llm.core.runner.state_pool, slots, torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("name", sorted(STATE))
+@pytest.mark.parametrize("name", slow_except(sorted(STATE)))
 def test_a_hit_restores_the_state_kept_at_its_end(name, patched):
     """A prompt sharing a prefix with an earlier one hits up to the last checkpoint of the prefix (a multiple of
     the interval), with generate's tokens; with noise in the kept checkpoints the tokens change, so the state
@@ -241,7 +241,7 @@ def _swapping(model, patched, **settings):
     return llm
 
 
-@pytest.mark.parametrize("name", sorted(STATE))
+@pytest.mark.parametrize("name", slow_except(sorted(STATE)))
 def test_preemption_by_swap_carries_the_state_out_and_back(name, patched):
     """A tight pool preempts by swap: every swapped request's state goes to a CPU state slot and comes back, the
     tokens stay generate's, and every device and CPU slot comes back."""

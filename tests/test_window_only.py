@@ -75,6 +75,7 @@ def test_sliding_groups_hold_no_more_than_their_window_while_a_chunk_is_computed
     assert all(m.num_real_blocks(request_id) == 3 for m in windowed)  # ceil((16 - 1) / 8) + 1
 
 
+@pytest.mark.slow
 def test_the_triton_kernels_read_in_flight_and_store_after_as_the_torch_path_does(patched):
     model, _, _ = family("gemma3_text")
     batch = prompts((60, 45), seed=7)
