@@ -345,3 +345,20 @@ def test_a_request_output_is_its_live_record_extended_by_each_step(gemma3, patch
             assert output is first  # the same record, not a copy per step
     assert first.finished and first.request_id == request_id
     assert first.outputs[0].token_ids is tokens_list and tokens_list == expected[0]
+
+
+def test_a_stop_string_completed_before_min_tokens_is_passed_over(text_model, patched):
+    """vLLM's rule: stop strings are looked for once a sample has more than min_tokens output tokens."""
+    model, tokenizer = text_model
+    llm = patched(model, tokenizer=tokenizer, max_model_len=128)
+    prompt = "Once upon a time"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    early = tokenizer.decode(full.token_ids[1:2])  # the text of the second token: completed by it, under min_tokens
+    assert early.strip() and early in tokenizer.decode(full.token_ids[:2])
+    params = SamplingParams(temperature=0, max_tokens=24, stop=[early], min_tokens=4, ignore_eos=True)
+    completion = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert len(completion.token_ids) > 4 and completion.token_ids == full.token_ids[: len(completion.token_ids)]
+    assert completion.stop_reason in (early, None)
+    unbounded = SamplingParams(temperature=0, max_tokens=24, stop=[early], ignore_eos=True)
+    assert len(llm.generate(prompt, unbounded, use_tqdm=False)[0].outputs[0].token_ids) <= 2

@@ -44,8 +44,10 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._streamed = 0
 
-    def add_token(self, token_id: int) -> bool:
-        """Append a token's text; True when a stop string appeared (the text is then cut before it)."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append a token's text; True when a stop string appeared in the text it added (the text is then cut before
+        it). With `check_stop` False the text grows and no stop string is looked for (a sample under its
+        min_tokens)."""
         self._tokens.append(token_id)
         prefix, full = self._decode_window()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -55,7 +57,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += delta
-        return self._check_stop(start)
+        return check_stop and self._check_stop(start)
 
     def flush(self) -> None:
         """At the end: add text still waiting for a character to complete, as a full decode shows it."""

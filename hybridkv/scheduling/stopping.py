@@ -38,8 +38,9 @@ class StopRules:
         sampler never draws them earlier: `held_until_min_tokens`, so they stop a sample from its min_tokens + 1-th
         token, as in vLLM and transformers); a stop
         string completed by the token's text (the detokenizer sees every token) stops the request
-        whatever the token rules said, with the string as its stop_reason. A stop token's id is its
-        stop_reason; EOS leaves it None.
+        whatever the token rules said, with the string as its stop_reason, once the sample has more than min_tokens
+        output tokens (vLLM's detokenizer's rule: a stop string the text completes earlier is passed over). A stop
+        token's id is its stop_reason; EOS leaves it None.
         """
         params = request.params
         status = None
@@ -54,7 +55,7 @@ class StopRules:
                 request.stop_reason = token
             elif not params.ignore_eos and token in self.eos_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
-        if detokenizer is not None and detokenizer.add_token(token):
+        if detokenizer is not None and detokenizer.add_token(token, num_output_tokens > params.min_tokens):
             request.stop_reason = detokenizer.stop_reason
             status = RequestStatus.FINISHED_STOPPED
         return status
