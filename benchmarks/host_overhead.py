@@ -158,7 +158,7 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
             decode_host, decode_steps = run_steps(
                 llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new), argmax
             )
-        host = (llm.step_seconds - llm.core.runner.forward_seconds) / llm.num_steps
+        host = (llm.step_seconds - engine_runner(llm).forward_seconds) / llm.num_steps
         package.unpatch(model)
         figures = (host * 1e3, decode_host / decode_steps * 1e3)
         if args.argmax_apart:
@@ -240,6 +240,11 @@ def argmax_timed(package, timed: bool) -> Iterator[ArgmaxTimer | None]:
         sampler.greedy_tokens = greedy_tokens
 
 
+def engine_runner(llm):
+    """The engine's model runner: its core's (`llm.core.runner`), or the engine's own in versions before issue 62."""
+    return getattr(llm, "core", llm).runner
+
+
 def run_steps(
     llm, prompts: list[list[int]], params: SamplingParams, argmax: ArgmaxTimer | None = None
 ) -> tuple[float, int]:
@@ -253,7 +258,7 @@ def run_steps(
             llm.add_request(str(index), prompt, params)
         else:
             llm.add_request(prompt, params)
-    runner = llm.core.runner
+    runner = engine_runner(llm)
     decode_host, decode_steps = 0.0, 0
     while llm.has_unfinished_requests():
         before = (llm.step_seconds, runner.forward_seconds, llm.num_forward_tokens, llm.num_generated_tokens)

@@ -121,8 +121,10 @@ class EngineCore:
         self.model = model
         self.config = config
         self.rows_of = rows_of
-        self.layout_watch = LayoutWatch(model)  # the config and attention the layout below is built for
         self.layout = self._probe()
+        # The config and attention implementation the layout was built for.
+        named = dict(model.named_modules())
+        self.layout_watch = LayoutWatch(model, [named[name] for name in self.layout.module_names.values()])
         buckets, captures, compiled = self._plan_steps(self.layout)
         memory = self._plan_memory(self.layout, max(buckets, default=0))
         self._build_memory(memory)

@@ -18,11 +18,12 @@ attribute lookup costs about 3 us a name, a dict's well under 0.1 us): about 5 u
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from hybridkv.patches.attention import ATTN_IMPLEMENTATION, attention_configs
+from hybridkv.patches.attention import ATTN_IMPLEMENTATION
 
 # The text config's values that shape attention (what the layout is built from, or what a forward reads again).
 ATTENTION_CONFIG_FIELDS = (
@@ -65,9 +66,12 @@ class ModelReshaped(RuntimeError):
 class LayoutWatch:
     """The attention implementation and attention-shaping config one engine was built for (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, attention_modules: Iterable[torch.nn.Module]) -> None:
         self.text_config = config = model.config.get_text_config()
-        self.attention_configs = attention_configs(model)
+        # What the model's attention layers read their implementation from (the probe's `attention_modules`), and the
+        # model's own config: other modules' configs (a rotary embedding's copy, Granite SWA's) dispatch no attention.
+        configs = [model.config, *(getattr(module, "config", None) for module in attention_modules)]
+        self.attention_configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation")}.values())
         # Each field where `setattr` keeps it: in the config's `__dict__`, under the name its `attribute_map` gives.
         # A field its class computes (a property: `rope_scaling` reads `rope_parameters` in transformers 5) is watched
         # through the fields it is computed from.
