@@ -56,6 +56,7 @@ ATTENTION_CONFIG_FIELDS = (
     "attn_scale",
 )
 _ABSENT = object()
+_IMPLEMENTATION_KEY = "_attn_implementation_internal"
 
 
 class ModelReshaped(RuntimeError):
@@ -72,19 +73,33 @@ class LayoutWatch:
         # model's own config: other modules' configs (a rotary embedding's copy, Granite SWA's) dispatch no attention.
         configs = [model.config, *(getattr(module, "config", None) for module in attention_modules)]
         self.attention_configs = list({id(c): c for c in configs if hasattr(c, "_attn_implementation")}.values())
+        # Where each keeps it: transformers' `_attn_implementation` property reads `_attn_implementation_internal`
+        # through the config's own `__getattribute__` (about 2.4 us); its `__dict__` answers in well under 0.1 us.
+        self._implementations = [
+            vars(config) for config in self.attention_configs if _IMPLEMENTATION_KEY in vars(config)
+        ]
+        if len(self._implementations) < len(self.attention_configs):  # another transformers: the property itself
+            self._implementations = []
         # Each field where `setattr` keeps it: in the config's `__dict__`, under the name its `attribute_map` gives.
         # A field its class computes (a property: `rope_scaling` reads `rope_parameters` in transformers 5) is watched
         # through the fields it is computed from.
         stored = {name: config.attribute_map.get(name, name) for name in ATTENTION_CONFIG_FIELDS}
-        values = vars(config)
+        # The config's `__dict__`, kept: `vars(config)` goes through transformers' `__getattribute__` too (about 2 us).
+        self._values = values = vars(config)
         self.patched_values = {
             name: (key, _copy(values.get(key, _ABSENT)))
             for name, key in stored.items()
             if not isinstance(getattr(type(config), name, None), property)
         }
+        self._keys = [key for key, _ in self.patched_values.values()]
+        self._patched = [patched for _, patched in self.patched_values.values()]
 
     def changed(self) -> str | None:
         """What changed since the model was patched, for a person; None while nothing did."""
+        if self._implementations and all(
+            stored[_IMPLEMENTATION_KEY] == ATTN_IMPLEMENTATION for stored in self._implementations
+        ):
+            return self._changed_field()
         for config in self.attention_configs:
             implementation = config._attn_implementation
             if implementation != ATTN_IMPLEMENTATION:
@@ -93,7 +108,12 @@ class LayoutWatch:
                     f"(model.set_attn_implementation) where hybridkv.patch installed {ATTN_IMPLEMENTATION!r}, "
                     "through which the engine's steps attend over their pages"
                 )
-        values = vars(self.text_config)
+        return self._changed_field()
+
+    def _changed_field(self) -> str | None:
+        values = self._values
+        if [values.get(key, _ABSENT) for key in self._keys] == self._patched:  # one comparison while nothing changed
+            return None
         for name, (key, patched) in self.patched_values.items():
             now = values.get(key, _ABSENT)
             if now != patched:
