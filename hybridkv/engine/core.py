@@ -387,11 +387,6 @@ class EngineCore:
         """End every unfinished sample of a group (an abort, a failure); the requests it ended."""
         return self.scheduler.finish_group(group, status, error)
 
-    def has_requests(self) -> bool:
-        """Whether any request waits, runs or is swapped out."""
-        scheduler = self.scheduler
-        return bool(scheduler.waiting or scheduler.running or scheduler.swapped)
-
     # ---- the model it serves ----------------------------------------------------------------------
 
     def model_check_due(self, checked: bool) -> bool:
