@@ -277,12 +277,20 @@ class KVCacheCoordinator:
         rest need nothing (a few requests a step start a block). One pass, where a call of `allocate_slots` per
         request would cost more than its first test (`_needs_nothing`), which is the one made here."""
         needs = []
-        needs_nothing = self._needs_nothing
+        # `_needs_nothing`'s test, its lookups bound once for the batch: a call of it per request cost about 3 us a
+        # step of 32 decode rows (benchmarks/RESULTS.md, issue 62's host work).
+        shared, covered = self._may_share, self._covered
+        held = self.state_slots.held if self.state_slots is not None else None
         for request in requests:
             num_tokens = request.num_computed_tokens + 1
             if num_tokens != len(request.token_ids) + request.num_pending_tokens:
                 return None
-            if not needs_nothing(request.request_id, num_tokens):
+            request_id = request.request_id
+            if (
+                request_id in shared
+                or (held is not None and request_id not in held)
+                or not covered(request_id, num_tokens)
+            ):
                 needs.append(request)
         return needs
 
@@ -529,7 +537,8 @@ class KVCacheCoordinator:
         """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary
         and have no pending step are passed over with one comparison each."""
         next_change = self._next_change
-        pending = set().union(*(m.pending_requests() for m in self._windowed))
+        pending_lists = [m.pending_requests() for m in self._windowed]
+        pending = set().union(*pending_lists) if any(pending_lists) else ()
         for request in requests:
             request_id = request.request_id
             if request.num_computed_tokens >= next_change.get(request_id, _NOW)[0] or request_id in pending:
