@@ -29,10 +29,11 @@ from typing import NamedTuple
 import torch
 
 from hybridkv.engine.speculation import DraftEngine, RecordToken, Speculator
-from hybridkv.execution.config import EngineConfig
+from hybridkv.execution.config import GIB, EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
 from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.execution.graphs import captures_graphs, decode_buckets, graph_mode
+from hybridkv.execution.kv_tiers import DiskBlockStore, model_fingerprint
 from hybridkv.execution.layout_watch import LayoutWatch
 from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
 from hybridkv.execution.model_watch import ModelChange, ModelWatch
@@ -40,7 +41,9 @@ from hybridkv.execution.sizing import kv_layout, num_kv_blocks
 from hybridkv.execution.state_layers import scan_chunk
 from hybridkv.execution.step_check import check_step_exactness
 from hybridkv.kernels.quant import is_fp8
+from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.tiers import BlockTiers
 from hybridkv.patches.inspection import ModelLayout
 from hybridkv.patches.probe import attention_installed
 from hybridkv.sampling import sampler
@@ -129,6 +132,7 @@ class EngineCore:
         memory = self._plan_memory(self.layout, max(buckets, default=0))
         self._build_memory(memory)
         self._build_runner(self.layout, memory, buckets, captures, compiled)
+        self.disk_store = self._build_tiers()
         # Whether only full attention holds what a request computed: no state layer (it cannot go back) and no window
         # or attention chunk (a block behind one may have gone back to the pool). A speculative step's proposals
         # then store their K/V, and a request can go on from other tokens (`LLMEngine.continue_from`).
@@ -280,6 +284,49 @@ class EngineCore:
         on_cpu = all(device.type == "cpu" for device in self.runner.devices)
         self.step_threads = StepThreads(config.cpu_threads if on_cpu else None)
 
+    def _build_tiers(self) -> DiskBlockStore | None:
+        """The tiers beyond the pool, where `kv_offloading_size` or `prefix_cache_dir` asks for them: the host tier's
+        slots in the runner, the disk store over the model's fingerprint; the disk store, if any."""
+        config = self.config
+        if not config.kv_offloading_size and config.prefix_cache_dir is None:
+            return None
+        if self.tp is not None:
+            raise ValueError(
+                "kv_offloading_size and prefix_cache_dir are not supported for a tensor-parallel model yet (each rank "
+                "would keep its own shard of every block); patch without them"
+            )
+        num_host_slots = config.kv_offloading_bytes // self.bytes_per_block
+        if config.kv_offloading_size and num_host_slots == 0:
+            raise ValueError(
+                f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no block of this model "
+                f"({self.bytes_per_block:,} bytes each); give at least {self.bytes_per_block / GIB:.6f} GiB"
+            )
+        disk = None
+        if config.prefix_cache_dir is not None:
+            start = time.perf_counter()
+            fingerprint = model_fingerprint(self.model, repr(self.kv_config), repr(self.layer_dtypes))
+            runner = self.runner
+            disk = DiskBlockStore(
+                config.prefix_cache_dir,
+                int(config.prefix_cache_dir_size * GIB),
+                fingerprint,
+                runner.read_pages,
+                runner.write_host_slot,
+            )
+            logger.info(
+                "hybridkv: prefix_cache_dir %s: model fingerprinted in %.1f s, %d blocks of it found",
+                disk.folder,
+                time.perf_counter() - start,
+                disk.num_files,
+            )
+        # Without a host tier of its own, the slots only stage what a step reads from disk: a whole prompt's blocks.
+        host_keeps = num_host_slots > 0
+        if not host_keeps:
+            num_host_slots = cdiv(self.max_model_len, self.kv_config.block_size) * len(self.kv_config.groups)
+        self.runner.allocate_host_tier(num_host_slots)
+        self.coordinator.attach_tiers(BlockTiers(num_host_slots, disk, host_keeps))
+        return disk
+
     def _speculator(self, draft_engine: DraftFactory | None) -> Speculator | None:
         """Speculative decoding's proposer and check (hybridkv/engine/speculation.py), where `speculative_config` asks
         for it; `draft_engine` makes a draft model's engine. Refuses what it cannot run."""
@@ -415,6 +462,10 @@ class EngineCore:
     def take_model_change(self, change: ModelChange) -> None:
         """Blocks computed before `change` are never hit again; the compiled forward and CUDA graphs follow it."""
         self.coordinator.model_key = change.key
+        if self.coordinator.tiers is not None:
+            if self.disk_store is not None:  # what the model as it was computed goes to disk first
+                self.disk_store.flush()
+            self.coordinator.tiers.model_changed(as_patched=change.key == b"")
         replaced = self.runner.follow_model()
         if (change.moved or replaced) and self.runner.graphs is not None:
             warnings.warn(
@@ -429,6 +480,8 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput:
         """The next step's plan (`Scheduler.schedule`)."""
         start = time.perf_counter()
+        if self.disk_store is not None:  # the blocks cached since the last plan, before any can be evicted
+            self.disk_store.flush()
         plan = self.scheduler.schedule()
         self.schedule_seconds += time.perf_counter() - start
         return plan
@@ -609,6 +662,8 @@ class EngineCore:
     def sleep(self) -> None:
         """Give back the pages, state slots and graphs (the prefix cache's contents go with them), and a draft model's
         engine its own (`Speculator.sleep`)."""
+        if self.disk_store is not None:
+            self.disk_store.flush()
         self.coordinator.forget_cached()
         self.runner.sleep()
         if self.speculator is not None:
@@ -630,6 +685,8 @@ class EngineCore:
         in a pause of its own choosing (benchmarks/RESULTS.md, choices in the code)."""
         if self.tp is not None:
             self.tp.stop()
+        if self.disk_store is not None:
+            self.disk_store.flush()
         self.coordinator.pool.close()
         self.runner.close()
         if self.speculator is not None:

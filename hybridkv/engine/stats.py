@@ -66,6 +66,13 @@ def engine_stats(
         "prefix_cache_hits": kv.prefix_cache_hits,
         "prefix_cache_hit_rate": kv.prefix_cache_hit_rate,
         "num_evictions": kv.num_evictions,
+        # Where the prompt tokens found in the cache came from (hybridkv/memory/tiers.py): per tier ("device", and
+        # with kv_offloading_size or prefix_cache_dir "host" and "disk"), the tokens it served and its blocks
+        # stored, restored and evicted.
+        "prefix_cache_tiers": {
+            tier: {"hit_tokens": hits, **{k: v for k, v in kv.tiers.get(tier, {}).items() if k != "hit_tokens"}}
+            for tier, hits in kv.hit_tokens_by_tier.items()
+        },
         # Changes to the model's weights seen since patch (each makes every block computed before unreachable; an
         # adapter switch is not one: hybridkv/execution/model_watch.py), the checks for them and their seconds.
         "model_weight_changes": core.model_watch.generation,

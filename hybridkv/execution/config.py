@@ -6,6 +6,7 @@ import difflib
 import functools
 import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, get_args
 
 from hybridkv.execution.kv_dtypes import KVCacheDtype, normalize_kv_cache_dtype
@@ -17,9 +18,29 @@ from hybridkv.scheduling.validation import check_bool, check_choice, check_float
 ATTENTION_BACKENDS = (None, *get_args(Backend))
 GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values but a folder's path (load its GenerationConfig yourself)
 GIB = 1 << 30
+# The disk tier's bound when prefix_cache_dir is given without one.
+DEFAULT_PREFIX_CACHE_DIR_SIZE = 10.0
 DEFAULT_SWAP_SPACE = 4  # GiB, vLLM's default
 # The most of the host's memory swap space may ask for (vLLM's CacheConfig refuses more than 70% of total CPU memory).
 MAX_SWAP_SHARE = 0.7
+
+
+def checked_folder(folder: str | os.PathLike) -> Path:
+    """`prefix_cache_dir` as a folder this process can write (made if missing); else a ValueError naming it."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"prefix_cache_dir must be a folder path, got {type(folder).__name__}")
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"prefix_cache_dir={str(folder)!r} is a file; name a folder (it is made if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"prefix_cache_dir={str(folder)!r} cannot be made: {error}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"prefix_cache_dir={str(folder)!r} is not writable by this process; name a folder it can write"
+        )
+    return path
 
 
 def host_memory_bytes() -> int | None:
@@ -68,6 +89,12 @@ class EngineConfig:
     A model that takes images keeps up to `encoder_cache_bytes` of image embeddings by content hash, so that
     an image seen again skips the vision tower (hybridkv/execution/multimodal.py).
 
+    Tiers beyond the pool (hybridkv/memory/tiers.py): `kv_offloading_size` GiB of host memory (vLLM's name; its
+    `kv_offloading_backend` "native" is the one backend) keep the blocks the pool evicts, least recently used going
+    first; `prefix_cache_dir` a folder where computed blocks are written and read by later processes of the same
+    model, at most `prefix_cache_dir_size` GiB (default 10; hybridkv/execution/kv_tiers.py). A prefix found there is
+    copied back instead of computed.
+
     `speculative_config` (vLLM's dict: n-gram prompt lookup or a draft model; hybridkv/execution/speculative_config.py)
     proposes tokens that each step checks in the same forward (hybridkv/engine/speculation.py).
 
@@ -99,6 +126,10 @@ class EngineConfig:
     state_checkpoint_interval: int | None = None
     encoder_cache_bytes: int = 256 << 20
     speculative_config: Any = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    prefix_cache_dir: str | os.PathLike | None = None
+    prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_SIZE
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -149,7 +180,57 @@ class EngineConfig:
             if isinstance(self.cpu_threads, str):
                 raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
             set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
+        self._check_tiers()
         self._check_swap_space_fits_the_host()
+
+    def _check_tiers(self) -> None:
+        """The tiers beyond the pool: `kv_offloading_size` GiB of host memory (vLLM's name; with
+        `kv_offloading_backend` "native", its default), `prefix_cache_dir` a folder of at most `prefix_cache_dir_size`
+        GiB; both need prefix caching."""
+        set_field = functools.partial(object.__setattr__, self)
+        if self.kv_offloading_size is not None:
+            size = check_float("kv_offloading_size", self.kv_offloading_size)
+            if size < 0:
+                raise ValueError(
+                    f"kv_offloading_size must be >= 0 (GiB of host memory for the blocks the pool evicts), got {size}"
+                )
+            set_field("kv_offloading_size", size)
+        backend = self.kv_offloading_backend
+        if backend == "lmcache":
+            raise ValueError(
+                "kv_offloading_backend='lmcache' is not supported: LMCache keeps one KV layout per model and runs "
+                "its own process, and hybridkv's pool holds sliding, full, latent and state layers' pages together; "
+                "use kv_offloading_backend='native' (hybridkv's own host tier, and prefix_cache_dir for disk)"
+            )
+        if backend is not None:
+            check_choice("kv_offloading_backend", backend, ("native",))
+            if not self.kv_offloading_size:
+                raise ValueError(
+                    "kv_offloading_backend='native' needs kv_offloading_size (GiB of host memory), as in vLLM"
+                )
+        size = check_float("prefix_cache_dir_size", self.prefix_cache_dir_size)
+        if size <= 0:
+            raise ValueError(f"prefix_cache_dir_size must be > 0 (GiB the folder may hold), got {size}")
+        set_field("prefix_cache_dir_size", size)
+        if self.prefix_cache_dir is not None:
+            set_field("prefix_cache_dir", checked_folder(self.prefix_cache_dir))
+        if (self.kv_offloading_size or self.prefix_cache_dir is not None) and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size and prefix_cache_dir keep prefix-cache blocks, which enable_prefix_caching=False "
+                "turns off; drop them or turn prefix caching on"
+            )
+
+        host = host_memory_bytes()
+        if host is not None and self.kv_offloading_bytes > MAX_SWAP_SHARE * host:
+            raise ValueError(
+                f"kv_offloading_size={self.kv_offloading_size:g} GiB is more than {MAX_SWAP_SHARE:.0%} of the host's "
+                f"{host:,} bytes; lower kv_offloading_size to at most {MAX_SWAP_SHARE * host / GIB:.2f} GiB"
+            )
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        """The host memory the host tier takes: `kv_offloading_size` GiB, else 0."""
+        return int((self.kv_offloading_size or 0) * GIB)
 
     def _check_swap_space_fits_the_host(self) -> None:
         """`swap_space` asks for at most `MAX_SWAP_SHARE` of the host's memory (vLLM's rule), else a ValueError naming

@@ -146,6 +146,8 @@ class ModelRunner:
         self.prepare_seconds = 0.0  # building inputs and metadata (host work per step)
         self.forward_seconds = 0.0
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
+        # The host tier's slots (hybridkv/memory/tiers.py): per device, a CPU page per slot.
+        self.host_pages: dict[torch.device, torch.Tensor] = {}
         self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
         # While the engine sleeps: the tensors whose storages `sleep` emptied, with their sizes; and whether it had
@@ -296,6 +298,7 @@ class ModelRunner:
         self._pages = {}
         self._asleep = []
         self._swap_pages = {}
+        self.host_pages = {}
         self._swap_states = None
         self.graphs = None
         self.state_pool = self.state_cache = None
@@ -332,6 +335,53 @@ class ModelRunner:
                     cpu_pages[cpu_ids] = pages[device_ids].to("cpu")
                 else:
                     pages[device_ids] = cpu_pages[cpu_ids].to(device)
+
+    def allocate_host_tier(self, num_slots: int) -> None:
+        """CPU pages for the host tier's slots, per device (pinned when the cache is on CUDA)."""
+        for device, pages in self._pages.items():
+            self.host_pages[device] = torch.zeros(
+                (num_slots, pages.shape[1]), dtype=pages.dtype, pin_memory=device.type == "cuda"
+            )
+
+    def offload(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks to host slots, (device block, host slot) pairs, on every device: one indexed copy each."""
+        for device, pages in self._pages.items():
+            blocks = torch.tensor([block for block, _ in pairs], device=device)
+            slots = torch.tensor([slot for _, slot in pairs])
+            self.host_pages[device][slots] = pages[blocks].to("cpu", non_blocking=device.type == "cuda")
+
+    def restore(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host slots back into blocks, (host slot, device block) pairs, on every device."""
+        for device, pages in self._pages.items():
+            slots = torch.tensor([slot for slot, _ in pairs])
+            blocks = torch.tensor([block for _, block in pairs], device=device)
+            pages[blocks] = self.host_pages[device][slots].to(device, non_blocking=device.type == "cuda")
+
+    def read_pages(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """The blocks' pages on the CPU, per device in the runner's order: a [len(block_ids), page bytes] uint8
+        tensor each (what the disk store writes)."""
+        return [pages[torch.tensor(block_ids, device=device)].cpu() for device, pages in self._pages.items()]
+
+    def write_host_slot(self, slot: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Fill a host slot from a block's bytes, every device's page in the runner's order (what `read_pages`
+        gives, concatenated); False, writing nothing, when the length differs. On CUDA, copies that read the host
+        slots are finished first (a slot freed by the last step may still be read by its restore)."""
+        if len(payload) != self.page_bytes_all_devices:
+            return False
+        if any(device.type == "cuda" for device in self._pages):
+            torch.cuda.synchronize()
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        start = 0
+        for device in self._pages:
+            row = self.host_pages[device][slot]
+            row.copy_(data[start : start + row.numel()])
+            start += row.numel()
+        return True
+
+    @property
+    def page_bytes_all_devices(self) -> int:
+        """The bytes of one block on every device together (a host slot's, a disk file's payload)."""
+        return sum(pages.shape[1] * pages.element_size() for pages in self._pages.values())
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) block's page, every layer's K and V of its group,
@@ -372,6 +422,8 @@ class ModelRunner:
             state_fork_copies=plan.state_fork_copies,
             state_swap_out=plan.state_swap_out,
             state_swap_in=plan.state_swap_in,
+            offload=plan.tier_copies.offload,
+            restore=plan.tier_copies.restore,
         )
         request_ids, input_ids, query_lens, seq_lens = (
             inputs.request_ids,
@@ -560,8 +612,12 @@ class ModelRunner:
         tokens (a captured graph's replay for a decode bucket that has one); float32 logits of its logits rows
         (None when it computes no token)."""
         inputs = prepared.inputs
+        if inputs.offload:  # blocks the pool evicted in this plan, read before anything writes them
+            self.offload(inputs.offload)
         if inputs.swap_out or inputs.swap_in:  # tested here: most steps have none, and a call costs more
             self.swap(inputs.swap_out, inputs.swap_in)
+        if inputs.restore:  # blocks copied back from the host tier, into fresh blocks held over the plan
+            self.restore(inputs.restore)
         if inputs.blocks_to_copy:
             self.copy_blocks(inputs.blocks_to_copy)
         if self.state_pool is not None:
@@ -685,6 +741,10 @@ class StepInputs:
     state_fork_copies: list[tuple[int, int]] = field(default_factory=list)
     state_swap_out: list[tuple[int, int]] = field(default_factory=list)
     state_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The host tier's copies (hybridkv/memory/tiers.py): (device block, host slot) out before the swap copies,
+    # (host slot, device block) in after them, before copy-on-write.
+    offload: list[tuple[int, int]] = field(default_factory=list)
+    restore: list[tuple[int, int]] = field(default_factory=list)
     # Image placeholders the step computes: their flattened rows and embeddings, and the rows of images that
     # attend both ways with how many positions past their own each sees (hybridkv/execution/multimodal.py).
     image_rows: list[int] = field(default_factory=list)

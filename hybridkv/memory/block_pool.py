@@ -18,7 +18,8 @@ tests/test_kernels_backend.py pins the two equal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 # Never allocated, never freed: stands in a block table for blocks a query cannot see.
 NULL_BLOCK_ID = 0
@@ -49,6 +50,13 @@ class KVBlock:
     def __repr__(self) -> str:
         digest = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
+
+
+class BlockLookup(Protocol):
+    """Where a group's cached blocks are looked up by hash: the pool's map (`BlockPool.cached[g]`), or a view
+    that also finds blocks kept below the pool (hybridkv/memory/coordinator.py, `TieredLookup`)."""
+
+    def get(self, block_hash: bytes, /) -> KVBlock | None: ...
 
 
 class FreeBlockQueue:
@@ -164,6 +172,10 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: list[dict[bytes, KVBlock]] = [{} for _ in range(num_groups)]
         self.num_evictions = 0
+        # Tiers beyond the pool (hybridkv/memory/tiers.py): told of each block about to lose its hash to a reuse
+        # (its page still holds the tokens) and of each block registered under a hash (its page computed).
+        self.on_evict: Callable[[KVBlock], None] | None = None
+        self.on_cache: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -176,10 +188,12 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
         blocks = self.free_queue.popleft_n(n)
-        cached = self.cached
+        cached, on_evict = self.cached, self.on_evict
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
+                if on_evict is not None:
+                    on_evict(block)
                 group_map = cached[block.hash_group]
                 if group_map.get(block_hash) is block:
                     del group_map[block_hash]
@@ -211,6 +225,8 @@ class BlockPool:
             if group_map.setdefault(block_hash, block) is block:
                 block.block_hash = block_hash
                 block.hash_group = group_id
+                if self.on_cache is not None:
+                    self.on_cache(block)
 
     def cache_block_per_group(self, blocks: Sequence[KVBlock], block_hash: bytes) -> None:
         """`cache_blocks` of one block in each group: `blocks[g]` is group g's, all under `block_hash`."""
@@ -222,6 +238,16 @@ class BlockPool:
             if group_map.setdefault(block_hash, block) is block:
                 block.block_hash = block_hash
                 block.hash_group = group_id
+                if self.on_cache is not None:
+                    self.on_cache(block)
+
+    def cache_restored(self, block: KVBlock, block_hash: bytes, group_id: int) -> None:
+        """Register a fresh block that a tier below the pool copies a cached block back into (its page is written
+        before the step's forward): a hit from now on. The tiers are not told: they hold it already."""
+        assert block.block_hash is None and block_hash not in self.cached[group_id], block
+        self.cached[group_id][block_hash] = block
+        block.block_hash = block_hash
+        block.hash_group = group_id
 
     def drop_hash(self, block: KVBlock) -> None:
         """Forget what a held block caches (its keys are about to be overwritten): an eviction."""

@@ -12,11 +12,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.memory.block_pool import BlockPool, KVBlock, cdiv
+from hybridkv.memory.block_pool import BlockLookup, BlockPool, KVBlock, cdiv
 from hybridkv.memory.grouping import KVCacheConfig
 from hybridkv.memory.kv_request import KVRequest
 from hybridkv.memory.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.memory.state_slots import StateCheckpoints, StateSlots
+from hybridkv.memory.tiers import BlockTiers, TierCopies
 from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowManager, WindowedManager
 
 # update_computed's next changes for a request it has not updated yet (both of its parts run), and the number of
@@ -53,6 +54,9 @@ class CacheHit:
     num_tokens: int
     # A model with state layers: the checkpoint slot of the state at the hit's end (hybridkv/memory/state_slots.py).
     state_slot: int | None = None
+    # Of num_tokens, those whose blocks were copied back from the host tier and from disk (hybridkv/memory/tiers.py).
+    host_tokens: int = 0
+    disk_tokens: int = 0
 
 
 @dataclass
@@ -70,10 +74,34 @@ class KVCacheStats:
     padding_layers: int
     group_block_sizes: list[int]
     padding_fraction: float
+    # The prompt tokens each tier served ("device", "host", "disk"; the last two with tiers) and each tier's
+    # counters of blocks stored, restored and evicted.
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+# What a tiered lookup finds for a block kept below the pool: a hit to copy back (never a block of the pool).
+BELOW_POOL = KVBlock(-2)
+
+
+class TieredLookup:
+    """One group's blocks seen across the pool and the tiers below it (`BlockLookup`): the pool's block for a hash,
+    else `BELOW_POOL` where a tier keeps it, else None."""
+
+    __slots__ = ("cached", "group_id", "tiers")
+
+    def __init__(self, cached: dict[bytes, KVBlock], tiers: BlockTiers, group_id: int) -> None:
+        self.cached, self.tiers, self.group_id = cached, tiers, group_id
+
+    def get(self, block_hash: bytes, /) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None and self.tiers.locate((self.group_id, block_hash)) is not None:
+            return BELOW_POOL
+        return block
 
 
 def blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
@@ -154,6 +182,10 @@ class KVCacheCoordinator:
         self._copies: dict[str, list[tuple[SingleTypeManager, int, KVBlock, KVBlock]]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_hit_tokens = self.disk_hit_tokens = 0
+        # Tiers beyond the pool (`attach_tiers`).
+        self.tiers: BlockTiers | None = None
+        self._restored: list[KVBlock] = []
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
         # update_computed's fast path: per request, the numbers of computed tokens at which an update can next
@@ -188,13 +220,27 @@ class KVCacheCoordinator:
             return CacheHit([[] for _ in self.managers], 0)
         align = self.hit_alignment if checkpoints is None else checkpoints.interval
         max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align
+        if self.tiers is not None:
+            return self._tiered_cache_hit(request, max_tokens, align)
+        return self._cache_hit(request, max_tokens, align)
+
+    def _cache_hit(
+        self, request: KVRequest, max_tokens: int, align: int, lookups: Sequence[BlockLookup | None] | None = None
+    ) -> CacheHit:
+        """`find_longest_cache_hit` of at most max_tokens tokens (a multiple of `align`), each group's blocks looked
+        up in its `lookups` entry (default: the pool's map)."""
+        checkpoints = self.state_checkpoints
+        if lookups is None:
+            lookups = [None] * len(self.managers)
         hits: list[list[KVBlock]] = [[] for _ in self.managers]
         state_slot = None
         settled = False
         while not settled and max_tokens > 0:
             settled = True
             for manager in self._search_order:
-                hit = manager.find_longest_cache_hit(request.block_hashes, max_tokens // manager.block_size)
+                hit = manager.find_longest_cache_hit(
+                    request.block_hashes, max_tokens // manager.block_size, lookups[manager.group_id]
+                )
                 hits[manager.group_id] = hit
                 hit_tokens = len(hit) * manager.block_size
                 if hit_tokens < max_tokens:
@@ -212,6 +258,87 @@ class KVCacheCoordinator:
         for manager, hit in zip(self.managers, hits, strict=True):
             del hit[max_tokens // manager.block_size :]
         return CacheHit(hits, max_tokens, state_slot)
+
+    def _tiered_cache_hit(self, request: KVRequest, max_tokens: int, align: int) -> CacheHit:
+        """`find_longest_cache_hit` where blocks kept below the pool count too: the hit is searched with each
+        group's pool map and tiers seen as one (`TieredLookup`), then every block of it found below the pool is
+        copied back into a fresh block (`BlockTiers.restore`), registered under its hash in the pool and held
+        until the step's copies are taken. A block whose file proved damaged is forgotten by its store and the
+        search runs again without it; a pool that lacks the fresh blocks gives the pool's own hit."""
+        tiers = self.tiers
+        pool = self.pool
+        while True:
+            lookups = [TieredLookup(pool.cached[m.group_id], tiers, m.group_id) for m in self.managers]
+            hit = self._cache_hit(request, max_tokens, align, lookups)
+            below = [
+                (manager, index)
+                for manager, blocks in zip(self.managers, hit.blocks, strict=True)
+                for index, block in enumerate(blocks)
+                if block is BELOW_POOL
+            ]
+            if not below:
+                return hit
+            # The hit's blocks in the pool and in the host tier must survive the fresh blocks' evictions (which the
+            # host tier keeps): held while those are popped.
+            tiers.hold(
+                [(manager.group_id, manager.block_hash(request.block_hashes, index)) for manager, index in below]
+            )
+            held = [block for blocks in hit.blocks for block in blocks if block is not BELOW_POOL and not block.is_null]
+            pool.touch(held)
+            if len(below) > pool.num_free_blocks:
+                pool.free_blocks(reversed(held))
+                return self._cache_hit(request, max_tokens, align)
+            fresh = pool.get_new_blocks(len(below))
+            lost = []
+            no_room = False
+            tier_tokens: dict[str, set[int]] = {"host": set(), "disk": set()}
+            for (manager, index), block in zip(below, fresh, strict=True):
+                block_hash = manager.block_hash(request.block_hashes, index)
+                key = (manager.group_id, block_hash)
+                tier = tiers.restore(key, block.block_id)
+                if tier is None:  # a damaged file (forgotten now), or no host slot to read it into this step
+                    no_room = no_room or tiers.locate(key) is not None
+                    lost.append(block)
+                    continue
+                pool.cache_restored(block, block_hash, manager.group_id)
+                hit.blocks[manager.group_id][index] = block
+                self._restored.append(block)
+                size = manager.block_size
+                tier_tokens[tier].update(range(index * size, (index + 1) * size))
+            pool.free_blocks(lost)
+            pool.free_blocks(reversed(held))
+            if no_room:  # what came back is in the pool now: the pool's own hit
+                return self._cache_hit(request, max_tokens, align)
+            if not lost:
+                hit.disk_tokens = len(tier_tokens["disk"])
+                hit.host_tokens = len(tier_tokens["host"] - tier_tokens["disk"])
+                return hit
+
+    def attach_tiers(self, tiers: BlockTiers) -> None:
+        """Keep blocks beyond the pool (hybridkv/memory/tiers.py): the pool tells the tiers what it evicts and caches;
+        a lookup finds blocks there too and copies them back into fresh blocks, held until the step's copies are
+        taken (`take_tier_copies`)."""
+        assert self.enable_caching, "tiers keep prefix-cache blocks: prefix caching must be on"
+        self.tiers = tiers
+        self.pool.on_evict = self._evicted
+        self.pool.on_cache = self._cached
+
+    def _evicted(self, block: KVBlock) -> None:
+        """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy."""
+        self.tiers.evicted((block.hash_group, block.block_hash), block.block_id)
+
+    def _cached(self, block: KVBlock) -> None:
+        """The pool registered a computed block under its hash: the disk store writes it."""
+        self.tiers.cached((block.hash_group, block.block_hash), block.block_id)
+
+    def take_tier_copies(self) -> TierCopies:
+        """The copies between the pool and the tiers planned since the last call (the runner makes them before the
+        step's forward); the blocks restored in them are no longer held for them."""
+        if self.tiers is None:
+            return TierCopies()
+        restored, self._restored = self._restored, []
+        self.pool.free_blocks(reversed(restored))
+        return self.tiers.take_copies()
 
     def _longest_checkpoint(self, block_hashes: Sequence[bytes], max_tokens: int) -> tuple[int, int | None]:
         """The longest prefix of at most max_tokens tokens whose state is kept, and its checkpoint slot."""
@@ -343,6 +470,8 @@ class KVCacheCoordinator:
             if self.enable_caching:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += hit.num_tokens
+                self.host_hit_tokens += hit.host_tokens
+                self.disk_hit_tokens += hit.disk_tokens
         for manager, windowed, num_spare in zip(self.managers, self._is_windowed, spare_by_group, strict=True):
             if windowed:
                 manager.allocate_step(request_id, num_total, request.block_hashes, num_spare)
@@ -647,7 +776,26 @@ class KVCacheCoordinator:
             padding_layers=self.config.padding_layers,
             group_block_sizes=[group.block_size for group in self.config.groups],
             padding_fraction=self.config.padding_fraction,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, dict]:
+        """`KVCacheStats`' tier fields: hit tokens by tier and, with tiers, each one's counters."""
+        below = self.host_hit_tokens + self.disk_hit_tokens
+        by_tier = {"device": self.prefix_cache_hits - below}
+        tiers: dict[str, dict[str, int]] = {}
+        if self.tiers is not None and self.tiers.host_keeps:
+            by_tier["host"] = self.host_hit_tokens
+            host = self.tiers.host.as_dict()
+            tiers["host"] = {**host, "hit_tokens": self.host_hit_tokens, "blocks": self.tiers.num_host_blocks}
+        if self.tiers is not None and self.tiers.disk is not None:
+            by_tier["disk"] = self.disk_hit_tokens
+            tiers["disk"] = {
+                "hit_tokens": self.disk_hit_tokens,
+                "restored": self.tiers.disk_counters.restored,
+                **self.tiers.disk.counters(),
+            }
+        return {"hit_tokens_by_tier": by_tier, "tiers": tiers}
 
     def check_writable(self, request_id: str, num_computed: int, num_new_tokens: int) -> None:
         """Assert that every block the request's next num_new_tokens tokens are stored into is held by the

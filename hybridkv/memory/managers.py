@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import KeysView, Sequence
 from typing import TYPE_CHECKING
 
-from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock, cdiv
+from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockLookup, BlockPool, KVBlock, cdiv
 
 if TYPE_CHECKING:
     from hybridkv.memory.grouping import KVCacheGroupSpec
@@ -55,7 +55,9 @@ class SingleTypeManager(ABC):
         return cls(group.group_id, pool, group.block_size, hash_stride)
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_num_blocks: int, cached: BlockLookup | None = None
+    ) -> list[KVBlock]:
         """The longest hit of at most max_num_blocks of this group's blocks, as the block list it would
         start with; `block_hashes` are the request's (see the module docstring).
 
@@ -285,8 +287,10 @@ class SingleTypeManager(ABC):
 class FullAttentionManager(SingleTypeManager):
     """Every query attends to every earlier token: a hit is the longest run of cached blocks from 0."""
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        cached = self.pool.cached[self.group_id]
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_num_blocks: int, cached: BlockLookup | None = None
+    ) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id] if cached is None else cached
         stride = self.hash_stride
         hit = []
         for block_hash in block_hashes[stride - 1 : max_num_blocks * stride : stride]:

@@ -34,7 +34,7 @@ from collections.abc import Collection, KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock, cdiv
+from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockLookup, BlockPool, KVBlock, cdiv
 from hybridkv.memory.managers import SingleTypeManager, num_window_blocks
 
 if TYPE_CHECKING:
@@ -375,8 +375,10 @@ class SlidingWindowManager(WindowedManager):
     def for_group(cls, group: KVCacheGroupSpec, pool: BlockPool, hash_stride: int) -> SlidingWindowManager:
         return cls(group.group_id, pool, group.block_size, group.sliding_window, hash_stride)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        cached = self.pool.cached[self.group_id]
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_num_blocks: int, cached: BlockLookup | None = None
+    ) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id] if cached is None else cached
         need = self.num_window_blocks
         stride = self.hash_stride
         max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
@@ -419,8 +421,10 @@ class ChunkedLocalManager(WindowedManager):
     def for_group(cls, group: KVCacheGroupSpec, pool: BlockPool, hash_stride: int) -> ChunkedLocalManager:
         return cls(group.group_id, pool, group.block_size, group.attention_chunk_size, hash_stride)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_num_blocks: int) -> list[KVBlock]:
-        cached = self.pool.cached[self.group_id]
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_num_blocks: int, cached: BlockLookup | None = None
+    ) -> list[KVBlock]:
+        cached = self.pool.cached[self.group_id] if cached is None else cached
         stride = self.hash_stride
         max_num_blocks = min(max_num_blocks, len(block_hashes) // stride)
         blocks = [cached.get(h) for h in block_hashes[stride - 1 : max_num_blocks * stride : stride]]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hybridkv.memory.coordinator import TableUpdates
+from hybridkv.memory.tiers import TierCopies
 from hybridkv.scheduling.request import Request
 
 
@@ -51,6 +52,9 @@ class SchedulerOutput:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     table_updates: TableUpdates = field(default_factory=TableUpdates)
+    # The host tier's copies made while this plan was made (hybridkv/memory/tiers.py): blocks the pool evicted,
+    # read before the swap copies, and blocks copied back, written after them.
+    tier_copies: TierCopies = field(default_factory=TierCopies)
     num_tokens: int = 0
     # Whether every request added is `greedy_alone` (its token its row's argmax, no other sample in its group):
     # the engine then samples and updates the step in one pass (`OutputProcessor.record_alone`).

@@ -67,6 +67,10 @@ PATCH_FLAGS: dict[str, Any] = {
     "state_checkpoint_interval": int,
     "encoder_cache_bytes": int,
     "speculative_config": speculative_config_flag,
+    "kv_offloading_size": float,
+    "kv_offloading_backend": ["native", "lmcache"],
+    "prefix_cache_dir": str,
+    "prefix_cache_dir_size": float,
 }
 DEMO_PROMPTS = [
     "Once upon a time",

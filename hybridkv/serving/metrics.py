@@ -64,6 +64,23 @@ class EngineCollector(Collector):
         for group, count in enumerate(stats["blocks_in_use_per_group"]):
             in_use.add_metric([str(group)], count)
         yield in_use
+        tier_hits = CounterMetricFamily(
+            "hybridkv_prefix_cache_tier_hits",
+            "Prompt tokens found in the cache, by the tier their blocks came from (device, host, disk).",
+            labels=["tier"],
+        )
+        tier_blocks = CounterMetricFamily(
+            "hybridkv_prefix_cache_tier_blocks",
+            "Blocks each tier below the pool stored, restored into the pool and evicted.",
+            labels=["tier", "event"],
+        )
+        for tier, counters in stats["prefix_cache_tiers"].items():
+            tier_hits.add_metric([tier], counters["hit_tokens"])
+            for event in ("stored", "restored", "evicted"):
+                if event in counters:
+                    tier_blocks.add_metric([tier, event], counters[event])
+        yield tier_hits
+        yield tier_blocks
         usable = max(stats["num_blocks"] - 1, 1)
         yield GaugeMetricFamily(
             "vllm:kv_cache_usage_perc",
