@@ -31,7 +31,12 @@ MODELS = {
     "gemma3": lambda: tiny_model("gemma3", vocab_size=500, sliding_window=32, max_position_embeddings=1024),
     # Latent attention, paged as the latent.
     "minicpm3": ZOO["minicpm3"],
+    # Gated DeltaNet state layers beside full attention: hits restore a state checkpoint, which the pool's few
+    # checkpoint slots lose too (num_state_checkpoints below).
+    "qwen3_5": lambda: tiny_model("qwen3_5", vocab_size=500, max_position_embeddings=1024),
 }
+# What each model needs besides: a state model's checkpoints as few as its pool's blocks.
+EXTRA = {"qwen3_5": dict(num_state_checkpoints=4)}
 
 
 def sessions(num_sessions: int = 6, doc_tokens: int = 96, seed: int = 0) -> list[list[int]]:
@@ -60,9 +65,10 @@ def test_host_tier_brings_back_what_the_pool_evicted_and_keeps_tokens_exact(name
     docs = sessions()
     reference = run_turns(patched(model, num_blocks=4000), docs)
     hybridkv.unpatch(model)
-    small = run_turns(patched(model, num_blocks=24), docs)
+    extra = EXTRA.get(name, {})
+    small = run_turns(patched(model, num_blocks=24, **extra), docs)
     hybridkv.unpatch(model)
-    llm = patched(model, num_blocks=24, kv_offloading_size=0.05)
+    llm = patched(model, num_blocks=24, kv_offloading_size=0.05, **extra)
     tiered = run_turns(llm, docs)
     stats = llm.stats()
     llm.core.coordinator.tiers.check_integrity()

@@ -43,6 +43,7 @@ from hybridkv.execution.step_check import check_step_exactness
 from hybridkv.kernels.quant import is_fp8
 from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.state_slots import STATE_GROUP
 from hybridkv.memory.tiers import BlockTiers
 from hybridkv.patches.inspection import ModelLayout
 from hybridkv.patches.probe import attention_installed
@@ -286,8 +287,9 @@ class EngineCore:
 
     def _build_tiers(self) -> DiskBlockStore | None:
         """The tiers beyond the pool, where `kv_offloading_size` or `prefix_cache_dir` asks for them: the host tier's
-        slots in the runner, the disk store over the model's fingerprint; the disk store, if any."""
-        config = self.config
+        slots in the runner (a model with state checkpoints splits its bytes between blocks and checkpoints as the
+        device does), the disk store over the model's fingerprint; the disk store, if any."""
+        config, runner, coordinator = self.config, self.runner, self.coordinator
         if not config.kv_offloading_size and config.prefix_cache_dir is None:
             return None
         if self.tp is not None:
@@ -295,7 +297,16 @@ class EngineCore:
                 "kv_offloading_size and prefix_cache_dir are not supported for a tensor-parallel model yet (each rank "
                 "would keep its own shard of every block); patch without them"
             )
-        num_host_slots = config.kv_offloading_bytes // self.bytes_per_block
+        checkpoints = coordinator.state_checkpoints
+        state_bytes = sum(spec.state_bytes for spec in self.layout.states)
+        host_bytes = config.kv_offloading_bytes
+        state_host_bytes = 0
+        if checkpoints is not None:
+            checkpoint_bytes = checkpoints.num_slots * state_bytes
+            state_host_bytes = (
+                host_bytes * checkpoint_bytes // (checkpoint_bytes + coordinator.pool.num_blocks * self.bytes_per_block)
+            )
+        num_host_slots = (host_bytes - state_host_bytes) // self.bytes_per_block
         if config.kv_offloading_size and num_host_slots == 0:
             raise ValueError(
                 f"kv_offloading_size={config.kv_offloading_size:g} GiB holds no block of this model "
@@ -305,13 +316,16 @@ class EngineCore:
         if config.prefix_cache_dir is not None:
             start = time.perf_counter()
             fingerprint = model_fingerprint(self.model, repr(self.kv_config), repr(self.layer_dtypes))
-            runner = self.runner
+
+            def read_rows(group_id: int, ids: list[int]) -> list[torch.Tensor]:
+                return runner.read_states(ids) if group_id == STATE_GROUP else runner.read_pages(ids)
+
+            def write_slot(group_id: int, slot: int, payload: bytes) -> bool:
+                write = runner.write_host_state if group_id == STATE_GROUP else runner.write_host_slot
+                return write(slot, payload)
+
             disk = DiskBlockStore(
-                config.prefix_cache_dir,
-                int(config.prefix_cache_dir_size * GIB),
-                fingerprint,
-                runner.read_pages,
-                runner.write_host_slot,
+                config.prefix_cache_dir, int(config.prefix_cache_dir_size * GIB), fingerprint, read_rows, write_slot
             )
             logger.info(
                 "hybridkv: prefix_cache_dir %s: model fingerprinted in %.1f s, %d blocks of it found",
@@ -319,12 +333,19 @@ class EngineCore:
                 time.perf_counter() - start,
                 disk.num_files,
             )
-        # Without a host tier of its own, the slots only stage what a step reads from disk: a whole prompt's blocks.
+        # Without a host tier of its own, the slots only stage what a step reads from disk: a whole prompt's blocks,
+        # a checkpoint per request.
         host_keeps = num_host_slots > 0
         if not host_keeps:
             num_host_slots = cdiv(self.max_model_len, self.kv_config.block_size) * len(self.kv_config.groups)
-        self.runner.allocate_host_tier(num_host_slots)
-        self.coordinator.attach_tiers(BlockTiers(num_host_slots, disk, host_keeps))
+        runner.allocate_host_tier(num_host_slots)
+        state_tiers = None
+        if checkpoints is not None:
+            num_state_slots = state_host_bytes // state_bytes if host_keeps else config.max_num_seqs
+            if num_state_slots:
+                runner.allocate_host_state_tier(num_state_slots)
+                state_tiers = BlockTiers(num_state_slots, disk, host_keeps)
+        coordinator.attach_tiers(BlockTiers(num_host_slots, disk, host_keeps), state_tiers)
         return disk
 
     def _speculator(self, draft_engine: DraftFactory | None) -> Speculator | None:
@@ -461,11 +482,9 @@ class EngineCore:
 
     def take_model_change(self, change: ModelChange) -> None:
         """Blocks computed before `change` are never hit again; the compiled forward and CUDA graphs follow it."""
-        self.coordinator.model_key = change.key
-        if self.coordinator.tiers is not None:
-            if self.disk_store is not None:  # what the model as it was computed goes to disk first
-                self.disk_store.flush()
-            self.coordinator.tiers.model_changed(as_patched=change.key == b"")
+        if self.disk_store is not None:  # what the model as it was computed goes to disk first
+            self.disk_store.flush()
+        self.coordinator.model_changed(change.key)
         replaced = self.runner.follow_model()
         if (change.moved or replaced) and self.runner.graphs is not None:
             warnings.warn(

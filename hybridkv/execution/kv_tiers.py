@@ -70,16 +70,17 @@ def model_fingerprint(model: torch.nn.Module, layout: str, dtypes: str) -> bytes
 
 class DiskBlockStore:
     """Block files in `folder/<fingerprint>/`, at most `max_bytes` under `folder` (the `DiskStore` of
-    hybridkv/memory/tiers.py). `read_pages(block_ids)` gives blocks' pages on the CPU per device;
-    `write_slot(slot, payload)` fills a host slot from a file's payload (False for a wrong length)."""
+    hybridkv/memory/tiers.py). `read_pages(group_id, ids)` gives, for blocks of a group (or state checkpoints'
+    slots, `STATE_GROUP`), their rows on the CPU as uint8 tensors [len(ids), bytes], one per tensor they span;
+    `write_slot(group_id, slot, payload)` fills a host slot from a file's payload (False for a wrong length)."""
 
     def __init__(
         self,
         folder: Path,
         max_bytes: int,
         fingerprint: bytes,
-        read_pages: Callable[[list[int]], list[torch.Tensor]],
-        write_slot: Callable[[int, bytes], bool],
+        read_pages: Callable[[int, list[int]], list[torch.Tensor]],
+        write_slot: Callable[[int, int, bytes], bool],
     ) -> None:
         self.root = folder
         self.max_bytes = max_bytes
@@ -157,12 +158,14 @@ class DiskBlockStore:
         pending, self._pending = self._pending, []
         if not pending or not self.active:
             return
-        pages = self._read_pages([block_id for _, block_id in pending])
-        for row, (key, _) in enumerate(pending):
-            if key in self._known:
-                continue
-            payload = b"".join(page[row].numpy().tobytes() for page in pages)
-            self._write(key, payload)
+        by_group: dict[int, list[tuple[TierKey, int]]] = {}
+        for key, block_id in pending:
+            by_group.setdefault(key[0], []).append((key, block_id))
+        for group_id, entries in by_group.items():
+            rows = self._read_pages(group_id, [block_id for _, block_id in entries])
+            for row, (key, _) in enumerate(entries):
+                if key not in self._known:
+                    self._write(key, b"".join(tensor[row].numpy().tobytes() for tensor in rows))
 
     def _write(self, key: TierKey, payload: bytes) -> None:
         group_id, block_hash = key
@@ -225,7 +228,7 @@ class DiskBlockStore:
                 and data[HEADER.size : start] == block_hash
                 and len(payload) == payload_len
                 and hashlib.blake2b(payload, digest_size=16).digest() == digest
-                and self._write_slot(host_slot, payload)
+                and self._write_slot(group_id, host_slot, payload)
             ):
                 return True
         self.num_damaged += 1

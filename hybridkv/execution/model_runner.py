@@ -148,6 +148,7 @@ class ModelRunner:
         self._swap_pages: dict[torch.device, torch.Tensor] = {}
         # The host tier's slots (hybridkv/memory/tiers.py): per device, a CPU page per slot.
         self.host_pages: dict[torch.device, torch.Tensor] = {}
+        self.host_states: StatePool | None = None
         self._swap_states: StatePool | None = None
         self.kv_cache_bytes = sum(pages.numel() * pages.element_size() for pages in self._pages.values())
         # While the engine sleeps: the tensors whose storages `sleep` emptied, with their sizes; and whether it had
@@ -299,6 +300,7 @@ class ModelRunner:
         self._asleep = []
         self._swap_pages = {}
         self.host_pages = {}
+        self.host_states = None
         self._swap_states = None
         self.graphs = None
         self.state_pool = self.state_cache = None
@@ -378,6 +380,40 @@ class ModelRunner:
             start += row.numel()
         return True
 
+    def allocate_host_state_tier(self, num_slots: int) -> None:
+        """CPU state slots for the host tier's state checkpoints (pinned when a state layer runs on CUDA)."""
+        pinned = any(t.is_cuda for ts in self.state_pool.conv.values() for t in ts) or any(
+            t.is_cuda for ts in self.state_pool.recurrent.values() for t in ts
+        )
+        cpu = {spec.layer_idx: torch.device("cpu") for spec in self.states}
+        self.host_states = StatePool(self.states, num_slots, cpu, pin_memory=pinned)
+
+    def read_states(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """The slots' states on the CPU, one uint8 tensor [len(slots), bytes] per state tensor (what the disk store
+        writes of a checkpoint)."""
+        index = torch.tensor(slots)
+        return [
+            tensor[index.to(tensor.device)].cpu().contiguous().view(torch.uint8).reshape(len(slots), -1)
+            for layer_idx in self.state_pool.conv
+            for tensor in self.state_pool.tensors(layer_idx)
+        ]
+
+    def write_host_state(self, slot: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Fill a host state slot from a checkpoint's bytes (what `read_states` gives, concatenated); False, writing
+        nothing, when the length differs."""
+        tensors = [t for layer_idx in self.host_states.conv for t in self.host_states.tensors(layer_idx)]
+        sizes = [t[slot].numel() * t.element_size() for t in tensors]
+        if len(payload) != sum(sizes):
+            return False
+        if any(device.type == "cuda" for device in self._pages):
+            torch.cuda.synchronize()
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        start = 0
+        for tensor, size in zip(tensors, sizes, strict=True):
+            tensor[slot].view(torch.uint8).reshape(-1).copy_(data[start : start + size])
+            start += size
+        return True
+
     @property
     def page_bytes_all_devices(self) -> int:
         """The bytes of one block on every device together (a host slot's, a disk file's payload)."""
@@ -424,6 +460,8 @@ class ModelRunner:
             state_swap_in=plan.state_swap_in,
             offload=plan.tier_copies.offload,
             restore=plan.tier_copies.restore,
+            state_offload=plan.state_tier_copies.offload,
+            state_restore=plan.state_tier_copies.restore,
         )
         request_ids, input_ids, query_lens, seq_lens = (
             inputs.request_ids,
@@ -623,6 +661,8 @@ class ModelRunner:
         if self.state_pool is not None:
             self.state_pool.copy(inputs.state_fork_copies)
             self.state_pool.swap(self._swap_states, inputs.state_swap_out, inputs.state_swap_in)
+            if inputs.state_offload or inputs.state_restore:  # checkpoints to and from the host tier, before hits read
+                self.state_pool.swap(self.host_states, inputs.state_offload, inputs.state_restore)
             self.state_pool.copy(inputs.state_copies)
         if prepared.metadata is None:
             return None
@@ -745,6 +785,9 @@ class StepInputs:
     # (host slot, device block) in after them, before copy-on-write.
     offload: list[tuple[int, int]] = field(default_factory=list)
     restore: list[tuple[int, int]] = field(default_factory=list)
+    # The same for state checkpoints (checkpoint slot, host state slot), before the hits' state copies.
+    state_offload: list[tuple[int, int]] = field(default_factory=list)
+    state_restore: list[tuple[int, int]] = field(default_factory=list)
     # Image placeholders the step computes: their flattened rows and embeddings, and the rows of images that
     # attend both ways with how many positions past their own each sees (hybridkv/execution/multimodal.py).
     image_rows: list[int] = field(default_factory=list)

@@ -314,14 +314,16 @@ class KVCacheCoordinator:
                 hit.host_tokens = len(tier_tokens["host"] - tier_tokens["disk"])
                 return hit
 
-    def attach_tiers(self, tiers: BlockTiers) -> None:
+    def attach_tiers(self, tiers: BlockTiers, state_tiers: BlockTiers | None = None) -> None:
         """Keep blocks beyond the pool (hybridkv/memory/tiers.py): the pool tells the tiers what it evicts and caches;
         a lookup finds blocks there too and copies them back into fresh blocks, held until the step's copies are
-        taken (`take_tier_copies`)."""
+        taken (`take_tier_copies`). A model with state layers keeps its state checkpoints in `state_tiers`."""
         assert self.enable_caching, "tiers keep prefix-cache blocks: prefix caching must be on"
         self.tiers = tiers
         self.pool.on_evict = self._evicted
         self.pool.on_cache = self._cached
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.tiers = state_tiers
 
     def _evicted(self, block: KVBlock) -> None:
         """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy."""
@@ -331,14 +333,24 @@ class KVCacheCoordinator:
         """The pool registered a computed block under its hash: the disk store writes it."""
         self.tiers.cached((block.hash_group, block.block_hash), block.block_id)
 
-    def take_tier_copies(self) -> TierCopies:
+    def take_tier_copies(self) -> tuple[TierCopies, TierCopies]:
         """The copies between the pool and the tiers planned since the last call (the runner makes them before the
-        step's forward); the blocks restored in them are no longer held for them."""
+        step's forward), of blocks and of state checkpoints; the blocks restored in them are no longer held."""
         if self.tiers is None:
-            return TierCopies()
+            return TierCopies(), TierCopies()
         restored, self._restored = self._restored, []
         self.pool.free_blocks(reversed(restored))
-        return self.tiers.take_copies()
+        state_tiers = self.state_checkpoints.tiers if self.state_checkpoints is not None else None
+        return self.tiers.take_copies(), state_tiers.take_copies() if state_tiers is not None else TierCopies()
+
+    def model_changed(self, key: bytes) -> None:
+        """The model computes as `key` now: no block of another model is found in a tier (the disk tier is read and
+        written only while the model is as patched, b"", the one its files name)."""
+        self.model_key = key
+        tiers = [self.tiers, self.state_checkpoints.tiers if self.state_checkpoints is not None else None]
+        for tier in tiers:
+            if tier is not None:
+                tier.model_changed(as_patched=key == b"")
 
     def _longest_checkpoint(self, block_hashes: Sequence[bytes], max_tokens: int) -> tuple[int, int | None]:
         """The longest prefix of at most max_tokens tokens whose state is kept, and its checkpoint slot."""
@@ -717,10 +729,15 @@ class KVCacheCoordinator:
 
     def forget_cached(self) -> None:
         """Nothing is a prefix-cache hit any more, blocks nor state checkpoints (`LLMEngine.sleep`, which drops the
-        pages' and the states' contents); every request must have ended."""
+        pages' and the states' contents); every request must have ended. The host tiers forget theirs too (copies
+        planned into them may not run); the disk keeps its files."""
+        self.take_tier_copies()
         self.pool.forget_cached()
         if self.state_checkpoints is not None:
             self.state_checkpoints.forget()
+        for tier in (self.tiers, self.state_checkpoints.tiers if self.state_checkpoints is not None else None):
+            if tier is not None:
+                tier.forget()
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""
@@ -795,6 +812,13 @@ class KVCacheCoordinator:
                 "restored": self.tiers.disk_counters.restored,
                 **self.tiers.disk.counters(),
             }
+        state_tiers = self.state_checkpoints.tiers if self.state_checkpoints is not None else None
+        if state_tiers is not None:
+            if state_tiers.host_keeps:
+                host = state_tiers.host
+                tiers["host"].update(checkpoints_stored=host.stored, checkpoints_restored=host.restored)
+            if state_tiers.disk is not None:
+                tiers["disk"].update(checkpoints_restored=state_tiers.disk_counters.restored)
         return {"hit_tokens_by_tier": by_tier, "tiers": tiers}
 
     def check_writable(self, request_id: str, num_computed: int, num_new_tokens: int) -> None:

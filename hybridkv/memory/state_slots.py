@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from hybridkv.memory.tiers import BlockTiers
+
 SCRATCH_SLOT = 0
+# The group id of state checkpoints' keys in the tiers below the pool (blocks' groups count from 0).
+STATE_GROUP = 65535
 
 
 class StateSlots:
@@ -68,17 +72,52 @@ class StateCheckpoints:
         self._free = list(range(first_slot + count - 1, first_slot - 1, -1))
         self._kept: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._pending: dict[bytes, int] = {}
+        # Tiers below the pool (hybridkv/memory/tiers.py, keyed `(STATE_GROUP, block hash)`): an evicted checkpoint
+        # is copied there, a lookup that misses here brings one back. Slots found in this step: a restore must not
+        # take one (a hit's copy reads it before the forward).
+        self.tiers: BlockTiers | None = None
+        self._found: set[int] = set()
 
     @property
     def num_kept(self) -> int:
         return len(self._kept)
 
     def find(self, block_hash: bytes) -> int | None:
-        """The slot of the checkpoint after the block `block_hash` names, if one is kept (now most recently used)."""
+        """The slot of the checkpoint after the block `block_hash` names, if one is kept (now most recently used);
+        with tiers, one kept below is copied back into a slot (before the step's forward) and kept again."""
         slot = self._kept.get(block_hash)
         if slot is not None:
             self._kept.move_to_end(block_hash)
+            self._found.add(slot)
+            return slot
+        tiers = self.tiers
+        if tiers is None or block_hash in self._pending or tiers.locate((STATE_GROUP, block_hash)) is None:
+            return None
+        slot = self._slot_for_restore()
+        if slot is None:
+            return None
+        if tiers.restore((STATE_GROUP, block_hash), slot) is None:
+            self._free.append(slot)
+            return None
+        self._kept[block_hash] = slot
+        self._found.add(slot)
         return slot
+
+    def _slot_for_restore(self) -> int | None:
+        """A free slot, else the least recently used kept one that no hit of this step reads (evicted: the tiers
+        keep it)."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._kept.items():
+            if slot not in self._found:
+                del self._kept[block_hash]
+                self._evicted(block_hash, slot)
+                return slot
+        return None
+
+    def _evicted(self, block_hash: bytes, slot: int) -> None:
+        if self.tiers is not None:
+            self.tiers.evicted((STATE_GROUP, block_hash), slot)
 
     def reserve(self, block_hash: bytes) -> int | None:
         """A slot for the checkpoint after `block_hash`, or None where one is kept or planned already (or every
@@ -89,26 +128,33 @@ class StateCheckpoints:
         if self._free:
             slot = self._free.pop()
         elif self._kept:
-            slot = self._kept.popitem(last=False)[1]
+            evicted, slot = self._kept.popitem(last=False)
+            self._evicted(evicted, slot)
         else:
             return None
         self._pending[block_hash] = slot
         return slot
 
     def commit(self) -> None:
-        """The step ran: its checkpoints hold their states."""
+        """The step ran: its checkpoints hold their states (the tiers' disk store writes them)."""
+        if self.tiers is not None:
+            for block_hash, slot in self._pending.items():
+                self.tiers.cached((STATE_GROUP, block_hash), slot)
         self._kept.update(self._pending)
         self._pending.clear()
+        self._found.clear()
 
     def discard(self) -> None:
         """The step failed: its checkpoints were not (all) written."""
         self._free.extend(self._pending.values())
         self._pending.clear()
+        self._found.clear()
 
     def forget(self) -> None:
         """Drop every kept checkpoint (their slots' states are about to go: `LLMEngine.sleep`)."""
         self._free.extend(self._kept.values())
         self._kept.clear()
+        self._found.clear()
 
     def check_integrity(self) -> None:
         """Every checkpoint slot is free, kept or pending, once."""

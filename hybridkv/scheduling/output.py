@@ -55,6 +55,8 @@ class SchedulerOutput:
     # The host tier's copies made while this plan was made (hybridkv/memory/tiers.py): blocks the pool evicted,
     # read before the swap copies, and blocks copied back, written after them.
     tier_copies: TierCopies = field(default_factory=TierCopies)
+    # The same for state checkpoints: (checkpoint slot, host slot) out and back, before `state_copies`.
+    state_tier_copies: TierCopies = field(default_factory=TierCopies)
     num_tokens: int = 0
     # Whether every request added is `greedy_alone` (its token its row's argmax, no other sample in its group):
     # the engine then samples and updates the step in one pass (`OutputProcessor.record_alone`).

@@ -141,11 +141,12 @@ class Scheduler:
         out.blocks_to_copy = self.coordinator.take_copies()
         if out.scheduled or out.swap_out or out.swap_in or out.state_swap_out:  # the plan reaches the model runner
             out.table_updates = self.coordinator.take_table_updates()
-            if self.coordinator.tiers is not None and (out.scheduled or out.swap_out or out.swap_in):
-                out.tier_copies = self.coordinator.take_tier_copies()
             out.state_copies = self.coordinator.take_state_copies()
             if self.coordinator.state_checkpoints is not None:
                 out.state_checkpoints = self.coordinator.plan_state_checkpoints(out.scheduled)
+            # Last: planning the checkpoints evicts kept ones, whose copies must run before this step's forward.
+            if self.coordinator.tiers is not None and (out.scheduled or out.swap_out or out.swap_in):
+                out.tier_copies, out.state_tier_copies = self.coordinator.take_tier_copies()
         elif out.state_fork_copies:  # a plan that reaches no runner: they wait for the next one
             self.coordinator.requeue_state_copies(out.state_fork_copies)
             out.state_fork_copies = []
