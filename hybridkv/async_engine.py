@@ -201,10 +201,11 @@ class AsyncLLMEngine:
         """vLLM's `AsyncLLM.wake_up`: `LLMEngine.wake_up`, by the engine thread between two steps."""
         await self._between_steps(functools.partial(self.llm.wake_up, tags))
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_disk: bool = False) -> bool:
         """vLLM's `AsyncLLM.reset_prefix_cache`: `LLMEngine.reset_prefix_cache`, by the engine thread between two
         steps (for a change to the model that no check sees)."""
-        return await self._between_steps(functools.partial(self.llm.reset_prefix_cache, reset_running_requests))
+        reset = functools.partial(self.llm.reset_prefix_cache, reset_running_requests, reset_disk)
+        return await self._between_steps(reset)
 
     async def is_sleeping(self) -> bool:
         """vLLM's `AsyncLLM.is_sleeping`."""

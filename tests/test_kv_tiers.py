@@ -289,3 +289,70 @@ def test_metrics_and_stats_split_hits_by_tier(tmp_path):
     assert sum(t["hit_tokens"] for t in tiers.values()) == stats["prefix_cache_hits"] == sum(c for _, c in results)
     assert tiers["host"]["hit_tokens"] > 0
     assert 'hybridkv_prefix_cache_tier_hits_total{tier="host"}' in text
+
+
+def test_tiers_keep_every_mode_exact(tmp_path):
+    """Async scheduling, speculative decoding (n-gram), n > 1 and beam search on a small pool with both tiers: the
+    tokens of a pool that holds everything, and prefixes found below the pool."""
+    model = llama()
+    docs = sessions(num_sessions=5, doc_tokens=80)
+    prompts = [doc + [7, 8, 9] for doc in docs]
+    sampled = hybridkv.SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=6)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    tiers = dict(kv_offloading_size=0.05, prefix_cache_dir=tmp_path)
+
+    def outputs(llm, params):
+        return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def beams(llm):
+        found = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]], hybridkv.BeamSearchParams(2, 4))
+        return [[seq.tokens for seq in out.sequences] for out in found]
+
+    cases = [
+        ("async", dict(async_scheduling=True), lambda llm: outputs(llm, GREEDY)),
+        ("speculative", dict(speculative_config=ngram), lambda llm: outputs(llm, GREEDY)),
+        ("n=2", {}, lambda llm: outputs(llm, sampled)),
+        ("beams", {}, beams),
+    ]
+    for name, config, run in cases:
+        reference = run(patched(model, num_blocks=4000, **config))
+        hybridkv.unpatch(model)
+        llm = patched(model, num_blocks=24, **config, **tiers)
+        first, second = run(llm), run(llm)  # the second finds the prompts below the pool
+        hits = llm.stats()["prefix_cache_tiers"]
+        llm.core.coordinator.tiers.check_integrity()
+        llm.core.coordinator.pool.check_integrity()
+        hybridkv.unpatch(model)
+        assert first == reference and second == reference, name
+        assert hits["host"]["hit_tokens"] + hits["disk"]["hit_tokens"] > 0, name
+
+
+def test_reset_prefix_cache_drops_the_host_tier_and_the_disk_on_request(tmp_path):
+    model = llama()
+    docs = sessions(num_sessions=4)
+    llm = patched(model, num_blocks=24, kv_offloading_size=0.05, prefix_cache_dir=tmp_path)
+    run_turns(llm, docs, turns=1)
+    assert llm.core.coordinator.tiers.num_host_blocks > 0
+    llm.reset_prefix_cache()
+    assert llm.core.coordinator.tiers.num_host_blocks == 0
+    again = run_turns(llm, docs, turns=1)
+    assert all(cached == 0 for _, cached in again)  # nothing below the pool is read after a reset
+    assert list(tmp_path.rglob("*.kvb"))  # the files stay, for a new process
+    llm.reset_prefix_cache(reset_disk=True)
+    hybridkv.unpatch(model)
+    assert not list(tmp_path.rglob("*.kvb"))
+
+
+def test_sleep_and_wake_up_with_tiers(tmp_path):
+    model = llama()
+    docs = sessions(num_sessions=4)
+    reference = run_turns(patched(model, num_blocks=4000), docs, turns=1)
+    hybridkv.unpatch(model)
+    llm = patched(model, num_blocks=24, kv_offloading_size=0.05, prefix_cache_dir=tmp_path)
+    run_turns(llm, docs, turns=1)
+    llm.sleep()
+    llm.wake_up()
+    after = run_turns(llm, docs, turns=1)
+    hybridkv.unpatch(model)
+    assert [t for t, _ in after] == [t for t, _ in reference]
+    assert sum(c for _, c in after) > 0  # the disk's files outlive the pages

@@ -669,11 +669,14 @@ class EngineCore:
 
     # ---- memory -----------------------------------------------------------------------------------
 
-    def reset_prefix_cache(self, reset_running_requests: bool) -> ModelChange:
+    def reset_prefix_cache(self, reset_running_requests: bool, reset_disk: bool = False) -> ModelChange:
         """Make every cached block unreachable; with `reset_running_requests`, running and swapped-out requests
-        compute their tokens again. The change taken (for the front's caches)."""
+        compute their tokens again; with `reset_disk`, the disk tier's files of this model go too. The change taken
+        (for the front's caches)."""
         if reset_running_requests:
             self.scheduler.recompute_all()
+        if reset_disk and self.disk_store is not None:
+            self.disk_store.clear()
         change = self.model_watch.invalidate("reset_prefix_cache() was called")
         self.take_model_change(change)
         return change

@@ -541,15 +541,19 @@ class LLMEngine:
             self.images.keep_only(change.key)
 
     @exclusive
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_disk: bool = False) -> bool:
         """Make every cached block unreachable (vLLM's name), for a change to the model that no check sees (weights
         written outside torch's view, a non-tensor attribute edited; changes through torch are followed without
-        it). With `reset_running_requests`, running and swapped-out requests are also sent back to compute their
-        tokens again (their blocks were computed before). Returns True: the reset never waits for requests."""
+        it): the pool's and the host tier's. With `reset_running_requests`, running and swapped-out requests are
+        also sent back to compute their tokens again (their blocks were computed before). The disk tier
+        (`prefix_cache_dir`) is not read or written again by this engine (the model it names may no longer be this
+        one); with `reset_disk` (hybridkv's), its files of this model are removed too. Returns True: the reset never
+        waits for requests."""
         check_bool("reset_running_requests", reset_running_requests)
+        check_bool("reset_disk", reset_disk)
         if self.async_steps is not None:
             self.unclaimed.extend(self.async_steps.drain())
-        change = self.core.reset_prefix_cache(reset_running_requests)
+        change = self.core.reset_prefix_cache(reset_running_requests, reset_disk)
         if self.images is not None:
             self.images.keep_only(change.key)
         return True
