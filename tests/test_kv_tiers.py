@@ -356,3 +356,32 @@ def test_sleep_and_wake_up_with_tiers(tmp_path):
     hybridkv.unpatch(model)
     assert [t for t, _ in after] == [t for t, _ in reference]
     assert sum(c for _, c in after) > 0  # the disk's files outlive the pages
+
+
+def test_a_request_says_which_tier_gave_its_prefix_and_why_its_hit_stopped():
+    model = tiny_model("gemma3", vocab_size=500, sliding_window=32, max_position_embeddings=1024)
+    docs = sessions(num_sessions=6)
+    llm = patched(model, num_blocks=24)
+    first = llm.generate([docs[0] + [1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    # Group 0 holds the sliding layers (tiny Gemma 3 starts with them).
+    assert first.metrics.prefix_cache_miss == {
+        "group": 0,
+        "kind": "sliding window",
+        "tokens": 0,
+        "reason": "never cached",
+    }
+    again = llm.generate([docs[0] + [4, 5, 6]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 96 and again.metrics.prefix_cache_tiers == {"device": 96}
+    assert again.metrics.prefix_cache_miss is None  # every full block of the prompt was a hit
+    for doc in docs[1:]:  # the cyclic workload evicts the first document
+        llm.generate([doc + [1, 2, 3]], GREEDY, use_tqdm=False)
+    lost = llm.generate([docs[0] + [7, 8, 9]], GREEDY, use_tqdm=False)[0]
+    hybridkv.unpatch(model)
+    assert lost.num_cached_tokens == 0
+    assert lost.metrics.prefix_cache_miss["reason"] == "evicted" and lost.metrics.prefix_cache_miss["tokens"] == 0
+    llm = patched(model, num_blocks=24, kv_offloading_size=0.05)
+    for doc in docs:
+        llm.generate([doc + [1, 2, 3]], GREEDY, use_tqdm=False)
+    back = llm.generate([docs[0] + [7, 8, 9]], GREEDY, use_tqdm=False)[0]
+    hybridkv.unpatch(model)
+    assert back.metrics.prefix_cache_tiers == {"device": 0, "host": 96, "disk": 0}

@@ -282,7 +282,9 @@ class OutputProcessor:
                 completion.text = detokenizer.text
         group = state.group
         leader = group.leader
-        output.metrics.num_cached_tokens = leader.num_cached_tokens
+        metrics = output.metrics
+        metrics.num_cached_tokens = leader.num_cached_tokens
+        metrics.prefix_cache_tiers, metrics.prefix_cache_miss = leader.prefix_cache_tiers, leader.prefix_cache_miss
         if not leader.status.is_finished and len(group.members) == 1 and len(state.parts) == 1:  # nothing has ended
             return output
         members = state.members

@@ -8,7 +8,7 @@ hold different numbers of tokens per block (hybridkv/memory/grouping.py); token 
 from __future__ import annotations
 
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +17,7 @@ from hybridkv.memory.grouping import KVCacheConfig
 from hybridkv.memory.kv_request import KVRequest
 from hybridkv.memory.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
 from hybridkv.memory.state_slots import StateCheckpoints, StateSlots
-from hybridkv.memory.tiers import BlockTiers, TierCopies
+from hybridkv.memory.tiers import BlockTiers, TierCopies, TierKey
 from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowManager, WindowedManager
 
 # update_computed's next changes for a request it has not updated yet (both of its parts run), and the number of
@@ -57,6 +57,8 @@ class CacheHit:
     # Of num_tokens, those whose blocks were copied back from the host tier and from disk (hybridkv/memory/tiers.py).
     host_tokens: int = 0
     disk_tokens: int = 0
+    # Where the hit stopped short of the prompt, and why (`explain_miss`); None for a full hit.
+    miss: dict[str, int | str] | None = None
 
 
 @dataclass
@@ -94,12 +96,12 @@ class TieredLookup:
 
     __slots__ = ("cached", "group_id", "tiers")
 
-    def __init__(self, cached: dict[bytes, KVBlock], tiers: BlockTiers, group_id: int) -> None:
+    def __init__(self, cached: dict[bytes, KVBlock], tiers: BlockTiers | None, group_id: int) -> None:
         self.cached, self.tiers, self.group_id = cached, tiers, group_id
 
     def get(self, block_hash: bytes, /) -> KVBlock | None:
         block = self.cached.get(block_hash)
-        if block is None and self.tiers.locate((self.group_id, block_hash)) is not None:
+        if block is None and self.tiers is not None and self.tiers.locate((self.group_id, block_hash)) is not None:
             return BELOW_POOL
         return block
 
@@ -186,6 +188,11 @@ class KVCacheCoordinator:
         # Tiers beyond the pool (`attach_tiers`).
         self.tiers: BlockTiers | None = None
         self._restored: list[KVBlock] = []
+        # The keys last evicted (from the pool or a tier), most recent last: what `explain_miss` calls evicted.
+        self.evicted_keys: OrderedDict[TierKey, None] = OrderedDict()
+        self._max_evicted_keys = min(4 * num_blocks, 1 << 17)
+        if enable_caching:
+            self.pool.on_evict = self._evicted
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
         # update_computed's fast path: per request, the numbers of computed tokens at which an update can next
@@ -221,8 +228,33 @@ class KVCacheCoordinator:
         align = self.hit_alignment if checkpoints is None else checkpoints.interval
         max_tokens = min(request.num_tokens - 1, len(request.block_hashes) * self.block_size) // align * align
         if self.tiers is not None:
-            return self._tiered_cache_hit(request, max_tokens, align)
-        return self._cache_hit(request, max_tokens, align)
+            hit = self._tiered_cache_hit(request, max_tokens, align)
+        else:
+            hit = self._cache_hit(request, max_tokens, align)
+        if hit.num_tokens < max_tokens:
+            hit.miss = self.explain_miss(request, hit.num_tokens, align)
+        return hit
+
+    def explain_miss(self, request: KVRequest, num_tokens: int, align: int) -> dict[str, int | str]:
+        """Why a hit of `num_tokens` went no further: the first group (in group order) lacking a block that a hit one
+        alignment step longer reads, and whether that block was evicted (from every tier) or never cached; else a
+        state checkpoint missing there. {"group": id or -1 for the checkpoint, "kind", "tokens": where the hit
+        ended, "reason"}."""
+        end = num_tokens + align
+        for manager in self.managers:
+            size = manager.block_size
+            lookup = TieredLookup(self.pool.cached[manager.group_id], self.tiers, manager.group_id)
+            for index in range(manager.first_needed_block(end - 1), min(end // size, len(request.block_hashes))):
+                block_hash = manager.block_hash(request.block_hashes, index)
+                if lookup.get(block_hash) is None:
+                    evicted = (manager.group_id, block_hash) in self.evicted_keys
+                    return {
+                        "group": manager.group_id,
+                        "kind": manager.kind,
+                        "tokens": num_tokens,
+                        "reason": "evicted" if evicted else "never cached",
+                    }
+        return {"group": -1, "kind": "state checkpoint", "tokens": num_tokens, "reason": "no checkpoint kept there"}
 
     def _cache_hit(
         self, request: KVRequest, max_tokens: int, align: int, lookups: Sequence[BlockLookup | None] | None = None
@@ -320,14 +352,24 @@ class KVCacheCoordinator:
         taken (`take_tier_copies`). A model with state layers keeps its state checkpoints in `state_tiers`."""
         assert self.enable_caching, "tiers keep prefix-cache blocks: prefix caching must be on"
         self.tiers = tiers
-        self.pool.on_evict = self._evicted
         self.pool.on_cache = self._cached
+        tiers.on_drop = self._forgotten
         if self.state_checkpoints is not None:
             self.state_checkpoints.tiers = state_tiers
 
     def _evicted(self, block: KVBlock) -> None:
-        """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy."""
-        self.tiers.evicted((block.hash_group, block.block_hash), block.block_id)
+        """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy, if there is one."""
+        key = (block.hash_group, block.block_hash)
+        if self.tiers is not None:
+            self.tiers.evicted(key, block.block_id)
+        self._forgotten(key)
+
+    def _forgotten(self, key: TierKey) -> None:
+        """Remember that the block `key` was evicted (`explain_miss`), for the last few blocks."""
+        keys = self.evicted_keys
+        keys[key] = None
+        if len(keys) > self._max_evicted_keys:
+            keys.popitem(last=False)
 
     def _cached(self, block: KVBlock) -> None:
         """The pool registered a computed block under its hash: the disk store writes it."""

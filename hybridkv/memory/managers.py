@@ -32,6 +32,9 @@ def num_window_blocks(sliding_window: int, block_size: int) -> int:
 class SingleTypeManager(ABC):
     """Block lists of every request in one KV cache group."""
 
+    # What the group's layers attend to, in words (`KVCacheCoordinator.explain_miss`).
+    kind = "attention"
+
     #: True when a cache hit of n blocks implies hits of every shorter length (full attention).
     hits_are_prefix_closed: bool = True
 
@@ -286,6 +289,8 @@ class SingleTypeManager(ABC):
 
 class FullAttentionManager(SingleTypeManager):
     """Every query attends to every earlier token: a hit is the longest run of cached blocks from 0."""
+
+    kind = "full attention"
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_num_blocks: int, cached: BlockLookup | None = None

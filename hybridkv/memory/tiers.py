@@ -20,6 +20,7 @@ it holds a key, and load a key into a host slot (False, loading nothing, for a f
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,6 +103,8 @@ class BlockTiers:
         self.host = TierCounters()
         self.disk_counters = TierCounters()
         self.disk_on = disk is not None
+        # Told of each block the host drops for room (the coordinator's record of evicted blocks).
+        self.on_drop: Callable[[TierKey], None] | None = None
 
     @property
     def num_host_blocks(self) -> int:
@@ -201,6 +204,8 @@ class BlockTiers:
             if slot not in self._pinned:
                 del self._host[key]
                 self.host.evicted += 1
+                if self.on_drop is not None:
+                    self.on_drop(key)
                 return slot
         return None
 

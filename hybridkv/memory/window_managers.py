@@ -365,6 +365,8 @@ class SlidingWindowManager(WindowedManager):
     [p - W + 1, p): ceil((W - 1) / block_size) blocks, all earlier positions become null blocks.
     """
 
+    kind = "sliding window"
+
     def __init__(
         self, group_id: int, pool: BlockPool, block_size: int, sliding_window: int, hash_stride: int = 1
     ) -> None:
@@ -410,6 +412,8 @@ class ChunkedLocalManager(WindowedManager):
     shorter hit may start in an earlier chunk, whose blocks a longer hit did not need: hits are not
     prefix-closed.
     """
+
+    kind = "chunked local attention"
 
     def __init__(
         self, group_id: int, pool: BlockPool, block_size: int, attention_chunk_size: int, hash_stride: int = 1

@@ -42,6 +42,8 @@ class Request(KVRequest):
         "num_preemptions",
         "overlaps",
         "params",
+        "prefix_cache_miss",
+        "prefix_cache_tiers",
         "sample_index",
         "spec_length",
         "spec_misses",
@@ -69,6 +71,10 @@ class Request(KVRequest):
         self.stop_reason: str | int | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache at first admission
+        # Of those, the tokens each tier's blocks gave ("device", "host", "disk"), and where and why the hit stopped
+        # (`KVCacheCoordinator.explain_miss`; None for a whole hit).
+        self.prefix_cache_tiers: dict[str, int] = {}
+        self.prefix_cache_miss: dict[str, int | str] | None = None
         self.group = SampleGroup(request_id, [self])
         self.sample_index = 0
         # What the sampler reads for this sample and the output's record of it are the engine's, by request

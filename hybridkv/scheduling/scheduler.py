@@ -254,6 +254,12 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit.num_tokens
+                request.prefix_cache_miss = hit.miss
+                if hit.num_tokens:
+                    below = hit.host_tokens + hit.disk_tokens
+                    request.prefix_cache_tiers = {"device": hit.num_tokens - below}
+                    if below:
+                        request.prefix_cache_tiers.update(host=hit.host_tokens, disk=hit.disk_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.add(request, num_new)
