@@ -81,23 +81,14 @@ def mode_settings(mode: str, pool_blocks: int, tier_gib: float, cache_dir: str) 
     settings: dict[str, Any] = dict(num_blocks=pool_blocks)
     if mode == "host":
         settings.update(kv_offloading_size=tier_gib, kv_offloading_backend="native")
-    elif mode == "disk":
-        settings.update(prefix_cache_dir=cache_dir, prefix_cache_dir_size=tier_gib)
+    elif mode == "disk":  # the default bound (10 GiB): a disk holds every session
+        settings.update(prefix_cache_dir=cache_dir)
     return settings
 
 
-def patch_or_skip(model: torch.nn.Module, mode: str, settings: dict[str, Any]) -> hybridkv.LLMEngine | None:
-    """`hybridkv.patch(model, **settings)`, or None (with a note naming the mode) where hybridkv does not take a
-    tier's settings."""
-    try:
-        return hybridkv.patch(model, block_size=BLOCK_SIZE, use_tqdm=False, **settings)
-    except TypeError as error:
-        # Only until the host and disk tiers land: delete this except clause with them.
-        unknown = str(error).split(";")[0]
-        if unknown.startswith("unknown hybridkv setting") and any(name in unknown for name in TIER_SETTINGS):
-            print(f"  {mode:<10}skipped: this hybridkv has no tiers yet ({unknown})")
-            return None
-        raise
+def patched(model: torch.nn.Module, settings: dict[str, Any]) -> hybridkv.LLMEngine:
+    """`hybridkv.patch(model, **settings)` at the benchmark's block size, without progress bars."""
+    return hybridkv.patch(model, block_size=BLOCK_SIZE, use_tqdm=False, **settings)
 
 
 def history_blocks(llm: hybridkv.LLMEngine, tokens: int) -> int:
@@ -138,7 +129,11 @@ def sessions_row(name: str, modes: list[str], pool_override: int | None) -> bool
     llm = hybridkv.patch(model, block_size=BLOCK_SIZE, use_tqdm=False, **mode_settings("unbounded", 0, 0.0, ""))
     history = SESSIONS * history_blocks(llm, FINAL_TOKENS)
     pool_blocks = pool_override or history // 4
-    tier_gib = history * llm.bytes_per_block * 1.25 / GIB  # every session's blocks, a quarter to spare
+    # Every session's blocks and state checkpoints, a quarter to spare.
+    stats = llm.stats()
+    checkpoints = stats["state_checkpoint_interval"] and SESSIONS * FINAL_TOKENS // stats["state_checkpoint_interval"]
+    tier_bytes = history * llm.bytes_per_block + checkpoints * stats["state_bytes_per_request"]
+    tier_gib = tier_bytes * 1.25 / GIB
     groups = ", ".join(group.kind for group in llm.kv_config.groups)
     print(
         f"{name}: groups [{groups}]; history {history:,} blocks of {llm.bytes_per_block:,} bytes; pool "
@@ -150,9 +145,8 @@ def sessions_row(name: str, modes: list[str], pool_override: int | None) -> bool
         for mode in modes:
             if mode == "unbounded":
                 continue
-            llm = patch_or_skip(model, mode, mode_settings(mode, pool_blocks, tier_gib, cache_dir))
-            if llm is not None:
-                same_everywhere &= sessions_mode(model, mode, llm, reference, reference_hits) is not None
+            llm = patched(model, mode_settings(mode, pool_blocks, tier_gib, cache_dir))
+            same_everywhere &= sessions_mode(model, mode, llm, reference, reference_hits) is not None
     return same_everywhere
 
 
@@ -297,10 +291,9 @@ def ttft(args: argparse.Namespace) -> bool:
     with tempfile.TemporaryDirectory(prefix="hybridkv-tiered-") as cache_dir:
         engines: dict[str, hybridkv.LLMEngine] = {}
         for mode, model in models.items():
-            llm = patch_or_skip(model, mode, ttft_settings(mode, args.doc_tokens, pool_blocks, tier_gib, cache_dir))
-            if llm is not None:
-                engines[mode] = llm
-                first_token(llm, document(args.doc_tokens, 0) + question("first"))
+            llm = patched(model, ttft_settings(mode, args.doc_tokens, pool_blocks, tier_gib, cache_dir))
+            engines[mode] = llm
+            first_token(llm, document(args.doc_tokens, 0) + question("first"))
         if "disk" not in engines:
             print(f"  {'process':<10}skipped: a new process needs the disk tier")
         for round_index in range(args.repeats):

@@ -287,8 +287,8 @@ class EngineCore:
 
     def _build_tiers(self) -> DiskBlockStore | None:
         """The tiers beyond the pool, where `kv_offloading_size` or `prefix_cache_dir` asks for them: the host tier's
-        slots in the runner (a model with state checkpoints splits its bytes between blocks and checkpoints as the
-        device does), the disk store over the model's fingerprint; the disk store, if any."""
+        slots in the runner (a model with state checkpoints splits its bytes between blocks and checkpoints so that
+        both hold prefixes of the same length), the disk store over the model's fingerprint; the disk store, if any."""
         config, runner, coordinator = self.config, self.runner, self.coordinator
         if not config.kv_offloading_size and config.prefix_cache_dir is None:
             return None
@@ -302,10 +302,11 @@ class EngineCore:
         host_bytes = config.kv_offloading_bytes
         state_host_bytes = 0
         if checkpoints is not None:
-            checkpoint_bytes = checkpoints.num_slots * state_bytes
-            state_host_bytes = (
-                host_bytes * checkpoint_bytes // (checkpoint_bytes + coordinator.pool.num_blocks * self.bytes_per_block)
-            )
+            # Split so that both hold the same prefixes: a token of prefix costs a block's bytes per block size in
+            # every group, and a checkpoint's bytes per checkpoint interval.
+            per_token_blocks = sum(self.bytes_per_block / group.block_size for group in self.kv_config.groups)
+            per_token_states = state_bytes / checkpoints.interval
+            state_host_bytes = int(host_bytes * per_token_states / (per_token_states + per_token_blocks))
         num_host_slots = (host_bytes - state_host_bytes) // self.bytes_per_block
         if config.kv_offloading_size and num_host_slots == 0:
             raise ValueError(

@@ -5,7 +5,7 @@ A file holds one block of one KV cache group: every device's page of it, as the 
 the group and the block's chained hash, in a folder named by the model's fingerprint (`model_fingerprint`): the
 weights and buffers (every byte), the model config, the KV layout (groups, block size, page bytes), the pages'
 dtypes and hybridkv's cache format. A process with other weights, another config, KV dtype or block size reads
-another folder: it never hits. A file carries its fingerprint, key, length and a digest of its contents; one that
+another folder: it never hits. A file carries its fingerprint, key, length and a CRC-32 of its contents; one that
 does not match (truncated, damaged, another format) is a miss, with one warning, and is removed.
 
 Writes are atomic (a temporary file in the same folder, renamed into place), so processes may share a folder: the
@@ -32,6 +32,7 @@ import struct
 import tempfile
 import time
 import warnings
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,8 +45,9 @@ logger = logging.getLogger("hybridkv")
 # The layout of a block file; a change here is a new format (files of another one are misses).
 CACHE_FORMAT = 1
 MAGIC = b"HKVBLK01"
-# magic, fingerprint (32 bytes), group id, hash length, payload length, payload digest (16 bytes)
-HEADER = struct.Struct("<8s32sIHQ16s")
+# magic, fingerprint (32 bytes), group id, hash length, payload length, the payload's CRC-32 (damage, not malice:
+# a file is trusted as much as the folder it is in; 4x faster than blake2b, which was a quarter of a restore)
+HEADER = struct.Struct("<8s32sIHQI")
 SUFFIX = ".kvb"
 # How often a lookup that misses lists the folder again for files other processes wrote.
 RELIST_SECONDS = 1.0
@@ -64,7 +66,7 @@ def model_fingerprint(model: torch.nn.Module, layout: str, dtypes: str) -> bytes
         data = tensor.detach()
         digest.update(f"\n{name}:{tuple(data.shape)}:{data.dtype}\n".encode())
         if data.numel():
-            digest.update(data.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            digest.update(memoryview(data.contiguous().reshape(-1).view(torch.uint8).cpu().numpy()))
     return digest.digest()
 
 
@@ -165,35 +167,42 @@ class DiskBlockStore:
             rows = self._read_pages(group_id, [block_id for _, block_id in entries])
             for row, (key, _) in enumerate(entries):
                 if key not in self._known:
-                    self._write(key, b"".join(tensor[row].numpy().tobytes() for tensor in rows))
+                    self._write(key, [memoryview(tensor[row].numpy()) for tensor in rows])
 
-    def _write(self, key: TierKey, payload: bytes) -> None:
+    def _write(self, key: TierKey, parts: list[memoryview]) -> None:
+        """Write a block's file from its payload's parts (no copy of them joined), atomically."""
         group_id, block_hash = key
-        header = HEADER.pack(
-            MAGIC,
-            self.fingerprint,
-            group_id,
-            len(block_hash),
-            len(payload),
-            hashlib.blake2b(payload, digest_size=16).digest(),
-        )
-        data = header + block_hash + payload
-        self._make_room(len(data))
+        length = crc = 0
+        for part in parts:
+            length += part.nbytes
+            crc = zlib.crc32(part, crc)
+        header = HEADER.pack(MAGIC, self.fingerprint, group_id, len(block_hash), length, crc)
+        size = len(header) + len(block_hash) + length
+        self._make_room(size)
         path = self._path(key)
-        try:
-            handle, temporary = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".part")
-            with os.fdopen(handle, "wb") as file:
-                file.write(data)
-            os.replace(temporary, path)
-        except OSError as error:
-            self._warn(
-                f"hybridkv: could not write a prefix-cache file in {self.folder} ({error}); blocks stay in memory"
-            )
-            return
+        for attempt in range(2):
+            try:
+                handle, temporary = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".part")
+                with os.fdopen(handle, "wb") as file:
+                    file.write(header)
+                    file.write(block_hash)
+                    for part in parts:
+                        file.write(part)
+                os.replace(temporary, path)
+                break
+            except FileNotFoundError:  # the folder was removed under the process: made again, once
+                if attempt:
+                    raise
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                self._warn(
+                    f"hybridkv: could not write a prefix-cache file in {self.folder} ({error}); blocks stay in memory"
+                )
+                return
         self._known.add(key)
         self.num_written += 1
-        self.num_bytes += len(data)
-        heapq.heappush(self._files, (os.stat(path).st_mtime, str(path), len(data)))
+        self.num_bytes += size
+        heapq.heappush(self._files, (os.stat(path).st_mtime, str(path), size))
 
     def _make_room(self, size: int) -> None:
         """Remove the oldest files until `size` more bytes fit under the bound."""
@@ -212,22 +221,24 @@ class DiskBlockStore:
         warning per store) for a file that is missing or does not match."""
         path = self._path(key)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as file:
+                data = bytearray(os.fstat(file.fileno()).st_size)
+                file.readinto(data)
         except OSError:
             self._known.discard(key)
             return False
         group_id, block_hash = key
         if len(data) >= HEADER.size:
-            magic, fingerprint, group, hash_len, payload_len, digest = HEADER.unpack_from(data)
+            magic, fingerprint, group, hash_len, payload_len, crc = HEADER.unpack_from(data)
             start = HEADER.size + hash_len
-            payload = data[start:]
+            payload = memoryview(data)[start:]
             if (
                 magic == MAGIC
                 and fingerprint == self.fingerprint
                 and group == group_id
                 and data[HEADER.size : start] == block_hash
                 and len(payload) == payload_len
-                and hashlib.blake2b(payload, digest_size=16).digest() == digest
+                and zlib.crc32(payload) == crc
                 and self._write_slot(group_id, host_slot, payload)
             ):
                 return True

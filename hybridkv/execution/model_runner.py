@@ -364,7 +364,7 @@ class ModelRunner:
         tensor each (what the disk store writes)."""
         return [pages[torch.tensor(block_ids, device=device)].cpu() for device, pages in self._pages.items()]
 
-    def write_host_slot(self, slot: int, payload: bytes | bytearray | memoryview) -> bool:
+    def write_host_slot(self, slot: int, payload: bytearray | memoryview) -> bool:
         """Fill a host slot from a block's bytes, every device's page in the runner's order (what `read_pages`
         gives, concatenated); False, writing nothing, when the length differs. On CUDA, copies that read the host
         slots are finished first (a slot freed by the last step may still be read by its restore)."""
@@ -372,7 +372,7 @@ class ModelRunner:
             return False
         if any(device.type == "cuda" for device in self._pages):
             torch.cuda.synchronize()
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(payload, dtype=torch.uint8)
         start = 0
         for device in self._pages:
             row = self.host_pages[device][slot]
@@ -398,7 +398,7 @@ class ModelRunner:
             for tensor in self.state_pool.tensors(layer_idx)
         ]
 
-    def write_host_state(self, slot: int, payload: bytes | bytearray | memoryview) -> bool:
+    def write_host_state(self, slot: int, payload: bytearray | memoryview) -> bool:
         """Fill a host state slot from a checkpoint's bytes (what `read_states` gives, concatenated); False, writing
         nothing, when the length differs."""
         tensors = [t for layer_idx in self.host_states.conv for t in self.host_states.tensors(layer_idx)]
@@ -407,7 +407,7 @@ class ModelRunner:
             return False
         if any(device.type == "cuda" for device in self._pages):
             torch.cuda.synchronize()
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(payload, dtype=torch.uint8)
         start = 0
         for tensor, size in zip(tensors, sizes, strict=True):
             tensor[slot].view(torch.uint8).reshape(-1).copy_(data[start : start + size])
