@@ -197,6 +197,77 @@ def sessions(args: argparse.Namespace) -> bool:
     return all(results)
 
 
+# ---- part 3: eviction in the pool alone ----------------------------------------------------------------------
+
+SYSTEM_TOKENS, USERS, ROUNDS, USER_DOC_TOKENS, QUESTION = 256, 8, 3, 96, 16
+
+
+def run_system_prompt(llm: hybridkv.LLMEngine, vocab: int) -> tuple[list[list[int]], int]:
+    """The shared-system-prompt workload: every request is one system prompt + its user's document + a question of
+    its round, users round robin, rounds after each other: each request's tokens, and the cached prompt tokens."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    system = random_ids("system", SYSTEM_TOKENS, vocab)
+    tokens, cached = [], 0
+    for round_index in range(ROUNDS):
+        for user in range(USERS):
+            prompt = system + random_ids(f"user {user}", USER_DOC_TOKENS, vocab)
+            prompt += random_ids(f"question {user} {round_index}", QUESTION, vocab)
+            (output,) = llm.generate([prompt], params, use_tqdm=False)
+            tokens.append(list(output.outputs[0].token_ids))
+            cached += output.num_cached_tokens
+    return tokens, cached
+
+
+def eviction(args: argparse.Namespace) -> bool:
+    """Plain LRU against window-aware eviction (`KVCacheCoordinator.window_aware_eviction`), the pool alone, on the
+    sessions workload and the shared-system-prompt one, alternated; False if their tokens differ."""
+    from hybridkv.memory.coordinator import KVCacheCoordinator
+
+    print(
+        f"torch {torch.__version__}; the pool alone: plain LRU against window-aware eviction (blocks a window left "
+        f"behind reused before other cached blocks); cached prompt tokens (sessions: turns 2-{TURNS}; system prompt: "
+        f"{USERS} users x {ROUNDS} rounds of a {SYSTEM_TOKENS}-token system prompt + a {USER_DOC_TOKENS}-token "
+        f"document + a {QUESTION}-token question)"
+    )
+    same = True
+    for name in args.models.split(","):
+        model = SESSION_MODELS[name]()
+        probe = patched(model, mode_settings("unbounded", 0, 0.0, ""))
+        history = SESSIONS * history_blocks(probe, FINAL_TOKENS)
+        system_history = history_blocks(probe, SYSTEM_TOKENS) + USERS * history_blocks(
+            probe, USER_DOC_TOKENS + QUESTION + MAX_NEW
+        )
+        unbounded = (run_sessions(probe, model.config.vocab_size), run_system_prompt(probe, model.config.vocab_size))
+        hybridkv.unpatch(model)
+        # The system-prompt workload's pool: half its history, at least a request at the model's length.
+        system_pool = max(system_history // 2, history_blocks(probe, probe.max_model_len) + 1)
+        for label, blocks in (("quarter", history // 4), ("half", history // 2)):
+            system_blocks = system_pool if label == "quarter" else system_history
+            results = {}
+            for window_aware in (False, True):
+                KVCacheCoordinator.window_aware_eviction = window_aware
+                try:
+                    llm = patched(model, dict(num_blocks=blocks))
+                    generated, cached, _ = run_sessions(llm, model.config.vocab_size)
+                    hybridkv.unpatch(model)
+                    llm = patched(model, dict(num_blocks=system_blocks))
+                    system_tokens, system_cached = run_system_prompt(llm, model.config.vocab_size)
+                    hybridkv.unpatch(model)
+                finally:
+                    KVCacheCoordinator.window_aware_eviction = True
+                results[window_aware] = (sum(sum(t[1:]) for t in cached), system_cached)
+                same &= generated == unbounded[0][0] and system_tokens == unbounded[1][0]
+            (lru_sessions, lru_system), (window_sessions, window_system) = results[False], results[True]
+            print(
+                f"  {name:<8} pool {label:<7} ({blocks:>4} / {system_blocks:>4} blocks): "
+                f"sessions LRU {lru_sessions:>6,} window-aware {window_sessions:>6,} "
+                f"(unbounded {sum(sum(t[1:]) for t in unbounded[0][1]):,}); "
+                f"system prompt LRU {lru_system:>6,} window-aware {window_system:>6,} (unbounded {unbounded[1][1]:,})"
+            )
+    print("same tokens as the unbounded pool in every run:", "yes" if same else "MISMATCH")
+    return same
+
+
 # ---- part 2: a returning session's time to first token ---------------------------------------------------------
 
 
@@ -350,6 +421,7 @@ def main() -> None:
     part = parser.add_mutually_exclusive_group()
     part.add_argument("--sessions", action="store_true", help="part 1 (the default): returning chat sessions")
     part.add_argument("--ttft", action="store_true", help="part 2: a returning session's time to first token")
+    part.add_argument("--eviction", action="store_true", help="part 3: LRU against window-aware eviction")
     parser.add_argument("--models", default=",".join(SESSION_MODELS))
     parser.add_argument("--modes", default=",".join(SESSION_MODES))
     parser.add_argument("--pool-blocks", type=int, default=None, help="the small pool (default: computed)")
@@ -368,7 +440,7 @@ def main() -> None:
         parser.error(f"unknown models or modes: {', '.join(sorted(unknown))}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    if not (ttft(args) if args.ttft else sessions(args)):
+    if not (ttft(args) if args.ttft else eviction(args) if args.eviction else sessions(args)):
         sys.exit(1)
 
 

@@ -35,6 +35,25 @@ def test_free_queue_release_puts_hashed_blocks_at_the_tail_and_others_at_the_hea
     assert len(queue) == 5
 
 
+def test_free_queue_keeps_blocks_of_little_worth_between_the_unhashed_and_the_cached():
+    blocks = [KVBlock(i) for i in range(1, 9)]
+    queue = FreeBlockQueue(blocks[:2])
+    for block, digest in zip(blocks[2:], b"abcdef", strict=True):
+        block.block_hash = bytes([digest])
+    queue.release(blocks[2:4])  # cached: the tail
+    queue.release(blocks[4:7], low=True)  # left behind by a window: oldest first, before the cached
+    queue.release([blocks[7]])
+    assert ids(queue) == [1, 2, 5, 6, 7, 3, 4, 8]
+    assert queue.run_sizes == [2, 3, 3] and queue.num_spare_blocks == 5
+    queue.keep(blocks[5])  # a prefix's end: now the most recently used
+    assert ids(queue) == [1, 2, 5, 7, 3, 4, 8, 6] and queue.run_sizes == [2, 2, 4]
+    queue.remove(blocks[4])
+    assert ids(queue.popleft_n(3)) == [1, 2, 7]  # the sentinels between runs are passed over and stay
+    assert queue.run_sizes == [0, 0, 4] and ids(queue) == [3, 4, 8, 6]
+    queue.release([blocks[0]])
+    assert ids(queue) == [1, 3, 4, 8, 6] and queue.popleft().block_id == 1 and len(queue) == 4
+
+
 def test_free_queue_refuses_to_pop_more_than_it_holds():
     queue = FreeBlockQueue([KVBlock(1)])
     with pytest.raises(IndexError):

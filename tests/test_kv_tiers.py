@@ -385,3 +385,27 @@ def test_a_request_says_which_tier_gave_its_prefix_and_why_its_hit_stopped():
     back = llm.generate([docs[0] + [7, 8, 9]], GREEDY, use_tqdm=False)[0]
     hybridkv.unpatch(model)
     assert back.metrics.prefix_cache_tiers == {"device": 0, "host": 96, "disk": 0}
+
+
+def test_unpatch_with_tiers_frees_every_block_without_the_cycle_collector(tmp_path):
+    """The pool's and the tiers' callbacks into the coordinator are dropped at unpatch: no cycle keeps the blocks."""
+    import gc
+
+    from hybridkv.memory.block_pool import KVBlock
+
+    def live_blocks():
+        return sum(type(o) is KVBlock for o in gc.get_objects())
+
+    model = tiny_model("qwen3_5", vocab_size=500, max_position_embeddings=1024)
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_blocks()
+        llm = patched(model, num_blocks=24, num_state_checkpoints=4, kv_offloading_size=0.05, prefix_cache_dir=tmp_path)
+        run_turns(llm, sessions(num_sessions=2), turns=1)
+        assert live_blocks() >= before + 24
+        hybridkv.unpatch(model)
+        del llm
+        assert live_blocks() == before
+    finally:
+        gc.enable()

@@ -710,7 +710,7 @@ class EngineCore:
             self.tp.stop()
         if self.disk_store is not None:
             self.disk_store.flush()
-        self.coordinator.pool.close()
+        self.coordinator.close()
         self.runner.close()
         if self.speculator is not None:
             self.speculator.close()

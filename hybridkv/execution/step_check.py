@@ -216,7 +216,7 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
         yield from _compare(model, prompts, coordinator, runner)
     finally:
         runner.close()
-        coordinator.pool.close()  # its blocks link each other: freed now, not by the cycle collector
+        coordinator.close()  # its blocks link each other: freed now, not by the cycle collector
 
 
 def _compare(

@@ -3,13 +3,14 @@
 The pool knows nothing of layer kinds, requests or tensors. A block id names one page in every KV
 tensor; which KV cache group a block currently serves is decided by whoever allocated it.
 
-Free queue layout (an intrusive doubly linked list through the blocks themselves)::
+Free queue layout (an intrusive doubly linked list through the blocks themselves, in three runs)::
 
-    head -> [unhashed frees ... | hashed frees, least recently used first ...] <- tail
-            ^ allocation pops here                  freed hashed blocks join here ^
+    head -> [unhashed ...] [hashed, of little worth ...] [hashed, least recently used first ...] <- tail
+            ^ allocation pops here                                 freed hashed blocks join here ^
 
-Allocation pops the head, so blocks that hold nothing reusable go first and the least recently used
-cached block is the next to be evicted.
+Allocation pops the head, so blocks that hold nothing reusable go first, then blocks a sliding window left behind
+(window-aware eviction: a hit reads a window's blocks only where it ends), and then the least recently used cached
+block.
 
 The block arithmetic every layer shares lives here too (`NULL_BLOCK_ID`, `cdiv`). hybridkv/kernels/ imports nothing
 of hybridkv/ (hybridkv/kernels/__init__.py says why), so hybridkv/kernels/cache.py states the null block id again and
@@ -18,6 +19,7 @@ tests/test_kernels_backend.py pins the two equal.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -33,7 +35,7 @@ def cdiv(numerator: int, denominator: int) -> int:
 class KVBlock:
     """One physical block. `ref_cnt` counts the (request, group) block lists that hold it."""
 
-    __slots__ = ("block_hash", "block_id", "hash_group", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "free_run", "hash_group", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -42,6 +44,7 @@ class KVBlock:
         self.hash_group = -1
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.free_run = 0  # which run of the free queue it is in, while free (`FreeBlockQueue`)
 
     @property
     def is_null(self) -> bool:
@@ -60,42 +63,57 @@ class BlockLookup(Protocol):
 
 
 class FreeBlockQueue:
-    """Doubly linked queue of free blocks, linked through `prev_free`/`next_free`.
+    """Doubly linked queue of free blocks, linked through `prev_free`/`next_free`, in three runs that a sentinel
+    block ends each of::
 
-    Every operation is O(1) per block and creates no objects: removing a block from the middle
-    (a prefix-cache hit on a free block) only relinks its neighbours.
+        head -> [unhashed] -> LOW -> [hashed, of little worth, oldest first] -> HIGH -> [hashed, LRU] <- tail
+
+    Every operation is O(1) per block and creates no objects: removing a block from the middle (a prefix-cache hit
+    on a free block) only relinks its neighbours. Popping passes the sentinels over, which stay in the queue.
     """
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
         self._head = KVBlock(-1)
         self._tail = KVBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
+        self._low = KVBlock(-1)  # ends the unhashed run
+        self._high = KVBlock(-1)  # ends the run of little worth
+        chain = (self._head, self._low, self._high, self._tail)
+        for first, second in itertools.pairwise(chain):
+            first.next_free, second.prev_free = second, first
         self.num_free_blocks = 0
-        for block in blocks:
-            self.append(block)
+        # Blocks in each run: unhashed, of little worth, the rest (`num_spare_blocks` is the first two).
+        self.run_sizes = [0, 0, 0]
+        for block in blocks:  # unhashed: the first run
+            self._link_before(self._low, block)
+            self.num_free_blocks += 1
+            self.run_sizes[0] += 1
 
     def popleft(self) -> KVBlock:
-        """Remove and return the head block; IndexError when empty."""
-        block = self._head.next_free
-        if block is self._tail:
+        """Remove and return the first block; IndexError when empty."""
+        if not self.num_free_blocks:
             raise IndexError("pop from an empty free block queue")
-        self._unlink(block)
-        return block
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVBlock]:
         """Remove and return the first n blocks in queue order; the caller checked n <= free."""
         if n > self.num_free_blocks:
             raise IndexError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
         out = []
+        low, high = self._low, self._high
+        run_sizes = self.run_sizes
         block = self._head.next_free
-        for _ in range(n):
+        while len(out) < n:
+            if block is low or block is high:
+                block = block.next_free
+                continue
             out.append(block)
+            run_sizes[block.free_run] -= 1
             next_block = block.next_free
+            prev_block = block.prev_free
+            prev_block.next_free = next_block
+            next_block.prev_free = prev_block
             block.prev_free = block.next_free = None
             block = next_block
-        self._head.next_free = block
-        block.prev_free = self._head
         self.num_free_blocks -= n
         return out
 
@@ -107,17 +125,29 @@ class FreeBlockQueue:
 
     def append(self, block: KVBlock) -> None:
         """Put a block at the tail: evicted last."""
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._link_before(self._tail, block)
+        block.free_run = 2
+        self.run_sizes[2] += 1
         self.num_free_blocks += 1
 
-    def release(self, blocks: list[KVBlock]) -> None:
-        """Link blocks that just reached ref count 0, in order: hashed ones at the tail (kept for
-        hits, least recently used first), unhashed ones at the head (reused first)."""
-        head, tail = self._head, self._tail
+    def keep(self, block: KVBlock) -> None:
+        """Move a free block of little worth to the tail (now the most recently used of the cached ones)."""
+        if block.prev_free is not None and block.free_run == 1:
+            self._unlink(block)
+            self.append(block)
+
+    @property
+    def num_spare_blocks(self) -> int:
+        """Free blocks whose reuse loses nothing a hit is likely to read: the unhashed and those of little worth."""
+        return self.run_sizes[0] + self.run_sizes[1]
+
+    def release(self, blocks: list[KVBlock], low: bool = False) -> None:
+        """Link blocks that just reached ref count 0, in order: unhashed ones at the head (reused first), hashed ones
+        at the tail (kept for hits, least recently used first) or, `low`, at the end of the run of little worth
+        (blocks a sliding window left behind: reused after the unhashed ones, before any other hashed one)."""
+        head = self._head
+        end, run = (self._high, 1) if low else (self._tail, 2)
+        run_sizes = self.run_sizes
         for block in blocks:
             if block.block_hash is None:
                 first = head.next_free
@@ -125,29 +155,44 @@ class FreeBlockQueue:
                 block.next_free = first
                 block.prev_free = head
                 head.next_free = block
+                block.free_run = 0
             else:
-                last = tail.prev_free
+                last = end.prev_free
                 last.next_free = block
                 block.prev_free = last
-                block.next_free = tail
-                tail.prev_free = block
+                block.next_free = end
+                end.prev_free = block
+                block.free_run = run
+            run_sizes[block.free_run] += 1
         self.num_free_blocks += len(blocks)
+
+    def _link_before(self, end: KVBlock, block: KVBlock) -> None:
+        last = end.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = end
+        end.prev_free = block
 
     def _unlink(self, block: KVBlock) -> None:
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
         block.prev_free = block.next_free = None
         self.num_free_blocks -= 1
+        self.run_sizes[block.free_run] -= 1
 
     def close(self) -> None:
-        """Drop every link, the sentinels' included (they point at each other when empty)."""
-        self._head.next_free = self._tail.prev_free = None
+        """Drop every link, the sentinels' included."""
+        for sentinel in (self._head, self._low, self._high, self._tail):
+            sentinel.next_free = sentinel.prev_free = None
         self.num_free_blocks = 0
+        self.run_sizes = [0, 0, 0]
 
     def __iter__(self) -> Iterator[KVBlock]:
+        sentinels = (self._low, self._high)
         block = self._head.next_free
         while block is not self._tail:
-            yield block
+            if block not in sentinels:
+                yield block
             block = block.next_free
 
     def __len__(self) -> int:
@@ -260,11 +305,12 @@ class BlockPool:
         block.hash_group = -1
         self.num_evictions += 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock], low: bool = False) -> None:
         """Drop one reference each, in the given order (callers pass a request's blocks tail-first).
 
         A block reaching ref count 0 joins the tail if it carries a hash (still a cache hit until
-        evicted) and the head if not (nothing to keep, so it is reused before any cached block).
+        evicted) and the head if not (nothing to keep, so it is reused before any cached block); with `low`, a
+        hashed one joins the run of little worth, reused before any other hashed block (`FreeBlockQueue`).
         """
         released = []
         for block in ordered_blocks:
@@ -273,7 +319,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(block)
-        self.free_queue.release(released)
+        self.free_queue.release(released, low)
 
     def forget_cached(self) -> None:
         """Drop every cached block's hash (vLLM's `reset_prefix_cache`), for a pool none of whose blocks is held
@@ -291,6 +337,7 @@ class BlockPool:
         self.free_queue.close()
         self.blocks = []
         self.cached = []
+        self.on_evict = self.on_cache = None  # the coordinator's methods: a cycle through it otherwise
 
     def check_integrity(self) -> None:
         """Assert the pool's own accounting: every block is exactly one of null / free / used."""
@@ -303,6 +350,10 @@ class BlockPool:
             assert not block.is_null, "the null block is in the free queue"
             in_queue.add(block.block_id)
         assert len(in_queue) == self.free_queue.num_free_blocks
+        runs = [0, 0, 0]
+        for block in self.free_queue:
+            runs[block.free_run] += 1
+        assert runs == self.free_queue.run_sizes, f"free runs {runs} counted as {self.free_queue.run_sizes}"
         for block in self.blocks[1:]:
             if block.block_id not in in_queue:
                 assert block.ref_cnt > 0, f"{block} is neither free nor used"

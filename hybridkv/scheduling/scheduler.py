@@ -498,6 +498,7 @@ class Scheduler:
             self.swap_space.free(self.swap_records.pop(request.request_id).cpu_block_ids)
             if self.swap_states is not None:
                 self.swap_states.release(request.request_id)
+        self.coordinator.keep_prefix_end(request)
         self.coordinator.free(request.request_id)
         for follower in request.group.held_followers(request):
             follower.finish(status, error)
