@@ -223,7 +223,11 @@ class EngineConfig:
         # The host tier and swap space are separate budgets (a swapped request's blocks must come back; the tier's may
         # be dropped at any time), which together keep to the share of the host's memory swap space alone may take.
         host = host_memory_bytes()
-        if host is not None and self.kv_offloading_bytes + self.swap_space_bytes > MAX_SWAP_SHARE * host:
+        if (
+            host is not None
+            and self.kv_offloading_bytes
+            and self.kv_offloading_bytes + self.swap_space_bytes > MAX_SWAP_SHARE * host
+        ):
             room = max(0.0, MAX_SWAP_SHARE * host - self.swap_space_bytes) / GIB
             raise ValueError(
                 f"kv_offloading_size={self.kv_offloading_size:g} GiB with swap_space={self.swap_space_bytes / GIB:g} "

@@ -35,7 +35,7 @@ def cdiv(numerator: int, denominator: int) -> int:
 class KVBlock:
     """One physical block. `ref_cnt` counts the (request, group) block lists that hold it."""
 
-    __slots__ = ("block_hash", "block_id", "free_run", "hash_group", "next_free", "prev_free", "ref_cnt")
+    __slots__ = ("block_hash", "block_id", "free_run", "hash_group", "next_free", "prev_free", "ref_cnt", "was_hit")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -45,6 +45,7 @@ class KVBlock:
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
         self.free_run = 0  # which run of the free queue it is in, while free (`FreeBlockQueue`)
+        self.was_hit = False  # taken as a prefix-cache hit since it was last filled: never of little worth
 
     @property
     def is_null(self) -> bool:
@@ -95,25 +96,27 @@ class FreeBlockQueue:
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVBlock]:
-        """Remove and return the first n blocks in queue order; the caller checked n <= free."""
+        """Remove and return the first n blocks in queue order; the caller checked n <= free. Run by run, each
+        popped in one tight loop after its sentinel (the run sizes say how many each gives)."""
         if n > self.num_free_blocks:
             raise IndexError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
-        out = []
-        low, high = self._low, self._high
+        out: list[KVBlock] = []
         run_sizes = self.run_sizes
-        block = self._head.next_free
-        while len(out) < n:
-            if block is low or block is high:
-                block = block.next_free
+        for run, start in enumerate((self._head, self._low, self._high)):
+            count = min(n - len(out), run_sizes[run])
+            if not count:
                 continue
-            out.append(block)
-            run_sizes[block.free_run] -= 1
-            next_block = block.next_free
-            prev_block = block.prev_free
-            prev_block.next_free = next_block
-            next_block.prev_free = prev_block
-            block.prev_free = block.next_free = None
-            block = next_block
+            block = start.next_free
+            for _ in range(count):
+                out.append(block)
+                next_block = block.next_free
+                block.prev_free = block.next_free = None
+                block = next_block
+            start.next_free = block
+            block.prev_free = start
+            run_sizes[run] -= count
+            if len(out) == n:
+                break
         self.num_free_blocks -= n
         return out
 
@@ -144,9 +147,10 @@ class FreeBlockQueue:
     def release(self, blocks: list[KVBlock], low: bool = False) -> None:
         """Link blocks that just reached ref count 0, in order: unhashed ones at the head (reused first), hashed ones
         at the tail (kept for hits, least recently used first) or, `low`, at the end of the run of little worth
-        (blocks a sliding window left behind: reused after the unhashed ones, before any other hashed one)."""
-        head = self._head
-        end, run = (self._high, 1) if low else (self._tail, 2)
+        (blocks a sliding window left behind: reused after the unhashed ones, before any other hashed one), unless
+        a request took the block as a hit since it was filled."""
+        head, tail = self._head, self._tail
+        end, run = (self._high, 1) if low else (tail, 2)
         run_sizes = self.run_sizes
         for block in blocks:
             if block.block_hash is None:
@@ -156,14 +160,17 @@ class FreeBlockQueue:
                 block.prev_free = head
                 head.next_free = block
                 block.free_run = 0
+                run_sizes[0] += 1
             else:
-                last = end.prev_free
+                # A block some request took as a hit is worth keeping wherever a window left it (a shared prefix's end).
+                block_end, block_run = (tail, 2) if block.was_hit else (end, run)
+                last = block_end.prev_free
                 last.next_free = block
                 block.prev_free = last
-                block.next_free = end
-                end.prev_free = block
-                block.free_run = run
-            run_sizes[block.free_run] += 1
+                block.next_free = block_end
+                block_end.prev_free = block
+                block.free_run = block_run
+                run_sizes[block_run] += 1
         self.num_free_blocks += len(blocks)
 
     def _link_before(self, end: KVBlock, block: KVBlock) -> None:
@@ -220,6 +227,11 @@ class BlockPool:
         # Tiers beyond the pool (hybridkv/memory/tiers.py): told of each block about to lose its hash to a reuse
         # (its page still holds the tokens) and of each block registered under a hash (its page computed).
         self.on_evict: Callable[[KVBlock], None] | None = None
+        # Per group, the hashes of the blocks evicted last (here or from a tier below), oldest first: a miss on one
+        # of them is "evicted" (`KVCacheCoordinator.explain_miss`), else "never cached".
+        self.evicted_keys: list[dict[bytes, None]] = [{} for _ in range(num_groups)]
+        self.max_evicted_keys = min(4 * num_blocks, 1 << 17)
+        self._evictions_since_cut = 0
         self.on_cache: Callable[[KVBlock], None] | None = None
 
     @property
@@ -233,20 +245,44 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
         blocks = self.free_queue.popleft_n(n)
-        cached, on_evict = self.cached, self.on_evict
+        cached, on_evict, remembered = self.cached, self.on_evict, self.evicted_keys
+        evictions = self.num_evictions
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
                 if on_evict is not None:
                     on_evict(block)
-                group_map = cached[block.hash_group]
+                group = block.hash_group
+                group_map = cached[group]
                 if group_map.get(block_hash) is block:
                     del group_map[block_hash]
+                remembered[group][block_hash] = None
                 block.block_hash = None
                 block.hash_group = -1
-                self.num_evictions += 1
+                block.was_hit = False
+                evictions += 1
             block.ref_cnt = 1
+        if evictions != self.num_evictions:
+            self._forget_old_evictions(evictions - self.num_evictions)
+            self.num_evictions = evictions
         return blocks
+
+    def record_evicted(self, group_id: int, block_hash: bytes) -> None:
+        """Remember that the block of `block_hash` in group `group_id` was evicted from a tier below the pool."""
+        self.evicted_keys[group_id][block_hash] = None
+        self._forget_old_evictions(1)
+
+    def _forget_old_evictions(self, count: int) -> None:
+        """`evicted_keys` keeps about the last `max_evicted_keys` evictions per group: each group's map is cut to its
+        newest half of that once `count`s added since the last cut reach it (one cut per so many evictions)."""
+        self._evictions_since_cut += count
+        if self._evictions_since_cut < self.max_evicted_keys:
+            return
+        self._evictions_since_cut = 0
+        keep = self.max_evicted_keys
+        self.evicted_keys = [
+            dict.fromkeys(list(keys)[-keep:]) if len(keys) > keep else keys for keys in self.evicted_keys
+        ]
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on each block (a prefix-cache hit); free ones leave the queue."""
@@ -257,6 +293,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 queue.remove(block)
             block.ref_cnt += 1
+            block.was_hit = True
 
     def cache_blocks(self, blocks: Iterable[KVBlock], block_hashes: Iterable[bytes], group_id: int) -> None:
         """Register full blocks under their hashes (pairwise). Null blocks, blocks that already
@@ -301,6 +338,8 @@ class BlockPool:
         group_map = self.cached[block.hash_group]
         if group_map.get(block.block_hash) is block:
             del group_map[block.block_hash]
+        self.evicted_keys[block.hash_group][block.block_hash] = None
+        self._forget_old_evictions(1)
         block.block_hash = None
         block.hash_group = -1
         self.num_evictions += 1

@@ -8,7 +8,7 @@ hold different numbers of tokens per block (hybridkv/memory/grouping.py); token 
 from __future__ import annotations
 
 import sys
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -193,11 +193,6 @@ class KVCacheCoordinator:
         # Tiers beyond the pool (`attach_tiers`).
         self.tiers: BlockTiers | None = None
         self._restored: list[KVBlock] = []
-        # The keys last evicted (from the pool or a tier), most recent last: what `explain_miss` calls evicted.
-        self.evicted_keys: OrderedDict[TierKey, None] = OrderedDict()
-        self._max_evicted_keys = min(4 * num_blocks, 1 << 17)
-        if enable_caching:
-            self.pool.on_evict = self._evicted
         # Requests freed since the last take_table_updates.
         self._freed: list[str] = []
         # update_computed's fast path: per request, the numbers of computed tokens at which an update can next
@@ -252,7 +247,7 @@ class KVCacheCoordinator:
             for index in range(manager.first_needed_block(end - 1), min(end // size, len(request.block_hashes))):
                 block_hash = manager.block_hash(request.block_hashes, index)
                 if lookup.get(block_hash) is None:
-                    evicted = (manager.group_id, block_hash) in self.evicted_keys
+                    evicted = block_hash in self.pool.evicted_keys[manager.group_id]
                     return {
                         "group": manager.group_id,
                         "kind": manager.kind,
@@ -357,24 +352,19 @@ class KVCacheCoordinator:
         taken (`take_tier_copies`). A model with state layers keeps its state checkpoints in `state_tiers`."""
         assert self.enable_caching, "tiers keep prefix-cache blocks: prefix caching must be on"
         self.tiers = tiers
+        self.pool.on_evict = self._evicted
         self.pool.on_cache = self._cached
         tiers.on_drop = self._forgotten
         if self.state_checkpoints is not None:
             self.state_checkpoints.tiers = state_tiers
 
     def _evicted(self, block: KVBlock) -> None:
-        """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy, if there is one."""
-        key = (block.hash_group, block.block_hash)
-        if self.tiers is not None:
-            self.tiers.evicted(key, block.block_id)
-        self._forgotten(key)
+        """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy."""
+        self.tiers.evicted((block.hash_group, block.block_hash), block.block_id)
 
     def _forgotten(self, key: TierKey) -> None:
-        """Remember that the block `key` was evicted (`explain_miss`), for the last few blocks."""
-        keys = self.evicted_keys
-        keys[key] = None
-        if len(keys) > self._max_evicted_keys:
-            keys.popitem(last=False)
+        """The host tier dropped the block `key` for room: an eviction `explain_miss` may name."""
+        self.pool.record_evicted(*key)
 
     def _cached(self, block: KVBlock) -> None:
         """The pool registered a computed block under its hash: the disk store writes it."""
