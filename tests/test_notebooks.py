@@ -13,7 +13,7 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_SECONDS = 120
 
 
-def test_the_six_notebooks_are_there():
+def test_the_seven_notebooks_are_there():
     assert [path.name for path in NOTEBOOKS] == [
         "01_quickstart.ipynb",
         "02_memory_anatomy.ipynb",
@@ -21,6 +21,7 @@ def test_the_six_notebooks_are_there():
         "04_when_a_model_is_refused.ipynb",
         "05_beam_search_and_forks.ipynb",
         "06_models_that_change.ipynb",
+        "07_a_cache_that_outlives_the_kernel.ipynb",
     ]
 
 
