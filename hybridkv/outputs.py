@@ -49,9 +49,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
-    # hybridkv's: of num_cached_tokens, the tokens each tier gave ("device", "host", "disk"), and where and why the
-    # hit stopped short of the prompt ({"group", "kind", "tokens", "reason"}: "evicted", "never cached", "no checkpoint
-    # kept there"; None for a whole hit or a request that read no cache).
+    # hybridkv's: of num_cached_tokens, the tokens each tier gave ({"device", "host", "disk"}; empty without a hit),
+    # and where and why the hit stopped short of the prompt ({"group", "kind", "tokens", "reason"}: "evicted", "never
+    # cached", "no checkpoint kept there"; None for a whole hit or a request that read no cache).
     prefix_cache_tiers: dict[str, int] = field(default_factory=dict)
     prefix_cache_miss: dict[str, int | str] | None = None
 

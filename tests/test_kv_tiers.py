@@ -371,7 +371,7 @@ def test_a_request_says_which_tier_gave_its_prefix_and_why_its_hit_stopped():
         "reason": "never cached",
     }
     again = llm.generate([docs[0] + [4, 5, 6]], GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens == 96 and again.metrics.prefix_cache_tiers == {"device": 96}
+    assert again.num_cached_tokens == 96 and again.metrics.prefix_cache_tiers == {"device": 96, "host": 0, "disk": 0}
     assert again.metrics.prefix_cache_miss is None  # every full block of the prompt was a hit
     for doc in docs[1:]:  # the cyclic workload evicts the first document
         llm.generate([doc + [1, 2, 3]], GREEDY, use_tqdm=False)
@@ -409,3 +409,27 @@ def test_unpatch_with_tiers_frees_every_block_without_the_cycle_collector(tmp_pa
         assert live_blocks() == before
     finally:
         gc.enable()
+
+
+def test_disk_tier_writes_when_the_engine_goes_idle_and_labels_a_damaged_chain_by_tier(tmp_path):
+    """A request that stops at its first token has its blocks on disk when generate returns (no later step, no
+    unpatch); a damaged file in the middle of a chain: the blocks before it still count as the disk's."""
+    model = llama()
+    prompt = sessions(num_sessions=1, doc_tokens=500)[0]
+    one = hybridkv.SamplingParams(temperature=0, max_tokens=1)
+    llm = hybridkv.patch(model, max_model_len=1024, prefix_cache_dir=tmp_path)
+    expected = llm.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids
+    files = sorted(tmp_path.rglob("*.kvb"), key=lambda path: path.stat().st_mtime_ns)
+    assert len(files) == 500 // 16 and llm.stats()["prefix_cache_tiers"]["disk"]["stored"] == 500 // 16
+    hybridkv.unpatch(model)
+    # The file of block 22 (written in chain order) damaged.
+    damaged = files[22]
+    damaged.write_bytes(damaged.read_bytes()[:-7] + b"garbage")
+    llm = hybridkv.patch(model, max_model_len=1024, prefix_cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        output = llm.generate([prompt], one, use_tqdm=False)[0]
+    hybridkv.unpatch(model)
+    assert output.outputs[0].token_ids == expected
+    assert output.num_cached_tokens == 22 * 16
+    assert output.metrics.prefix_cache_tiers == {"device": 0, "host": 0, "disk": 22 * 16}

@@ -18,11 +18,13 @@ and the model runner over the pages.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -339,6 +341,8 @@ class EngineCore:
         host_keeps = num_host_slots > 0
         if not host_keeps:
             num_host_slots = cdiv(self.max_model_len, self.kv_config.block_size) * len(self.kv_config.groups)
+        if disk is not None:  # a process that ends without unpatch still writes what its last step cached
+            atexit.register(_flush_at_exit, weakref.ref(disk))
         runner.allocate_host_tier(num_host_slots)
         state_tiers = None
         if checkpoints is not None:
@@ -715,6 +719,16 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.close()
         self.model_watch.close()
+
+
+def _flush_at_exit(disk: weakref.ref[DiskBlockStore]) -> None:
+    """At the interpreter's exit: the disk store's queued blocks written, if the store is still there."""
+    store = disk()
+    if store is not None:
+        try:
+            store.flush()
+        except Exception:  # pages already gone (a closed runner): nothing to write
+            logger.debug("hybridkv: the disk tier's last blocks could not be written at exit", exc_info=True)
 
 
 def _prompt_logprobs(wanted: list[tuple[Request, int, range]], logits: torch.Tensor) -> list[PromptLogprobs]:

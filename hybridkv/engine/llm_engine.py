@@ -641,6 +641,8 @@ class LLMEngine:
                 touched = self.outputs.take_unreported()
                 reports = self._run(self.core.schedule(), touched)
             self.step_seconds += time.perf_counter() - start
+            if self.core.disk_store is not None and not self.has_unfinished_requests():
+                self.core.disk_store.flush()  # idle: the last step's blocks to disk now, not at the next request
         unclaimed, self.unclaimed = self.unclaimed, []
         return unclaimed + reports
 

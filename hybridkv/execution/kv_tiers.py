@@ -261,7 +261,7 @@ class DiskBlockStore:
         }
 
     def clear(self) -> None:
-        """Remove every file of this fingerprint (`reset_prefix_cache(reset_connector=True)`)."""
+        """Remove every file of this fingerprint (`reset_prefix_cache(reset_disk=True)`)."""
         self._pending = []
         for path in self.folder.glob(f"*{SUFFIX}"):
             try:

@@ -106,6 +106,14 @@ class TieredLookup:
         return block
 
 
+def _with_tiers(hit: CacheHit, tier_tokens: dict[str, set[int]]) -> CacheHit:
+    """The hit with the tokens of it whose blocks came back from disk, and from the host alone."""
+    disk = {t for t in tier_tokens["disk"] if t < hit.num_tokens}
+    hit.disk_tokens = len(disk)
+    hit.host_tokens = len({t for t in tier_tokens["host"] if t < hit.num_tokens} - disk)
+    return hit
+
+
 def blocks_for_request(config: KVCacheConfig, num_tokens: int) -> int:
     """The most blocks one request of num_tokens tokens needs at once, whatever its chunks: a full
     group holds a block per block_size tokens, a sliding group never more than ceil((W-1)/block_size) + 1
@@ -299,6 +307,9 @@ class KVCacheCoordinator:
         search runs again without it; a pool that lacks the fresh blocks gives the pool's own hit."""
         tiers = self.tiers
         pool = self.pool
+        # The token positions whose blocks came back from each tier, over every pass (a block restored in a pass that
+        # lost another is in the pool at the next: still the tier's).
+        tier_tokens: dict[str, set[int]] = {"host": set(), "disk": set()}
         while True:
             lookups = [TieredLookup(pool.cached[m.group_id], tiers, m.group_id) for m in self.managers]
             hit = self._cache_hit(request, max_tokens, align, lookups)
@@ -309,7 +320,7 @@ class KVCacheCoordinator:
                 if block is BELOW_POOL
             ]
             if not below:
-                return hit
+                return _with_tiers(hit, tier_tokens)
             # The hit's blocks in the pool and in the host tier must survive the fresh blocks' evictions (which the
             # host tier keeps): held while those are popped.
             tiers.hold(
@@ -319,11 +330,10 @@ class KVCacheCoordinator:
             pool.touch(held)
             if len(below) > pool.num_free_blocks:
                 pool.free_blocks(reversed(held))
-                return self._cache_hit(request, max_tokens, align)
+                return _with_tiers(self._cache_hit(request, max_tokens, align), tier_tokens)
             fresh = pool.get_new_blocks(len(below))
             lost = []
             no_room = False
-            tier_tokens: dict[str, set[int]] = {"host": set(), "disk": set()}
             for (manager, index), block in zip(below, fresh, strict=True):
                 block_hash = manager.block_hash(request.block_hashes, index)
                 key = (manager.group_id, block_hash)
@@ -340,11 +350,9 @@ class KVCacheCoordinator:
             pool.free_blocks(lost)
             pool.free_blocks(reversed(held))
             if no_room:  # what came back is in the pool now: the pool's own hit
-                return self._cache_hit(request, max_tokens, align)
+                return _with_tiers(self._cache_hit(request, max_tokens, align), tier_tokens)
             if not lost:
-                hit.disk_tokens = len(tier_tokens["disk"])
-                hit.host_tokens = len(tier_tokens["host"] - tier_tokens["disk"])
-                return hit
+                return _with_tiers(hit, tier_tokens)
 
     def attach_tiers(self, tiers: BlockTiers, state_tiers: BlockTiers | None = None) -> None:
         """Keep blocks beyond the pool (hybridkv/memory/tiers.py): the pool tells the tiers what it evicts and caches;

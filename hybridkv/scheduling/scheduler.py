@@ -257,9 +257,11 @@ class Scheduler:
                 request.prefix_cache_miss = hit.miss
                 if hit.num_tokens:
                     below = hit.host_tokens + hit.disk_tokens
-                    request.prefix_cache_tiers = {"device": hit.num_tokens - below}
-                    if below:
-                        request.prefix_cache_tiers.update(host=hit.host_tokens, disk=hit.disk_tokens)
+                    request.prefix_cache_tiers = {
+                        "device": hit.num_tokens - below,
+                        "host": hit.host_tokens,
+                        "disk": hit.disk_tokens,
+                    }
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.add(request, num_new)
