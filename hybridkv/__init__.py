@@ -3,6 +3,7 @@
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.sizing import min_num_blocks
+from hybridkv.lora.request import LoRARequest
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -28,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StreamDelta",

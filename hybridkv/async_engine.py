@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.execution.inputs import refuse_lora_request
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.sampling.beam_search import BeamSearchParams
 from hybridkv.scheduling.sampling_params import SamplingParams
@@ -155,6 +154,7 @@ class AsyncLLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
+        lora_request: Any = None,
     ) -> RequestHandle:
         """Queue a request; returns its handle at once. Bad input raises here (ValueError / TypeError
         naming the fix), before anything is queued. A beam search's handle has no deltas: its sequences
@@ -164,7 +164,9 @@ class AsyncLLMEngine:
                 "this AsyncLLMEngine was shut down (or its model unpatched); make a new one over a patched model"
             )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        checked = self.llm.check_request(prompt, sampling_params, request_id, follow_model=False)
+        checked = self.llm.check_request(
+            prompt, sampling_params, request_id, follow_model=False, lora_request=lora_request
+        )
         handle = RequestHandle(self, request_id)
         self._post(("add", handle, checked))
         return handle
@@ -179,9 +181,8 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's `AsyncLLM.generate`: submit, then yield the request's cumulative output after each step that changed
         it, the last one finished (`RequestHandle.outputs`). `await engine.submit(...)` waits for the final output
-        alone. `priority` changes nothing here; a `lora_request` is refused."""
-        refuse_lora_request(lora_request)
-        async for output in self.submit(prompt, sampling_params, request_id).outputs():
+        alone. `lora_request` runs it with that LoRA adapter (enable_lora). `priority` changes nothing here."""
+        async for output in self.submit(prompt, sampling_params, request_id, lora_request).outputs():
             yield output
 
     def abort(self, request_id: str) -> None:

@@ -433,3 +433,61 @@ def test_disk_tier_writes_when_the_engine_goes_idle_and_labels_a_damaged_chain_b
     assert output.outputs[0].token_ids == expected
     assert output.num_cached_tokens == 22 * 16
     assert output.metrics.prefix_cache_tiers == {"device": 0, "host": 0, "disk": 22 * 16}
+
+
+def test_fp8_pages_go_below_the_pool_and_come_back_exact(tmp_path):
+    """e4m3 pages (per-layer scales fixed at patch time) through both tiers: the tokens of an fp8 pool that holds
+    everything, the second turn's prefixes from the host tier, and a new engine's from disk."""
+    model = MODELS["gemma3"]()
+    docs = sessions(num_sessions=6)
+    fp8 = dict(kv_cache_dtype="fp8")
+    reference = run_turns(patched(model, num_blocks=4000, **fp8), docs)
+    hybridkv.unpatch(model)
+    llm = patched(model, num_blocks=24, kv_offloading_size=0.05, prefix_cache_dir=tmp_path, **fp8)
+    tiered = run_turns(llm, docs)
+    host = llm.stats()["prefix_cache_tiers"]["host"]["hit_tokens"]
+    hybridkv.unpatch(model)
+    assert [t for t, _ in tiered] == [t for t, _ in reference] and host > 0
+    assert sum(c for _, c in tiered[len(docs) :]) == sum(c for _, c in reference[len(docs) :])
+    llm = patched(model, num_blocks=24, prefix_cache_dir=tmp_path, **fp8)
+    again = run_turns(llm, docs, turns=1)
+    disk = llm.stats()["prefix_cache_tiers"]["disk"]["hit_tokens"]
+    hybridkv.unpatch(model)
+    assert [t for t, _ in again] == [t for t, _ in reference[: len(docs)]] and disk > 0
+    # 16-bit pages of the same model are another layout: nothing read from the fp8 files.
+    llm = patched(model, num_blocks=24, prefix_cache_dir=tmp_path)
+    plain = run_turns(llm, docs, turns=1)
+    hybridkv.unpatch(model)
+    assert all(cached == 0 for _, cached in plain)
+
+
+def test_image_prompts_below_the_pool_hit_their_own_image_only():
+    """Blocks are keyed by their images: a prompt evicted to the host tier comes back for the same image, and the
+    same tokens with another image find nothing there; tokens equal `model.generate(pixel_values=...)`'s."""
+    from test_images import image_inputs, mistral3, prompt_ids, reference
+
+    model, placeholder, count, type_fields = mistral3()
+    ids = [prompt_ids("mistral3", placeholder, count, "first", seed=seed) for seed in range(4)]
+    images = [image_inputs("mistral3", 10 + seed, 1) for seed in range(4)]
+    expected = [reference(model, p, d, type_fields, placeholder) for p, d in zip(ids, images, strict=True)]
+    params = hybridkv.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = hybridkv.patch(model, max_model_len=48, block_size=4, num_blocks=14, kv_offloading_size=0.05)
+
+    def run(prompt, data):
+        (output,) = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": data}], params, use_tqdm=False)
+        assert output.error is None
+        return output
+
+    try:
+        for _ in range(2):
+            outputs = [run(p, d) for p, d in zip(ids, images, strict=True)]
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert all(o.metrics.num_cached_tokens > 0 for o in outputs)
+        assert llm.stats()["prefix_cache_tiers"]["host"]["hit_tokens"] > 0
+        other = image_inputs("mistral3", 99, 1)
+        swapped = run(ids[0], other)  # the first prompt's tokens, another image: it starts with the image
+        assert swapped.metrics.num_cached_tokens == 0
+        assert swapped.outputs[0].token_ids == reference(model, ids[0], other, type_fields, placeholder)
+        llm.core.coordinator.tiers.check_integrity()
+    finally:
+        hybridkv.unpatch(model)

@@ -354,8 +354,10 @@ def test_serve_and_generate_load_the_checkpoints_dtype_by_default(checkpoint):
 
 
 def test_request_fields_that_would_change_the_output_are_refused_or_honoured(llm):
-    with pytest.raises(ValueError, match="set_adapter"):
+    with pytest.raises(TypeError, match="LoRARequest"):
         llm.generate(PROMPTS, SamplingParams(), lora_request=object())
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate(PROMPTS, SamplingParams(), lora_request=hybridkv.LoRARequest("a", 1, "/nowhere"))
     with pytest.raises(TypeError, match="spaces_between_special_tokens"):
         SamplingParams(spaces_between_special_tokens=False)
     biased = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, logit_bias={5: 100.0}))

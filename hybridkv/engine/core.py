@@ -26,7 +26,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,12 +37,14 @@ from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
 from hybridkv.execution.graphs import captures_graphs, decode_buckets, graph_mode
 from hybridkv.execution.kv_tiers import DiskBlockStore, model_fingerprint
 from hybridkv.execution.layout_watch import LayoutWatch
+from hybridkv.execution.lora import LoRASlots
 from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
 from hybridkv.execution.model_watch import ModelChange, ModelWatch
 from hybridkv.execution.sizing import kv_layout, num_kv_blocks
 from hybridkv.execution.state_layers import scan_chunk
 from hybridkv.execution.step_check import check_step_exactness
 from hybridkv.kernels.quant import is_fp8
+from hybridkv.lora.request import AdapterRef, as_lora_request
 from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.memory.state_slots import STATE_GROUP
@@ -132,6 +134,8 @@ class EngineCore:
         named = dict(model.named_modules())
         self.layout_watch = LayoutWatch(model, [named[name] for name in self.layout.module_names.values()])
         buckets, captures, compiled = self._plan_steps(self.layout)
+        # LoRA adapters' slots, allocated before the KV pool is sized from the memory left.
+        self.lora = self._build_lora(self.layout)
         memory = self._plan_memory(self.layout, max(buckets, default=0))
         self._build_memory(memory)
         self._build_runner(self.layout, memory, buckets, captures, compiled)
@@ -183,19 +187,46 @@ class EngineCore:
         # over the step buffers alone; over fp8 pages they take the torch path, built per step: not padded either
         # (hybridkv/kernels/latent_attention.py). A latent model compiles when asked to, compile=True.
         latent_fp8 = any(is_fp8(self.layer_dtypes.dtypes[layer_idx]) for layer_idx in layout.latent)
-        graphs_wanted = graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8
+        # LoRA's hooks read each step's rows per adapter from host lists: eager steps, never padded or compiled yet.
+        if config.enable_lora and config.compile:
+            raise ValueError("compile=True does not compile LoRA's per-request layers yet; patch with compile=False")
+        graphs_wanted = (
+            graph_mode(model, config.enforce_eager) and not layout.states and not latent_fp8 and not config.enable_lora
+        )
         buckets = decode_buckets(config.max_num_seqs) if graphs_wanted else ()
         captures = bool(buckets) and captures_graphs(model)
         compiled = config.compile if config.compile is not None else compiles_by_default(captures)
-        compiled = compiled and (config.compile is True or not layout.latent)
+        compiled = compiled and (config.compile is True or not layout.latent) and not config.enable_lora
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        if config.enable_lora and self.tp is not None:
+            raise ValueError(
+                "enable_lora=True is not supported for a tensor-parallel model yet (each rank would need its shard of "
+                "every adapter); patch without it"
+            )
         if config.async_scheduling and self.tp is not None:
             raise ValueError(
                 "async_scheduling=True is not supported for a tensor-parallel model (every rank runs each step as "
                 "rank 0 plans it); patch with async_scheduling=False"
             )
         return buckets, captures, compiled
+
+    def _build_lora(self, layout: ModelLayout) -> LoRASlots | None:
+        """The LoRA adapters' slots and hooks (`enable_lora`); a latent attention layer's up-projection is not among
+        what adapters may target (its decode rows attend in latent space through its weight)."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        not_served = {
+            found.up_proj: (
+                f"{found.up_proj!r} is a latent attention layer's up-projection, which hybridkv applies inside "
+                "attention; adapters on it are not served yet (target q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj "
+                "and the MLP)"
+            )
+            for found in layout.latent.values()
+        }
+        cpu_loras = config.max_cpu_loras or config.max_loras
+        return LoRASlots(self.model, config.max_loras, config.max_lora_rank, cpu_loras, not_served)
 
     def _plan_memory(self, layout: ModelLayout, largest_bucket: int) -> MemoryPlan:
         """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to
@@ -241,6 +272,7 @@ class EngineCore:
             preemption_mode=config.preemption_mode,
             num_swap_blocks=memory.num_swap_blocks,
             num_swap_state_slots=memory.num_swap_state_slots,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
         self.coordinator = KVCacheCoordinator(
             self.kv_config,
@@ -279,6 +311,9 @@ class EngineCore:
             num_state_slots=memory.num_state_slots + memory.num_checkpoints,
             latent=layout.latent,
         )
+        self.runner.lora = self.lora
+        if self.runner.state_cache is not None:
+            self.runner.state_cache.lora = self.lora
         self.runner.allocate_swap_space(memory.num_swap_blocks)
         self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
         if compiled or captures:
@@ -440,6 +475,20 @@ class EngineCore:
         return None
 
     # ---- requests ---------------------------------------------------------------------------------
+
+    def adapter(self, lora_request: Any) -> AdapterRef | None:
+        """A request's LoRA adapter as read now (None for none): vLLM's `LoRARequest` (or an object with its
+        `lora_name`, `lora_int_id` and `lora_path`), its folder read unless cached. A ValueError where the engine was
+        patched without enable_lora or the adapter cannot be served (hybridkv/execution/lora_weights.py)."""
+        if lora_request is None:
+            return None
+        request = as_lora_request(lora_request)
+        if self.lora is None:
+            raise ValueError(
+                "lora_request needs an engine patched with enable_lora=True (hybridkv.patch(model, enable_lora=True, "
+                "max_loras=..., max_lora_rank=...)), as vLLM's LLM(enable_lora=True)"
+            )
+        return AdapterRef(request, self.lora.adapter(request).key)
 
     def add_request(self, group: SampleGroup) -> bool:
         """Queue a request's group (or one part of its samples); False where it can never run (it finished at once
@@ -716,6 +765,8 @@ class EngineCore:
             self.disk_store.flush()
         self.coordinator.close()
         self.runner.close()
+        if self.lora is not None:
+            self.lora.close()
         if self.speculator is not None:
             self.speculator.close()
         self.model_watch.close()

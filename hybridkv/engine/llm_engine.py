@@ -53,12 +53,12 @@ from hybridkv.execution.inputs import (
     Prompt,
     plain_prompt,
     prompt_list,
-    refuse_lora_request,
 )
 from hybridkv.execution.layout_watch import ModelReshaped
 from hybridkv.execution.multimodal import ImageEncoder, MultiModalInputs
 from hybridkv.execution.progress import progress_bar
 from hybridkv.execution.sizing import min_num_blocks
+from hybridkv.lora.request import AdapterRef
 from hybridkv.memory.grouping import KVCacheConfig
 from hybridkv.outputs import RequestOutput, StreamDelta
 from hybridkv.patches import attention
@@ -83,6 +83,7 @@ class CheckedRequest(NamedTuple):
     prompt_ids: list[int]
     params: SamplingParams | BeamSearchParams
     multimodal: MultiModalInputs | None = None
+    lora: AdapterRef | None = None
 
 
 class LLMEngine:
@@ -264,15 +265,31 @@ class LLMEngine:
         (`{"prompt": text}`, `{"prompt_token_ids": ids}`, with `multi_modal_data` for images). `params` None takes
         the model's default sampling settings (`get_default_sampling_params`). A request that can never run
         finishes at once with an error, reported by the next step. With BeamSearchParams the request is a beam
-        search: its output, once finished, lists the beam_width best sequences. `arrival_time` and `priority` change
-        nothing here (accepted as vLLM's); a `lora_request` is refused (switch the model's own PEFT adapters)."""
+        search: its output, once finished, lists the beam_width best sequences. `lora_request` (a LoRARequest; the
+        engine patched with enable_lora=True) runs it with that adapter. `arrival_time` and `priority` change nothing
+        here (accepted as vLLM's)."""
         if not isinstance(request_id, str) or isinstance(prompt, (SamplingParams, BeamSearchParams)):
             raise TypeError(
                 f"add_request takes (request_id, prompt, params), vLLM's order: request_id must be a str, got "
                 f"{type(request_id).__name__} {request_id!r}, and prompt a prompt, got {type(prompt).__name__}"
             )
-        refuse_lora_request(lora_request)
-        return self.enqueue(self.check_request(prompt, params, request_id))
+        return self.enqueue(self.check_request(prompt, params, request_id, lora_request=lora_request))
+
+    @exclusive
+    def add_lora(self, lora_request: Any) -> bool:
+        """vLLM's `add_lora`: read an adapter into the host cache ahead of its requests (a ValueError names what is
+        wrong with it); True."""
+        self.core.adapter(lora_request)
+        return True
+
+    @exclusive
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's `remove_lora`: drop the adapter of that `lora_int_id` from the host cache; whether it was there."""
+        return self.core.lora is not None and self.core.lora.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """vLLM's `list_loras`: the `lora_int_id`s of the adapters in the host cache."""
+        return set() if self.core.lora is None else self.core.lora.cached_ids()
 
     def get_tokenizer(self) -> Any:
         """The tokenizer given to patch (None without one), vLLM's name."""
@@ -291,14 +308,17 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None,
         request_id: str | None,
         follow_model: bool = True,
+        lora_request: Any = None,
     ) -> CheckedRequest:
         """Everything add_request checks, before anything is queued: a ValueError or TypeError naming the fix. The
         request keeps a checked copy of its SamplingParams (`clone`), the model's defaults when it gives none.
         A dict prompt with images has them through the vision tower here (hybridkv/execution/multimodal.py), after the
         model is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
-        key; a request whose images another model encoded is refused when it is queued)."""
+        key; a request whose images another model encoded is refused when it is queued). A `lora_request`'s adapter is
+        read here (`EngineCore.adapter`: a ValueError names what is wrong with it)."""
         if self.core.asleep:
             raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
+        lora = self.core.adapter(lora_request)
         self.follow_generation_settings()
         if params is None:
             params = self.get_default_sampling_params()
@@ -328,7 +348,7 @@ class LLMEngine:
         else:
             prompt_text, prompt_ids = self.inputs.tokenize(prompt)
         if isinstance(params, BeamSearchParams):
-            return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal)
+            return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal, lora)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to hybridkv.patch, or use stop_token_ids")
         if params.structured_outputs is not None:
@@ -345,7 +365,7 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary [0, {vocab_size})"
             )
-        return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal)
+        return CheckedRequest(request_id, prompt_text, prompt_ids, params, multimodal, lora)
 
     def _multimodal_prompt(self, prompt: dict[str, Any]) -> tuple[str | None, list[int], MultiModalInputs | None]:
         if self.images is None:
@@ -370,7 +390,7 @@ class LLMEngine:
 
     def enqueue(self, checked: CheckedRequest) -> str:
         """Queue a request `check_request` passed (its records made, its groups given to the core); its id."""
-        request_id, prompt_text, prompt_ids, params, multimodal = checked
+        request_id, prompt_text, prompt_ids, params, multimodal, lora = checked
         model_key = self.core.model_key
         if multimodal is not None and multimodal.model_key != model_key:
             raise ValueError(
@@ -388,10 +408,11 @@ class LLMEngine:
                 block_size,
                 multimodal,
                 model_key,
+                lora,
             )
             group = search.group
         else:
-            group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal, model_key)
+            group = SampleGroup.of(request_id, prompt_ids, params, block_size, multimodal, model_key, lora)
         # More samples than max_num_seqs run in parts that queue as requests of their own (a beam runs as a whole).
         parts = [group] if group.beam is not None else group.parts(self.config.max_num_seqs)
         grammar = None
@@ -729,11 +750,15 @@ class LLMEngine:
         `multi_modal_data` for images); a [B, N] tensor is B prompts. `sampling_params`: one for all prompts, one
         each, or None for the model's defaults (`get_default_sampling_params`). Every prompt and params are
         checked before any is queued; if the call fails or is interrupted, the requests it queued are aborted.
-        `priority` changes nothing here (accepted as vLLM's); a `lora_request` is refused."""
-        refuse_lora_request(lora_request)
+        `lora_request`: one LoRARequest for every prompt, or one (or None) per prompt. `priority` changes nothing here
+        (accepted as vLLM's)."""
         prompts = prompt_list(prompts)
         params = _params_for(sampling_params, len(prompts), "prompts")
-        checked = [self.check_request(prompt, p, None) for prompt, p in zip(prompts, params, strict=True)]
+        loras = _loras_for(lora_request, len(prompts), "prompts")
+        checked = [
+            self.check_request(prompt, p, None, lora_request=lora)
+            for prompt, p, lora in zip(prompts, params, loras, strict=True)
+        ]
         return self._run_to_completion(checked, use_tqdm)
 
     @exclusive
@@ -756,8 +781,7 @@ class LLMEngine:
         the template (e.g. `enable_thinking`). `tools`, OpenAI's function definitions, go to the template
         (hybridkv.serving.tool_calls parses the calls out of the text); a tokenizer without a template is a clear error.
         A message's content may be HF's parts, images among them (`{"type": "image", "image": image}`): the processor
-        given to patch renders and processes that conversation."""
-        refuse_lora_request(lora_request)
+        given to patch renders and processes that conversation. `lora_request` as in `generate`."""
         if chat_template_content_format != "auto":
             raise ValueError(
                 f"chat_template_content_format={chat_template_content_format!r}: hybridkv gives the template each "
@@ -772,9 +796,10 @@ class LLMEngine:
             else:
                 rendered.append(chat_prompt(self.tokenizer, conversation, tools, options))
         params = _params_for(sampling_params, len(rendered), "conversations")
+        loras = _loras_for(lora_request, len(rendered), "conversations")
         checked = []
-        for (text, prompt), p in zip(rendered, params, strict=True):
-            checked.append(self.check_request(prompt, p, None)._replace(prompt_text=text))
+        for (text, prompt), p, lora in zip(rendered, params, loras, strict=True):
+            checked.append(self.check_request(prompt, p, None, lora_request=lora)._replace(prompt_text=text))
         return self._run_to_completion(checked, use_tqdm)
 
     @exclusive
@@ -791,12 +816,15 @@ class LLMEngine:
         (see hybridkv/sampling/beam_search.py for the rule, transformers' `generate(num_beams=...)`); one output per
         prompt, in input order, whose `.sequences` are its beam_width best hypotheses, best first, each with the
         prompt's and its own tokens and text, as vLLM's. `concurrency_limit` changes nothing here: every search runs in
-        the batch."""
-        refuse_lora_request(lora_request)
+        the batch. `lora_request` as in `generate`."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a hybridkv.BeamSearchParams, got {type(params).__name__}")
         prompts = prompt_list(prompts)
-        checked = [self.check_request(prompt, params, None) for prompt in prompts]
+        loras = _loras_for(lora_request, len(prompts), "prompts")
+        checked = [
+            self.check_request(prompt, params, None, lora_request=lora)
+            for prompt, lora in zip(prompts, loras, strict=True)
+        ]
         outputs = self._run_to_completion(checked, use_tqdm)
         for output in outputs:
             if output.error:
@@ -870,3 +898,12 @@ def _params_for(
     if len(params) != count:
         raise ValueError(f"got {count} {what} but {len(params)} SamplingParams; give one or one each")
     return params
+
+
+def _loras_for(lora_request: Any, count: int, what: str) -> list[Any]:
+    """One `lora_request` per prompt: the same for all (None: no adapter), or a list of one (or None) each (vLLM's)."""
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(f"got {count} {what} but {len(lora_request)} lora_requests; give one or one each")
+    return list(lora_request)

@@ -95,6 +95,10 @@ class EngineConfig:
     model, at most `prefix_cache_dir_size` GiB (default 10; hybridkv/execution/kv_tiers.py). A prefix found there is
     copied back instead of computed.
 
+    LoRA adapters per request (vLLM's settings; hybridkv/execution/lora.py): `enable_lora` lets requests name an adapter
+    (`lora_request`), at most `max_loras` adapters run in one step (others wait), of rank at most `max_lora_rank`, and
+    `max_cpu_loras` (default `max_loras`) stay read in host memory.
+
     `speculative_config` (vLLM's dict: n-gram prompt lookup or a draft model; hybridkv/execution/speculative_config.py)
     proposes tokens that each step checks in the same forward (hybridkv/engine/speculation.py).
 
@@ -130,6 +134,10 @@ class EngineConfig:
     kv_offloading_backend: str | None = None
     prefix_cache_dir: str | os.PathLike | None = None
     prefix_cache_dir_size: float = DEFAULT_PREFIX_CACHE_DIR_SIZE
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -182,6 +190,20 @@ class EngineConfig:
             set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
         self._check_tiers()
         self._check_swap_space_fits_the_host()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """vLLM's LoRA settings: `max_loras` adapters in one step, of rank at most `max_lora_rank`, `max_cpu_loras`
+        (default `max_loras`, at least that) kept read in host memory."""
+        set_field = functools.partial(object.__setattr__, self)
+        check_bool("enable_lora", self.enable_lora)
+        set_field("max_loras", check_int("max_loras", self.max_loras, 1, " (adapters in one step)"))
+        set_field("max_lora_rank", check_int("max_lora_rank", self.max_lora_rank, 1, " (the largest adapter rank)"))
+        if self.max_cpu_loras is not None:
+            cpu = check_int("max_cpu_loras", self.max_cpu_loras, 1, " (adapters kept read in host memory)")
+            if cpu < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras}), as in vLLM")
+            set_field("max_cpu_loras", cpu)
 
     def _check_tiers(self) -> None:
         """The tiers beyond the pool: `kv_offloading_size` GiB of host memory (vLLM's name; with

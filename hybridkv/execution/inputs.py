@@ -32,15 +32,6 @@ def plain_prompt(prompt: dict[str, Any]) -> tuple[Any, str | None]:
     return (prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]), salt
 
 
-def refuse_lora_request(lora_request: Any) -> None:
-    """vLLM's `lora_request` picks an adapter its engine loaded; hybridkv serves the model as it is."""
-    if lora_request is not None:
-        raise ValueError(
-            "lora_request is vLLM's way to pick an adapter; hybridkv serves the model as it is: load the adapter with "
-            "PEFT and switch it with model.set_adapter(...) (the prefix cache follows it: README, 'Models that change')"
-        )
-
-
 def token_ids(prompt: Any) -> list[int]:
     """One prompt's token ids as Python ints: from a sequence of ints, or a 1-D or [1, N] tensor or
     array of integers. Anything else is a TypeError that says what a prompt can be."""

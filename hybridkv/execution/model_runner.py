@@ -6,6 +6,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from hybridkv.execution.graphs import DecodeGraphs, padding_arrays
 from hybridkv.execution.input_batch import InputBatch
 from hybridkv.execution.kv_dtypes import LayerDtypes
 from hybridkv.execution.latent_layers import StepKVCache, cache_argument, latent_ups
+from hybridkv.execution.lora import LoRASlots
 from hybridkv.execution.multimodal import MultiModalInputs, image_embeddings_placed
 from hybridkv.execution.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
 from hybridkv.kernels import (
@@ -122,6 +124,8 @@ class ModelRunner:
         self.graph_error: str | None = None
         self.states = list(states or ())
         self.state_pool = self.state_cache = None
+        # LoRA adapters' slots and hooks (hybridkv/execution/lora.py; the engine sets them with enable_lora).
+        self.lora: LoRASlots | None = None
         self._wrapped: list[torch.nn.Module] = []
         # What a step passes the model as its cache (`_forward`): one for state layers or latent attention layers.
         self.latent_layers = frozenset(latent or ())
@@ -518,6 +522,8 @@ class ModelRunner:
                 sample_rows.extend([num_rows - 1] * len(samples))
         if extra_rows:
             inputs.requested_rows = [*(sample_rows if logits_rows is None else logits_rows), *extra_rows]
+        if self.lora is not None:
+            inputs.lora_slots = self.lora.slots_for([s.request.lora for s in plan.scheduled])
         self.prepare_seconds += time.perf_counter() - start_time
         if self.verify_tables is not None:
             inputs.checked_tables = self.verify_tables(request_ids)
@@ -672,6 +678,25 @@ class ModelRunner:
         step = self.context
         step.metadata = prepared.metadata
         graph = None if self.graphs is None or prepared.bucket is None else self.graphs.get(prepared.bucket)
+        if inputs.lora_slots is not None:
+            wanted = inputs.logits_rows if inputs.requested_rows is None else inputs.requested_rows
+            self.lora.begin(inputs.lora_slots, inputs.query_lens, wanted)
+            try:
+                logits = self._forward_step(prepared, graph)
+                self.lora.verify()
+            finally:
+                self.lora.end()
+        else:
+            logits = self._forward_step(prepared, graph)
+        if prepared.picked_rows is not None:
+            logits = logits.index_select(0, prepared.picked_rows)
+        logits = logits.float()
+        self.forward_seconds += time.perf_counter() - forward_time
+        return logits
+
+    def _forward_step(self, prepared: PreparedStep, graph: Any) -> torch.Tensor:
+        """The step's forward: with images, a graph's replay, or the (compiled) forward over the step buffers."""
+        inputs, step = prepared.inputs, self.context
         if inputs.image_rows:
             logits = self._forward_with_images(prepared)
         elif graph is not None:
@@ -693,10 +718,6 @@ class ModelRunner:
                     self.state_cache.plan = None
             if prepared.state_plan is not None:
                 self.state_pool.copy(prepared.state_plan.after)  # the decode rows' checkpoints
-        if prepared.picked_rows is not None:
-            logits = logits.index_select(0, prepared.picked_rows)
-        logits = logits.float()
-        self.forward_seconds += time.perf_counter() - forward_time
         return logits
 
     def _mark_inputs_sent(self) -> None:
@@ -799,6 +820,8 @@ class StepInputs:
     # Speculative decoding (hybridkv/engine/speculation.py): per request, the proposed tokens its rows end with; those
     # rows store nothing (their keys are read in flight; a state layer runs them from a copy of the state).
     spec_counts: dict[str, int] = field(default_factory=dict)
+    # LoRA (enable_lora): each request's adapter slot, -1 for none (hybridkv/execution/lora.py).
+    lora_slots: list[int] | None = None
     unstored_rows: list[int] = field(default_factory=list)
 
 

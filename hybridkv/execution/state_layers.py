@@ -194,6 +194,8 @@ class StepStateCache(StepKVCache):
         self.pool = pool
         self.plan: StatePlan | None = None
         self.view: _SegmentView | None = None
+        # LoRA's slots (hybridkv/execution/lora.py), told which of the step's rows a segment's layers see.
+        self.lora: Any = None
 
     def _view(self, layer_idx: int) -> _SegmentView:
         view = self.view
@@ -237,6 +239,9 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
 
         def run(rows: Any, segment: torch.Tensor, view: _SegmentView) -> tuple[torch.Tensor, ...]:
             cache.view = view
+            lora = cache.lora
+            if lora is not None:
+                lora.enter_rows(rows)
             try:
                 if bound is None:
                     result = original(segment, **{k: _row_cut(v, rows, num_rows) for k, v in kwargs.items()})
@@ -246,6 +251,8 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
                     result = original(*call.args, **call.kwargs)
             finally:
                 cache.view = None
+                if lora is not None:
+                    lora.exit_rows()
             view.write_back()
             results = result if isinstance(result, tuple) else (result,)
             if not results or not all(isinstance(r, torch.Tensor) for r in results):

@@ -2,7 +2,7 @@
 
 hash(block i) = SHA-256(hash(block i-1) || token ids of block i as uint32 [|| 0xff || extra keys])
 
-The chain starts from a root hash that depends on the request's `cache_salt` and on the model key (the
+The chain starts from a root hash that depends on the request's `cache_salt`, its LoRA adapter and on the model key (the
 model as it computed the blocks: its weights' generation and active adapters, hybridkv/execution/model_watch.py), so
 requests with different salts, or admitted under different models, share no block at all. SHA-256 is stable
 across processes and collision-resistant (a forged collision would poison the prefix cache); docs/design.md has
@@ -30,13 +30,15 @@ _ROOT_SEED = b"hybridkv-block-hash-v1"
 _EXTRA_KEYS_SEPARATOR = b"\xff"
 
 
-def root_hash(cache_salt: str | None = None, model_key: bytes = b"") -> bytes:
-    """The parent hash of a request's first block; a different salt or model key gives a disjoint chain.
-    The model key b"" (the model as it was patched) leaves the salt's root as it is."""
+def root_hash(cache_salt: str | None = None, model_key: bytes = b"", adapter_key: bytes = b"") -> bytes:
+    """The parent hash of a request's first block; a different salt, model key or LoRA adapter (`adapter_key`, the
+    digest of its weights: hybridkv/execution/lora_weights.py) gives a disjoint chain. The keys b"" (the model as it was
+    patched, no adapter) leave the salt's root as it is."""
     seed = _ROOT_SEED if cache_salt is None else _ROOT_SEED + b"\x00salt" + cache_salt.encode()
     root = sha256(seed).digest()
     # Folded in after the salt's fixed-size digest, so that no salt can spell another model's key.
-    return sha256(root + model_key).digest() if model_key else root
+    root = sha256(root + model_key).digest() if model_key else root
+    return sha256(root + b"\x00lora" + adapter_key).digest() if adapter_key else root
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:

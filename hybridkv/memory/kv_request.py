@@ -18,11 +18,13 @@ class KVRequest:
     finishes); a step scheduled meanwhile reads the last one there (hybridkv/engine/async_steps.py).
     `block_hashes[i]` is the chained hash of full block i of `token_ids`; it is kept up to date as
     tokens are appended (only when `block_size` is given, i.e. prefix caching is on). Its chain starts from
-    the cache salt and `model_key`, the model the request computes with (b"": as patched; `rekey`).
+    the cache salt, `model_key`, the model the request computes with (b"": as patched; `rekey`), and `adapter_key`, its
+    LoRA adapter's digest (b"": none).
     """
 
     __slots__ = (
         "_root_hash",
+        "adapter_key",
         "block_hashes",
         "block_size",
         "cache_salt",
@@ -44,6 +46,7 @@ class KVRequest:
         cache_salt: str | None = None,
         multimodal: PromptImages | None = None,
         model_key: bytes = b"",
+        adapter_key: bytes = b"",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; give at least one token")
@@ -56,7 +59,8 @@ class KVRequest:
         self.multimodal = multimodal  # the prompt's images, None for text
         self.block_size = block_size
         self.model_key = model_key
-        self._root_hash = root_hash(cache_salt, model_key)
+        self.adapter_key = adapter_key  # its LoRA adapter's digest (b"": none)
+        self._root_hash = root_hash(cache_salt, model_key, adapter_key)
         self.block_hashes: list[bytes] = []
         # False: it computes its whole prompt, taking no prefix-cache hit (it asks for the prompt's logprobs, vLLM's
         # `skip_reading_prefix_cache`); its blocks are still cached for others.
@@ -67,7 +71,7 @@ class KVRequest:
         """Hash the blocks again under another model key: the request computes nothing it held (it is about to be
         admitted, `num_computed_tokens` 0), and what it computes from now on is the new model's."""
         self.model_key = model_key
-        self._root_hash = root_hash(self.cache_salt, model_key)
+        self._root_hash = root_hash(self.cache_salt, model_key, self.adapter_key)
         self.block_hashes = []
         self._hash_new_full_blocks()
 
@@ -75,6 +79,7 @@ class KVRequest:
         """Take `parent`'s block hashes, model key and root for the same tokens (a fork), instead of hashing again."""
         self.block_size = parent.block_size
         self.model_key = parent.model_key
+        self.adapter_key = parent.adapter_key
         self._root_hash = parent._root_hash
         self.block_hashes = list(parent.block_hashes)
 

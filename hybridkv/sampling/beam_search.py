@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridkv.lora.request import AdapterRef
 from hybridkv.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
 from hybridkv.scheduling.sampling_params import SamplingParams
@@ -163,8 +164,10 @@ class BeamSearch:
         block_size: int | None,
         multimodal: PromptImages | None = None,
         model_key: bytes = b"",
+        lora: AdapterRef | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora  # every beam's LoRA adapter
         self.model_key = model_key  # the prompt's key when the search was added (a later model's is taken at admission)
         self.multimodal = multimodal  # the prompt's images: every beam carries them (a restart recomputes them)
         self.params = params
@@ -203,6 +206,7 @@ class BeamSearch:
             block_size,
             self.multimodal,
             self.model_key,
+            self.lora,
         )
         if parent is not None:
             request.share_hashes(parent)

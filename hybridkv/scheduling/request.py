@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from hybridkv.lora.request import AdapterRef
 from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.kv_request import KVRequest
 from hybridkv.memory.prompt_images import PromptImages
@@ -38,6 +39,7 @@ class Request(KVRequest):
         "error",
         "greedy_alone",
         "group",
+        "lora",
         "num_cached_tokens",
         "num_preemptions",
         "overlaps",
@@ -62,9 +64,14 @@ class Request(KVRequest):
         block_size: int | None,
         multimodal: PromptImages | None = None,
         model_key: bytes = b"",
+        lora: AdapterRef | None = None,
     ) -> None:
-        super().__init__(request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key)
+        adapter_key = b"" if lora is None else lora.key
+        super().__init__(
+            request_id, prompt_token_ids, block_size, params.cache_salt, multimodal, model_key, adapter_key
+        )
         self.params = params
+        self.lora = lora  # its LoRA adapter (enable_lora), None for the model alone
         self.reads_prefix_cache = params.prompt_logprobs is None
         self.status = RequestStatus.WAITING
         self.error: str | None = None
@@ -138,11 +145,13 @@ class SampleGroup:
         block_size: int | None,
         multimodal: PromptImages | None = None,
         model_key: bytes = b"",
+        lora: AdapterRef | None = None,
     ) -> SampleGroup:
-        """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key`."""
+        """The params.best_of samples of a prompt, named `request_id#index`, hashed under `model_key` (and `lora`'s
+        adapter)."""
         count = params.num_samples
         members = [
-            Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal, model_key)
+            Request(f"{request_id}#{i}", prompt_token_ids, params, block_size, multimodal, model_key, lora)
             for i in range(count)
         ]
         return cls(request_id, members)

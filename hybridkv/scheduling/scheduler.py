@@ -49,6 +49,8 @@ class SchedulerConfig:
     num_swap_blocks: int = 0
     # A model with state layers: CPU state slots for swapped requests (0: its requests are recomputed).
     num_swap_state_slots: int = 0
+    # LoRA adapters that may run at once (enable_lora's max_loras; 0: requests have none).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -236,12 +238,21 @@ class Scheduler:
         budget, seats = self._swap_in(out, self.config.max_num_batched_tokens - out.num_tokens, cap, seated, seats)
         if self.swapped:
             return
+        # LoRA: the adapters running; a request of another adapter waits, when max_loras run, for one to finish, and
+        # those behind it go first (vLLM's rule).
+        adapters = self._adapters_running() if self.config.max_loras else None
+        passed: list[Request] = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
             group = request.group
             needed = 0 if id(group) in seated else group.seats
             if needed > seats:
                 break
+            if adapters is not None and request.lora is not None:
+                name = request.lora.request.lora_name
+                if name not in adapters and len(adapters) >= self.config.max_loras:
+                    passed.append(self.waiting.popleft())
+                    continue
             if request.model_key != coordinator.model_key and not self._take_model_key(request, out):
                 continue
             hit = coordinator.find_longest_cache_hit(request)
@@ -266,6 +277,13 @@ class Scheduler:
             self.running.append(request)
             out.add(request, num_new)
             budget -= num_new
+            if adapters is not None and request.lora is not None:
+                adapters.add(request.lora.request.lora_name)
+        self.waiting.extendleft(reversed(passed))
+
+    def _adapters_running(self) -> set[str]:
+        """The LoRA adapters of the running requests, by name."""
+        return {r.lora.request.lora_name for r in self.running if r.lora is not None}
 
     def _propose(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """A request whose step reaches its last token checks the tokens proposed for it too, as many as the step's
@@ -309,12 +327,18 @@ class Scheduler:
         self, out: SchedulerOutput, budget: int, cap: int, seated: dict[int, SampleGroup], seats: int
     ) -> tuple[int, int]:
         """Bring swapped groups back as a whole (oldest first) while blocks and seats allow, and schedule
-        their members in this step when the budget and the pool allow."""
+        their members in this step when the budget and the pool allow (and, with LoRA, while its adapter runs or
+        fewer than max_loras do)."""
         while self.swapped:
             group = self.swapped[0].group
             needed = 0 if id(group) in seated else group.seats
             if needed > seats:
                 break
+            lora = self.swapped[0].lora
+            if self.config.max_loras and lora is not None:
+                adapters = self._adapters_running()
+                if lora.request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                    break
             members = [r for r in self.swapped if r.group is group]
             tables = {r.request_id: self.swap_records[r.request_id].tables for r in members}
             restored = self.coordinator.restore(tables)

@@ -1,0 +1,422 @@
+"""Many LoRA adapters in one step (`enable_lora=True`; vLLM's `max_loras`, `max_lora_rank`, `max_cpu_loras`).
+
+Adapters are read from PEFT folders (hybridkv/execution/lora_weights.py) into a host cache of at most `max_cpu_loras`
+(least recently used read again from its folder when needed), and copied into one of `max_loras` device slots when a
+step runs one of their requests. Every linear or embedding layer of the language model that some adapter targets holds
+its slots stacked in two tensors allocated once: `a` `[max_loras * max_lora_rank, in]` and `b` `[out, max_loras *
+max_lora_rank]` (slot s in rows / columns `s * rank` to `(s + 1) * rank`, a smaller rank zero-padded, the scaling folded
+into `b`). A forward hook adds each row's delta to the layer's output:
+
+- every row of the step on one slot (one adapter): `x @ a_s.T @ b_s.T`, two small matmuls;
+- rows on several slots (mixed adapters): `((x @ a.T) * mask) @ b.T` over the slots used, `mask` `[rows, slots *
+  rank]` keeping each row's own slot's columns (built once a step per set of rows): two matmuls and a multiply for the
+  whole step, whatever its mix (benchmarks/multi_lora.py measures it against a gather per slot);
+- no row with an adapter: nothing.
+
+Which rows a layer sees: the step's tokens (`[1, tokens, in]`), the logits rows (the `lm_head`), or, inside a state
+layer run per request segment (hybridkv/execution/state_layers.py), that segment's rows (`rows`). A layer that sees
+another count of rows while adapters run is an error, never a delta guessed. Outside a step (a user's own forward,
+the probe) the hooks do nothing. The scheduler never runs more than `max_loras` adapters at once
+(hybridkv/scheduling/scheduler.py), so a step's adapters always have slots."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridkv.execution.lora_weights import AdapterWeights, LoRAError, read_adapter
+from hybridkv.lora.request import AdapterRef, LoRARequest
+
+logger = logging.getLogger("hybridkv")
+
+NO_ADAPTER = -1
+
+
+@dataclass
+class _Target:
+    """One layer that adapters may target: its stacked slots (allocated at its first adapter) and hook."""
+
+    name: str
+    module: torch.nn.Module
+    embedding: bool
+    logits: bool = False  # the output layer: it sees the logits rows
+    a: torch.Tensor | None = None  # [slots * rank, in]; an embedding's [vocab, slots * rank]
+    b: torch.Tensor | None = None  # [out, slots * rank]
+    slots: int = 0  # the device slots whose adapter targets it (a bit each)
+    handle: Any = None
+
+
+class _Rows:
+    """The adapter slots of a set of rows in a step: one slot for all (`single`), or the mask over the slots used."""
+
+    __slots__ = ("mask", "single", "used")
+
+    def __init__(self, slots: torch.Tensor, values: list[int], rank: int, dtype: torch.dtype) -> None:
+        distinct = set(values)
+        self.single: int | None = values[0] if len(distinct) == 1 else None
+        self.used = max(distinct) + 1
+        self.mask: torch.Tensor | None = None
+        if self.single is None:
+            columns = torch.arange(self.used, device=slots.device)
+            self.mask = (slots[:, None] == columns[None]).to(dtype).repeat_interleave(rank, dim=1)
+
+
+class _Step:
+    """The running step's adapter slots: per token, and per logits row."""
+
+    __slots__ = ("called", "device", "logits_rows", "num_logits", "num_tokens", "rows", "sets", "values")
+
+    def __init__(self, values: list[int], device: torch.device, logits_rows: Sequence[int]) -> None:
+        self.values = values
+        self.device = device
+        self.num_tokens = len(values)
+        self.logits_rows = logits_rows
+        self.num_logits = len(logits_rows)
+        self.sets: dict[Any, _Rows | None] = {}
+        self.rows: slice | torch.Tensor | None = None  # a state layer's segment
+        self.called: set[str] = set()  # the targets whose hook ran
+
+
+class LoRASlots:
+    """The adapters of one engine: host cache, device slots, hooks and the running step's rows (module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        not_served: dict[str, str] | None = None,
+    ) -> None:
+        self.max_loras, self.rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype = next(model.parameters()).dtype
+        self.targets = _targets(model)
+        self._by_module = {id(t.module): t for t in self.targets.values()}
+        # Layers adapters may not target, with the reason (a latent attention layer's up-projection).
+        self.not_served = not_served or {}
+        self.embed_scales = {
+            name: float(t.module.embed_scale)
+            for name, t in self.targets.items()
+            if t.embedding and isinstance(getattr(t.module, "embed_scale", None), (int, float, torch.Tensor))
+        }
+        self.cache: OrderedDict[str, AdapterWeights] = OrderedDict()  # by name, least recently used first
+        self.slot_names: list[str | None] = [None] * max_loras
+        self.slot_keys: list[bytes] = [b""] * max_loras
+        self.slot_used: list[int] = [0] * max_loras  # the step count at its last use (LRU among slots)
+        self.num_steps = 0
+        self.loads = 0  # adapters copied into a device slot
+        self.reads = 0  # adapters read from their folders
+        self.step: _Step | None = None
+        # Per slot, the layers its adapter targets that no step has called yet with its rows: a layer the forward
+        # does not call as a module (a fused kernel reading its weight) would leave the delta out, so the first step
+        # of each adapter checks that every one of them ran (`verify`); an adapter that fails is refused from then on.
+        self.unverified: dict[int, set[str]] = {}
+        self.refused: dict[str, str] = {}
+        self._lock = threading.Lock()  # the async engine reads adapters in its callers' threads
+
+    # ---- adapters -------------------------------------------------------------------------------------------------
+
+    def adapter(self, request: LoRARequest) -> AdapterWeights:
+        """`request`'s adapter, read from its folder unless cached under its name and path (a LoRAError names what is
+        wrong with it)."""
+        if request.lora_name in self.refused:
+            raise LoRAError(self.refused[request.lora_name])
+        with self._lock:
+            found = self.cache.get(request.lora_name)
+            if found is not None and found.request.lora_path == request.lora_path:
+                self.cache.move_to_end(request.lora_name)
+                return found
+        modules = {name: target.module for name, target in self.targets.items()}
+        adapter = read_adapter(request, modules, self.rank, self.dtype, self.embed_scales)
+        self._check_served(adapter)
+        with self._lock:
+            self.reads += 1
+            self.cache[request.lora_name] = adapter
+            self.cache.move_to_end(request.lora_name)
+            while len(self.cache) > self.max_cpu_loras:
+                self.cache.popitem(last=False)
+        return adapter
+
+    def _check_served(self, adapter: AdapterWeights) -> None:
+        for module_name in adapter.deltas:
+            if module_name in self.not_served:
+                raise LoRAError(f"adapter {adapter.request.lora_name!r}: {self.not_served[module_name]}")
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget the adapter of that id from the host cache (vLLM's `remove_lora`; a request that still runs it keeps
+        its device slot, and one added later reads its folder again); whether it was cached."""
+        with self._lock:
+            names = [name for name, adapter in self.cache.items() if adapter.request.lora_int_id == lora_int_id]
+            for name in names:
+                del self.cache[name]
+        return bool(names)
+
+    def cached_ids(self) -> set[int]:
+        """The ids of the adapters in the host cache (vLLM's `list_loras`)."""
+        with self._lock:
+            return {adapter.request.lora_int_id for adapter in self.cache.values()}
+
+    # ---- the step's slots ----------------------------------------------------------------------------------------
+
+    def slots_for(self, adapters: Sequence[AdapterRef | None]) -> list[int]:
+        """Each request's device slot (NO_ADAPTER for none), loading the adapters not in a slot into the slots no
+        request of this step uses (least recently used first). A LoRAError if the step has more adapters than slots
+        (the scheduler prevents it) or an adapter's folder changed since its request was added (its key then)."""
+        self.num_steps += 1
+        slot_of: dict[str, int] = {}
+        slots = []
+        for adapter in adapters:
+            if adapter is None:
+                slots.append(NO_ADAPTER)
+                continue
+            request, key = adapter
+            slot = slot_of.get(request.lora_name)
+            if slot is None:
+                slot = self._slot_holding(request.lora_name, key)
+                if slot is None:
+                    slot = self._load(request, key, set(slot_of.values()))
+                slot_of[request.lora_name] = slot
+            self.slot_used[slot] = self.num_steps
+            slots.append(slot)
+        return slots
+
+    def _slot_holding(self, name: str, key: bytes) -> int | None:
+        for slot, held in enumerate(self.slot_names):
+            if held == name and self.slot_keys[slot] == key:
+                return slot
+        return None
+
+    def _load(self, request: LoRARequest, key: bytes, taken: set[int]) -> int:
+        adapter = self.adapter(request)
+        if adapter.key != key:
+            raise LoRAError(
+                f"adapter {request.lora_name!r} changed in {request.lora_path!r} since the request was added; "
+                "load it under a new lora_name"
+            )
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if not free:
+            raise LoRAError(f"a step runs more than max_loras={self.max_loras} adapters")
+        slot = min(free, key=lambda s: (self.slot_names[s] is not None, self.slot_used[s]))
+        self._clear(slot)
+        rank = self.rank
+        for module_name, delta in adapter.deltas.items():
+            target = self.targets[module_name]
+            self._allocate(target)
+            r = delta.rank
+            columns = slice(slot * rank, slot * rank + r)
+            if target.embedding:
+                target.a[:, columns] = delta.a.to(target.a.device)
+            else:
+                target.a[columns] = delta.a.to(target.a.device)
+            target.b[:, columns] = delta.b.to(target.b.device)
+            target.slots |= 1 << slot
+        self.slot_names[slot], self.slot_keys[slot] = request.lora_name, adapter.key
+        self.unverified[slot] = set(adapter.deltas)
+        self.loads += 1
+        return slot
+
+    def _clear(self, slot: int) -> None:
+        rank = self.rank
+        columns = slice(slot * rank, (slot + 1) * rank)
+        for target in self.targets.values():
+            if target.slots >> slot & 1:
+                if target.embedding:
+                    target.a[:, columns] = 0
+                else:
+                    target.a[columns] = 0
+                target.b[:, columns] = 0
+                target.slots &= ~(1 << slot)
+        self.slot_names[slot], self.slot_keys[slot] = None, b""
+        self.unverified.pop(slot, None)
+
+    def _allocate(self, target: _Target) -> None:
+        if target.a is not None:
+            return
+        module, width = target.module, self.max_loras * self.rank
+        weight = module.weight
+        if target.embedding:
+            target.a = weight.new_zeros(module.num_embeddings, width)
+            target.b = weight.new_zeros(module.embedding_dim, width)
+        else:
+            target.a = weight.new_zeros(width, module.in_features)
+            target.b = weight.new_zeros(module.out_features, width)
+        target.handle = module.register_forward_hook(self._embedding_hook if target.embedding else self._linear_hook)
+
+    # ---- the running step ------------------------------------------------------------------------------------------
+
+    def begin(self, slots: list[int], query_lens: Sequence[int], logits_rows: Sequence[int]) -> None:
+        """The step about to run: each request's slot and rows (`query_lens`), and the rows whose logits it computes
+        (what the output layer sees, in order)."""
+        values = [slot for slot, count in zip(slots, query_lens, strict=True) for _ in range(count)]
+        if all(v == NO_ADAPTER for v in values):
+            self.step = None
+            return
+        device = next(iter(self.targets.values())).module.weight.device
+        self.step = _Step(values, device, logits_rows)
+
+    def verify(self) -> None:
+        """After a step's forward: every layer an adapter of the step targets ran its hook, the first time that adapter
+        runs (module docstring). A RuntimeError names the layers otherwise, and the adapter is refused from then on."""
+        step = self.step
+        if step is None or not self.unverified:
+            return
+        for slot in {v for v in step.values if v != NO_ADAPTER}:
+            missing = self.unverified.get(slot)
+            if missing is None:
+                continue
+            missing -= step.called
+            if missing:
+                name = self.slot_names[slot]
+                message = (
+                    f"adapter {name!r} targets {', '.join(sorted(missing))}, which this model's forward does not call "
+                    "as a module (a fused kernel reads its weight), so its delta cannot be applied; train the adapter "
+                    "without those modules"
+                )
+                self.refused[name] = message
+                with self._lock:
+                    self.cache.pop(name, None)
+                self._clear(slot)
+                raise RuntimeError(message)
+            del self.unverified[slot]
+
+    def end(self) -> None:
+        self.step = None
+
+    def enter_rows(self, rows: slice | torch.Tensor) -> None:
+        """A state layer's segment runs: its layers see these rows of the step."""
+        if self.step is not None:
+            self.step.rows = rows
+
+    def exit_rows(self) -> None:
+        if self.step is not None:
+            self.step.rows = None
+
+    def _rows(self, step: _Step, count: int, logits: bool) -> _Rows | None:
+        rows = step.rows
+        if rows is not None:
+            key = (rows.start, rows.stop) if isinstance(rows, slice) else ("rows", id(rows))
+        elif logits and count == step.num_logits:
+            key = "logits"
+        elif not logits and count == step.num_tokens:
+            key = "tokens"
+        else:
+            raise RuntimeError(
+                f"a layer with LoRA adapters saw {count} rows in a step of {step.num_tokens} tokens and "
+                f"{step.num_logits} logits rows; hybridkv cannot tell whose rows they are"
+            )
+        if key in step.sets:
+            return step.sets[key]
+        if rows is not None:
+            index = torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows.cpu()
+            values = [step.values[i] for i in index.tolist()]
+        elif key == "logits":
+            values = [step.values[i] for i in step.logits_rows]
+        else:
+            values = step.values
+        if len(values) != count:
+            raise RuntimeError(f"a layer with LoRA adapters saw {count} rows where its segment has {len(values)}")
+        found = None
+        if any(v != NO_ADAPTER for v in values):
+            slots = torch.tensor(values, device=step.device)
+            found = _Rows(slots, values, self.rank, self.dtype)
+        step.sets[key] = found
+        return found
+
+    def _linear_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        step = self.step
+        if step is None:
+            return None
+        target = self._target_of(module)
+        if not target.slots:
+            return None
+        step.called.add(target.name)
+        x = args[0]
+        rows = self._rows(step, x.numel() // x.shape[-1], target.logits)
+        if rows is None:
+            return None
+        flat = x.reshape(-1, x.shape[-1])
+        rank = self.rank
+        if rows.single is not None:
+            if not target.slots >> rows.single & 1:
+                return None
+            columns = slice(rows.single * rank, (rows.single + 1) * rank)
+            delta = (flat @ target.a[columns].t()) @ target.b[:, columns].t()
+        else:
+            width = rows.used * rank
+            delta = ((flat @ target.a[:width].t()) * rows.mask) @ target.b[:, :width].t()
+        return output + delta.view(output.shape)
+
+    def _embedding_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        step = self.step
+        if step is None:
+            return None
+        target = self._target_of(module)
+        if not target.slots:
+            return None
+        step.called.add(target.name)
+        ids = args[0]
+        rows = self._rows(step, ids.numel(), False)
+        if rows is None:
+            return None
+        flat = ids.reshape(-1)
+        rank = self.rank
+        if rows.single is not None:
+            if not target.slots >> rows.single & 1:
+                return None
+            columns = slice(rows.single * rank, (rows.single + 1) * rank)
+            delta = target.a[:, columns].index_select(0, flat) @ target.b[:, columns].t()
+        else:
+            width = rows.used * rank
+            delta = (target.a[:, :width].index_select(0, flat) * rows.mask) @ target.b[:, :width].t()
+        return output + delta.view(output.shape)
+
+    def _target_of(self, module: torch.nn.Module) -> _Target:
+        return self._by_module[id(module)]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "max_loras": self.max_loras,
+            "slots": [name for name in self.slot_names],
+            "cached": list(self.cache),
+            "loads": self.loads,
+            "reads": self.reads,
+        }
+
+    def close(self) -> None:
+        """Remove the hooks and free the stacks (unpatch)."""
+        for target in self.targets.values():
+            if target.handle is not None:
+                target.handle.remove()
+            target.handle = target.a = target.b = None
+            target.slots = 0
+        self.cache.clear()
+        self.step = None
+
+
+def _targets(model: torch.nn.Module) -> dict[str, _Target]:
+    """The linear and embedding layers of the language model (its decoder, its input embeddings and its output
+    layer) by qualified name: what adapters may target. A vision tower's layers run outside the steps and are not
+    among them."""
+    named = {id(module): name for name, module in model.named_modules()}
+    roots = []
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for root in (decoder, model.get_input_embeddings(), model.get_output_embeddings()):
+        if isinstance(root, torch.nn.Module) and id(root) in named:
+            roots.append(root)
+    if not roots:
+        roots.append(model)
+    output = model.get_output_embeddings()
+    targets: dict[str, _Target] = {}
+    for root in roots:
+        prefix = named[id(root)]
+        for name, module in root.named_modules(prefix=prefix):
+            embedding = isinstance(module, torch.nn.Embedding)
+            if (embedding or isinstance(module, torch.nn.Linear)) and name not in targets:
+                targets[name] = _Target(name, module, embedding, logits=module is output)
+    return targets
