@@ -52,19 +52,41 @@ class _Target:
     handle: Any = None
 
 
+# Above this many rows with several adapters, each slot's rows are gathered (`_Rows.groups`) rather than masked: the
+# masked matmuls cost every slot's columns for every row (benchmarks/multi_lora.py --ways: at 32 rows masking is 2-3x
+# faster than gathering per slot; at 1,024 rows over 4 and 16 adapters, 1.5x and 2.6x slower).
+_MASKED_ROWS = 128
+
+
 class _Rows:
-    """The adapter slots of a set of rows in a step: one slot for all (`single`), or the mask over the slots used."""
+    """The adapter slots of a set of rows in a step: one slot for all (`single`); for a few rows, the mask over the
+    slots used (`mask`); for many, each slot's rows (`groups`: a slice where they are consecutive, else an index)."""
 
-    __slots__ = ("mask", "single", "used")
+    __slots__ = ("groups", "mask", "single", "used")
 
-    def __init__(self, slots: torch.Tensor, values: list[int], rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, values: list[int], device: torch.device, rank: int, dtype: torch.dtype) -> None:
         distinct = set(values)
         self.single: int | None = values[0] if len(distinct) == 1 else None
         self.used = max(distinct) + 1
         self.mask: torch.Tensor | None = None
-        if self.single is None:
-            columns = torch.arange(self.used, device=slots.device)
+        self.groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        if self.single is not None:
+            return
+        if len(values) <= _MASKED_ROWS:
+            slots = torch.tensor(values, device=device)
+            columns = torch.arange(self.used, device=device)
             self.mask = (slots[:, None] == columns[None]).to(dtype).repeat_interleave(rank, dim=1)
+            return
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(values):
+            if slot != NO_ADAPTER:
+                by_slot.setdefault(slot, []).append(row)
+        self.groups = []
+        for slot, rows in sorted(by_slot.items()):
+            if rows[-1] - rows[0] + 1 == len(rows):
+                self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
+            else:
+                self.groups.append((slot, torch.tensor(rows, device=device)))
 
 
 class _Step:
@@ -323,8 +345,7 @@ class LoRASlots:
             raise RuntimeError(f"a layer with LoRA adapters saw {count} rows where its segment has {len(values)}")
         found = None
         if any(v != NO_ADAPTER for v in values):
-            slots = torch.tensor(values, device=step.device)
-            found = _Rows(slots, values, self.rank, self.dtype)
+            found = _Rows(values, step.device, self.rank, self.dtype)
         step.sets[key] = found
         return found
 
@@ -341,16 +362,27 @@ class LoRASlots:
         if rows is None:
             return None
         flat = x.reshape(-1, x.shape[-1])
+        # The layer's own output, a fresh tensor, takes the deltas in place (steps run under inference_mode).
+        result = output if output.is_contiguous() else output.contiguous()
+        out = result.view(-1, result.shape[-1])
         rank = self.rank
         if rows.single is not None:
-            if not target.slots >> rows.single & 1:
-                return None
-            columns = slice(rows.single * rank, (rows.single + 1) * rank)
-            delta = (flat @ target.a[columns].t()) @ target.b[:, columns].t()
-        else:
+            if target.slots >> rows.single & 1:
+                columns = slice(rows.single * rank, (rows.single + 1) * rank)
+                out.addmm_(flat @ target.a[columns].t(), target.b[:, columns].t())
+        elif rows.mask is not None:
             width = rows.used * rank
-            delta = ((flat @ target.a[:width].t()) * rows.mask) @ target.b[:, :width].t()
-        return output + delta.view(output.shape)
+            out.addmm_((flat @ target.a[:width].t()).mul_(rows.mask), target.b[:, :width].t())
+        else:
+            for slot, index in rows.groups:
+                if target.slots >> slot & 1:
+                    columns = slice(slot * rank, (slot + 1) * rank)
+                    if isinstance(index, slice):
+                        out[index].addmm_(flat[index] @ target.a[columns].t(), target.b[:, columns].t())
+                    else:
+                        part = flat.index_select(0, index)
+                        out.index_add_(0, index, (part @ target.a[columns].t()) @ target.b[:, columns].t())
+        return None if result is output else result
 
     def _embedding_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         step = self.step
@@ -373,8 +405,19 @@ class LoRASlots:
             delta = target.a[:, columns].index_select(0, flat) @ target.b[:, columns].t()
         else:
             width = rows.used * rank
-            delta = (target.a[:, :width].index_select(0, flat) * rows.mask) @ target.b[:, :width].t()
+            mask = rows.mask if rows.mask is not None else self._mask(step, rows)
+            delta = (target.a[:, :width].index_select(0, flat) * mask) @ target.b[:, :width].t()
         return output + delta.view(output.shape)
+
+    def _mask(self, step: _Step, rows: _Rows) -> torch.Tensor:
+        """The mask of a row set kept as groups (an embedding over many rows: one gather, then the mask)."""
+        if rows.mask is None:
+            slots = torch.full((step.num_tokens,), NO_ADAPTER, device=step.device)
+            for slot, index in rows.groups:
+                slots[index] = slot
+            columns = torch.arange(rows.used, device=step.device)
+            rows.mask = (slots[:, None] == columns[None]).to(self.dtype).repeat_interleave(self.rank, dim=1)
+        return rows.mask
 
     def _target_of(self, module: torch.nn.Module) -> _Target:
         return self._by_module[id(module)]
