@@ -71,6 +71,10 @@ PATCH_FLAGS: dict[str, Any] = {
     "kv_offloading_backend": ["native", "lmcache"],
     "prefix_cache_dir": str,
     "prefix_cache_dir_size": float,
+    "enable_lora": bool,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
 }
 DEMO_PROMPTS = [
     "Once upon a time",
