@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from hybridkv.serving.endpoints import APIError, OpenAIServing
+from hybridkv.serving.endpoints import OpenAIServing
 from hybridkv.serving.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -25,6 +25,7 @@ from hybridkv.serving import tool_calls
 from hybridkv.serving.images import decode_image
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -47,24 +48,6 @@ if TYPE_CHECKING:
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 256
 DISCONNECT_POLL_SECONDS = 0.5
-
-
-class APIError(Exception):
-    """A request the server refuses: HTTP status and OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.error_type, self.param, _code(self.status))
-
-
-def _code(status: int) -> str | None:
-    return {404: "model_not_found"}.get(status)
 
 
 class OpenAIServing:

@@ -278,6 +278,24 @@ def error_body(message: str, error_type: str, param: str | None = None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+class APIError(Exception):
+    """A request the server refuses: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, _code(self.status))
+
+
+def _code(status: int) -> str | None:
+    return {404: "model_not_found"}.get(status)
+
+
 class TokenText:
     """Token ids as the text OpenAI's logprobs show: each token decoded on its own."""
 
