@@ -258,6 +258,25 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT folder `lora_path` under the model name `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's): stop serving the adapter named `lora_name` (or, with no name, the one of
+    vLLM's `lora_int_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
