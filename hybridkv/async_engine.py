@@ -208,6 +208,22 @@ class AsyncLLMEngine:
         reset = functools.partial(self.llm.reset_prefix_cache, reset_running_requests, reset_disk)
         return await self._between_steps(reset)
 
+    async def add_lora(self, lora_request: Any) -> bool:
+        """vLLM's `AsyncLLM.add_lora`: read an adapter into the host cache ahead of its requests, in a worker thread
+        while the engine keeps stepping (the adapter cache has its own lock, as `submit`'s check relies on); a
+        ValueError names what is wrong with it. True."""
+        await asyncio.to_thread(self.llm.core.adapter, lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's `AsyncLLM.remove_lora`: `LLMEngine.remove_lora`, by the engine thread between two steps (a request
+        running the adapter keeps it); whether it was in the host cache."""
+        return await self._between_steps(functools.partial(self.llm.remove_lora, lora_id))
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's `AsyncLLM.list_loras`: the `lora_int_id`s of the adapters in the host cache."""
+        return await self._between_steps(self.llm.list_loras)
+
     async def is_sleeping(self) -> bool:
         """vLLM's `AsyncLLM.is_sleeping`."""
         return await self._between_steps(self.llm.is_sleeping)

@@ -2,7 +2,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
 server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
-`GET /metrics` (Prometheus text). Every
+`GET /metrics` (Prometheus text), and vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain
+text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Every
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
 a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404.
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
@@ -12,25 +13,30 @@ time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from hybridkv.serving.endpoints import APIError, OpenAIServing
+from hybridkv.serving.endpoints import OpenAIServing
 from hybridkv.serving.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     error_body,
 )
 
 if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
+    from hybridkv.lora import LoRARequest
 
 
 def build_app(
@@ -39,13 +45,16 @@ def build_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     fetch_images: bool = False,
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
     down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring.
     `tool_call_parser`: the format tool_choice "auto" parses (hybridkv/serving/tool_calls.py; by default the one the
     chat template shows). `fetch_images`: image_url parts may name http(s) URLs, which the server fetches
-    (hybridkv/serving/images.py); off, only data URLs are taken."""
-    serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images)
+    (hybridkv/serving/images.py); off, only data URLs are taken. `lora_modules`: LoRA adapters served from the start
+    (vLLM's --lora-modules), a request's `model` naming one by its lora_name; each is read here, and a ValueError
+    names the fix for one the engine cannot serve (hybridkv/serving/served_models.py)."""
+    serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images, lora_modules)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
     app.state.serving = serving
 
@@ -100,6 +109,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return _respond(await serving.chat(body, request))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await serving.load_lora_adapter(body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await serving.unload_lora_adapter(body))
 
     # Plain functions: a long prompt is tokenized in FastAPI's thread pool, never on the event loop.
     @app.post("/tokenize")

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,6 +71,10 @@ PATCH_FLAGS: dict[str, Any] = {
     "kv_offloading_backend": ["native", "lmcache"],
     "prefix_cache_dir": str,
     "prefix_cache_dir_size": float,
+    "enable_lora": bool,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
 }
 DEMO_PROMPTS = [
     "Once upon a time",
@@ -192,6 +196,47 @@ def chat_template_text(value: str) -> str:
     return value
 
 
+class LoRAModulePath(NamedTuple):
+    """One `--lora-modules` entry (vLLM's name): an adapter's name, its PEFT folder, and the model `/v1/models` lists as
+    its parent (default: the served model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module_flag(text: str) -> LoRAModulePath:
+    """A `--lora-modules` entry in either of vLLM's forms: `name=path`, or a JSON object
+    '{"name": "sql", "path": "/adapters/sql", "base_model_name": "..."}' (base_model_name optional)."""
+    if not text.lstrip().startswith("{"):
+        name, equals, path = text.partition("=")
+        if not (name and equals and path):
+            raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+        return LoRAModulePath(name, path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    fields = set(LoRAModulePath._fields)
+    if not isinstance(value, dict) or not {"name", "path"} <= value.keys() <= fields:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object with 'name' and 'path' (and optionally 'base_model_name'), got {text!r}"
+        )
+    module = LoRAModulePath(**value)
+    strings = (module.name, module.path) if module.base_model_name is None else module
+    if not all(isinstance(part, str) and part for part in strings):
+        raise argparse.ArgumentTypeError(f"'name', 'path' and 'base_model_name' must be strings, got {text!r}")
+    return module
+
+
+def lora_requests(modules: list[LoRAModulePath]) -> list[hybridkv.LoRARequest]:
+    """The `--lora-modules` as `LoRARequest`s, their lora_int_ids 1, 2, ... in the order given."""
+    return [
+        hybridkv.LoRARequest(module.name, index, module.path, base_model_name=module.base_model_name)
+        for index, module in enumerate(modules, start=1)
+    ]
+
+
 def worked_as_rank(model: torch.nn.Module, llm: hybridkv.LLMEngine) -> bool:
     """On a worker rank of a tensor-parallel model: run rank 0's steps until it stops, then unpatch; True
     when it did (the command has nothing else to do on this rank)."""
@@ -243,9 +288,17 @@ def serve(args: argparse.Namespace) -> None:
         return
     engine = AsyncLLMEngine(llm)
     name = args.served_model_name or args.model
-    print(f"serving {name!r} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})", flush=True)
+    adapters = lora_requests(args.lora_modules or [])
     try:
-        app = build_app(engine, name, args.api_key, args.tool_call_parser, args.fetch_images)
+        try:
+            app = build_app(engine, name, args.api_key, args.tool_call_parser, args.fetch_images, adapters)
+        except ValueError as error:  # a LoRA adapter the engine cannot serve: the launch fails with the reason
+            raise SystemExit(f"hybridkv serve: {error}") from None
+        served = "".join(f", LoRA adapter {adapter.lora_name!r}" for adapter in adapters)
+        print(
+            f"serving {name!r}{served} at http://{args.host}:{args.port}/v1 (max_model_len {llm.max_model_len:,})",
+            flush=True,
+        )
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.shutdown()
@@ -261,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = args.model_tag or args.model
         if args.model is None:
             parser.error("serve needs a model: hybridkv serve PATH")
+        if args.lora_modules and not args.enable_lora:
+            parser.error("--lora-modules needs --enable-lora (and --max-loras, --max-lora-rank to fit the adapters)")
     if args.command == "demo":
         demo(args.max_tokens)
     elif args.command == "generate":
@@ -323,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--fetch-images",
         action="store_true",
         help="fetch http(s) image URLs in chat messages (default: only data URLs are taken; a remote URL is a 400)",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        type=lora_module_flag,
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) a request's model names, read at start (needs --enable-lora): name=path, or "
+        'vLLM\'s JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'',
     )
     add_patch_flags(srv)
     return parser

@@ -1,8 +1,9 @@
 """`OpenAIServing`: OpenAI's completion and chat endpoints over an `AsyncLLMEngine`, without the HTTP.
 
-A request's life: check the model name, make the prompt token ids (a chat through the tokenizer's
-template), refuse a prompt over max_model_len, build `SamplingParams` (its checks are the 400s), submit,
-then either await the whole output or turn its `StreamDelta`s into OpenAI's chunks. Whatever ends a
+A request's life: check the model name (the model's, or a LoRA adapter's: hybridkv/serving/served_models.py), make
+the prompt token ids (a chat through the tokenizer's template), refuse a prompt over max_model_len, build
+`SamplingParams` (its checks are the 400s), submit, then either await the whole output or turn its `StreamDelta`s
+into OpenAI's chunks. Whatever ends a
 request's handling early (a client gone, a cancelled task) aborts the request, so its blocks return.
 """
 
@@ -13,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,23 +26,28 @@ from hybridkv.serving import tool_calls
 from hybridkv.serving.images import decode_image
 from hybridkv.serving.metrics import ServerMetrics
 from hybridkv.serving.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     SamplingFields,
     TokenizeRequest,
     TokenText,
+    UnloadLoRAAdapterRequest,
     error_body,
     now,
     prompt_logprobs_body,
     request_id,
     usage,
 )
+from hybridkv.serving.served_models import ServedModels
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
     from hybridkv.async_engine import AsyncLLMEngine, RequestHandle
+    from hybridkv.lora import LoRARequest
 
 # OpenAI's default max_tokens for /v1/completions; a chat's default is what fits in max_model_len.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -49,33 +55,22 @@ MAX_PROMPTS_PER_REQUEST = 256
 DISCONNECT_POLL_SECONDS = 0.5
 
 
-class APIError(Exception):
-    """A request the server refuses: HTTP status and OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.error_type, self.param, _code(self.status))
-
-
-def _code(status: int) -> str | None:
-    return {404: "model_not_found"}.get(status)
-
-
 class OpenAIServing:
-    """The endpoints' logic over one engine and the one model name it answers to."""
+    """The endpoints' logic over one engine: its model's name and the LoRA adapters served with it (`lora_modules`,
+    each read now: a ValueError names the fix for one the engine cannot serve)."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, model_name: str, tool_call_parser: str | None = None, fetch_images: bool = False
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        tool_call_parser: str | None = None,
+        fetch_images: bool = False,
+        lora_modules: Sequence[LoRARequest] = (),
     ) -> None:
         self.engine = engine
         self.fetch_images = fetch_images
         self.model_name = model_name
+        self.served_models = ServedModels(engine, model_name, lora_modules)
         self.tokenizer = engine.llm.tokenizer
         self.max_model_len = engine.llm.max_model_len
         self.token_text = TokenText(self.tokenizer)
@@ -88,13 +83,21 @@ class OpenAIServing:
         self._recorders: set[asyncio.Task[None]] = set()
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": now(), "owned_by": "hybridkv"}
-        return {"object": "list", "data": [{**card, "max_model_len": self.max_model_len}]}
+        """`/v1/models`: the model, then each LoRA adapter served with it."""
+        return {"object": "list", "data": self.served_models.cards()}
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
+        """`/v1/load_lora_adapter`: vLLM's success text (ServedModels.load)."""
+        return await self.served_models.load(body.lora_name, body.lora_path)
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> str:
+        """`/v1/unload_lora_adapter`: vLLM's success text (ServedModels.unload)."""
+        return await self.served_models.unload(body.lora_name, body.lora_int_id)
 
     async def completion(self, body: CompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/completions`: the response body, or the server-sent events of a stream. Several prompts run as
         concurrent requests; prompt i's samples are choices i x n .. i x n + n - 1, as OpenAI numbers them."""
-        self._check_model(body.model)
+        lora = self.served_models.resolve(body.model)
         echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's logprobs lead the choice's
         if echo_logprobs and body.stream:
             raise APIError(400, "echo with logprobs is not streamed; set stream=false", param="echo")
@@ -107,10 +110,12 @@ class OpenAIServing:
         if echo_logprobs:
             params = [dataclasses.replace(p, prompt_logprobs=body.logprobs) for p in params]
         await self._compile_grammar(params[0])
+        await self._read_adapter(lora)
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
-        handles = self._submit_all(prompts, params, "cmpl", body.request_id)
+        handles = self._submit_all(prompts, params, "cmpl", body.request_id, lora)
         request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
-        header = {"id": request_id, "object": "text_completion", "created": now(), "model": self.model_name}
+        model = self.model_name if lora is None else lora.lora_name
+        header = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         n = params[0].n
         num_top = body.logprobs or 0
         if body.stream:
@@ -151,7 +156,12 @@ class OpenAIServing:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _submit_all(
-        self, prompts: list[list[int]], params: list[SamplingParams], prefix: str, given_id: str | None = None
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        prefix: str,
+        given_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> list[RequestHandle]:
         """Submit every prompt, or none: a refusal aborts those submitted before it. A body's `request_id` names the
         first request (vLLM's), the others `ID-1`, `ID-2`, ..."""
@@ -159,7 +169,7 @@ class OpenAIServing:
         try:
             for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
                 own = None if given_id is None else (given_id if index == 0 else f"{given_id}-{index}")
-                handles.append(self._submit(prompt_ids, prompt_params, prefix, own))
+                handles.append(self._submit(prompt_ids, prompt_params, prefix, own, lora))
         except BaseException:
             for handle in handles:
                 handle.abort()
@@ -168,7 +178,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
         """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
-        self._check_model(body.model)
+        lora = self.served_models.resolve(body.model)
         tools = self._tool_plan(body)
         image_urls = [url for message in body.messages for url in message.image_urls()]
         prompt: list[int] | dict[str, Any]
@@ -197,12 +207,13 @@ class OpenAIServing:
                 raise APIError(400, "a forced tool_choice constrains the output itself: drop response_format", "tools")
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
+        await self._read_adapter(lora)
         if image_urls:  # the vision tower runs when the request is checked: off the event loop
-            handle = await self._submit_off_loop(prompt, params, "chatcmpl", body.request_id)
+            handle = await self._submit_off_loop(prompt, params, "chatcmpl", body.request_id, lora)
         else:
-            handle = self._submit(prompt_ids, params, "chatcmpl", body.request_id)
-        created = now()
-        header = {"id": handle.request_id, "object": "chat.completion", "created": created, "model": self.model_name}
+            handle = self._submit(prompt_ids, params, "chatcmpl", body.request_id, lora)
+        model = self.model_name if lora is None else lora.lora_name
+        header = {"id": handle.request_id, "object": "chat.completion", "created": now(), "model": model}
         if body.stream:
             header["object"] = "chat.completion.chunk"
             choice = functools.partial(self._chat_choice, tools=tools, num_top=num_top, token_ids=body.return_token_ids)
@@ -269,7 +280,7 @@ class OpenAIServing:
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         """`/tokenize`: the token ids the server would run for the prompt or the chat, and their count."""
-        self._check_model(body.model)
+        self.served_models.resolve(body.model)
         tokenizer = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either a prompt or messages", param="prompt")
@@ -288,7 +299,7 @@ class OpenAIServing:
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """`/detokenize`: the text of token ids (ids outside the vocabulary are a 400)."""
-        self._check_model(body.model)
+        self.served_models.resolve(body.model)
         tokenizer = self._tokenizer()
         vocab = len(tokenizer)
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
@@ -300,12 +311,6 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer: it takes and gives token ids only", param="model")
         return self.tokenizer
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"model {model!r} does not exist; this server serves {self.model_name!r}", param="model"
-            )
 
     def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[list[int]]:
         """The token ids of each prompt the body holds (a text, token ids, or a list of either)."""
@@ -368,35 +373,56 @@ class OpenAIServing:
         _, prompt = image_chat_prompt(llm.processor, messages, images, tools, options)
         return prompt
 
-    async def _submit_off_loop(
-        self, prompt: dict[str, Any], params: SamplingParams, prefix: str, given_id: str | None = None
-    ) -> RequestHandle:
+    async def _read_adapter(self, lora: LoRARequest | None) -> None:
+        """A request's adapter read into the engine's host cache off the event loop (one evicted from it is read from
+        its folder again: seconds for a large one), so that the submit that follows finds it there."""
+        if lora is None:
+            return
         try:
-            handle = await asyncio.to_thread(self.engine.submit, prompt, params, given_id or request_id(prefix))
+            await self.engine.add_lora(lora)
+        except ValueError as error:
+            raise APIError(400, str(error), param="model") from error
+
+    async def _submit_off_loop(
+        self,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        prefix: str,
+        given_id: str | None = None,
+        lora: LoRARequest | None = None,
+    ) -> RequestHandle:
+        submit = functools.partial(self.engine.submit, prompt, params, given_id or request_id(prefix), lora)
+        try:
+            handle = await asyncio.to_thread(submit)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="messages") from error
-        self._track(handle)
+        self._track(handle, lora)
         return handle
 
     def _submit(
-        self, prompt_ids: list[int], params: SamplingParams, prefix: str, given_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefix: str,
+        given_id: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestHandle:
         try:
-            handle = self.engine.submit(prompt_ids, params, request_id=given_id or request_id(prefix))
+            handle = self.engine.submit(prompt_ids, params, given_id or request_id(prefix), lora)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt") from error
-        self._track(handle)
+        self._track(handle, lora)
         return handle
 
-    def _track(self, handle: RequestHandle) -> None:
+    def _track(self, handle: RequestHandle, lora: LoRARequest | None) -> None:
         """Observe every request when it ends, however its handling ends (a stream closed early too)."""
-        recorder = asyncio.ensure_future(self._record(handle))
+        recorder = asyncio.ensure_future(self._record(handle, None if lora is None else lora.lora_name))
         self._recorders.add(recorder)
         recorder.add_done_callback(self._recorders.discard)
 
-    async def _record(self, handle: RequestHandle) -> None:
+    async def _record(self, handle: RequestHandle, adapter: str | None) -> None:
         with contextlib.suppress(Exception):
-            self.metrics.record(await handle)
+            self.metrics.record(await handle, adapter)
 
     async def _wait(self, handle: RequestHandle, request: Request) -> RequestOutput:
         """The finished output; a client that disconnects first, or a cancelled task, aborts it."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import uvicorn
 
 from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.lora import LoRARequest
 from hybridkv.serving.app import build_app
 
 STARTUP_TIMEOUT_SECONDS = 30.0
@@ -51,6 +53,7 @@ def serve(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     fetch_images: bool = False,
+    lora_modules: Sequence[LoRARequest] = (),
 ) -> ServerHandle:
     """Serve `llm` (an engine from `hybridkv.patch`, or an `AsyncLLMEngine`) with OpenAI's API from a
     background thread, and return once it accepts connections. `port=0` takes a free port (the handle's
@@ -58,11 +61,19 @@ def serve(
     `name_or_path`, else "hybridkv". An LLMEngine gets an AsyncLLMEngine that `stop()` shuts down. `api_key`:
     every route but `/health` then asks for `Authorization: Bearer <api_key>` (hybridkv/serving/app.py).
     `tool_call_parser`: the tool-call format of tool_choice "auto" (hybridkv/serving/tool_calls.py's PARSER_NAMES; by
-    default the one the chat template shows). `fetch_images`: fetch http(s) image URLs (off: data URLs only)."""
+    default the one the chat template shows). `fetch_images`: fetch http(s) image URLs (off: data URLs only).
+    `lora_modules`: LoRA adapters (`LoRARequest`s; the engine patched with enable_lora) that a request's `model` names
+    by their lora_name, each read here (a ValueError names the fix for one the engine cannot serve); more are loaded
+    and unloaded at run time through `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`."""
     owns_engine = isinstance(llm, LLMEngine)
     engine = AsyncLLMEngine(llm) if owns_engine else llm
     name = model_name or default_model_name(engine.llm)
-    app = build_app(engine, name, api_key, tool_call_parser, fetch_images)
+    try:
+        app = build_app(engine, name, api_key, tool_call_parser, fetch_images, lora_modules)
+    except BaseException:
+        if owns_engine:  # its thread holds the engine: a refused adapter must not leave it locked
+            engine.shutdown()
+        raise
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     thread = threading.Thread(target=_run, args=(server,), name="hybridkv-server", daemon=True)
     thread.start()

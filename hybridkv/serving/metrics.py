@@ -3,8 +3,8 @@
 Each series under hybridkv's name and, where vLLM has one, under vLLM's too (`vllm:num_requests_running`, ...),
 so that dashboards made for vLLM read a hybridkv server. The engine's values are read from `stats()` when
 scraped (`EngineCollector`); the server's own observations (time to first token, time per output token,
-finished requests by reason) are prometheus_client's histograms and counters, in a registry of the server's
-own (two servers in one process do not mix their series).
+finished requests by reason and by LoRA adapter) are prometheus_client's histograms and counters, in a registry
+of the server's own (two servers in one process do not mix their series).
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class EngineCollector(Collector):
 
 class ServerMetrics:
     """The server's own observations: time to first token and time per output token of each finished
-    request, and finished requests by finish reason; `exposition` adds the engine's (`EngineCollector`)."""
+    request, finished requests by finish reason, and by LoRA adapter; `exposition` adds the engine's
+    (`EngineCollector`)."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -112,9 +113,18 @@ class ServerMetrics:
             Counter("hybridkv_request_finished", finished, ["finish_reason"], registry=self.registry),
             Counter("vllm:request_success", finished, ["finished_reason"], registry=self.registry),
         ]
+        # prometheus_client writes a counter's samples with the suffix _total: hybridkv_lora_requests_total.
+        self._lora_requests = Counter(
+            "hybridkv_lora_requests",
+            "Finished requests by the LoRA adapter they ran.",
+            ["adapter"],
+            registry=self.registry,
+        )
 
-    def record(self, output: RequestOutput) -> None:
-        """Observe a finished request (its metrics are the engine's monotonic times)."""
+    def record(self, output: RequestOutput, adapter: str | None = None) -> None:
+        """Observe a finished request (its metrics are the engine's monotonic times) and the LoRA adapter it ran."""
+        if adapter is not None:
+            self._lora_requests.labels(adapter).inc()
         for sample in output.outputs:
             reason = sample.finish_reason or "unknown"
             for counter in self._finished:

@@ -258,6 +258,25 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT folder `lora_path` under the model name `lora_name`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's): stop serving the adapter named `lora_name` (or, with no name, the one of
+    vLLM's `lora_int_id`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -276,6 +295,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, _code(self.status))
+
+
+def _code(status: int) -> str | None:
+    return {404: "model_not_found"}.get(status)
 
 
 class TokenText:
