@@ -228,7 +228,9 @@ def test_n_samples_and_beam_search_with_mixed_adapters(name, built):
     assert len({tuple(o.sequences[0].tokens) for o in mixed_beams}) == 4
 
 
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kernels", [pytest.param(False, id="torch"), pytest.param(True, marks=pytest.mark.slow, id="kernels")]
+)
 def test_embeddings_and_output_layer_as_targets(tmp_path, kernels):
     """Adapters on the input embeddings (Gemma 3's are scaled: PEFT scales the delta too) and the output layer; with the
     Triton kernels forced, the embeddings' mask is built for them and the output layer's rows go to the kernels."""
