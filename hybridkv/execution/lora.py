@@ -14,8 +14,9 @@ into `b`). A forward hook adds each row's delta to the layer's output:
 - no row with an adapter: nothing.
 
 On CUDA (the kernels' backend, hybridkv/kernels/backend.py) rows on several slots go to the Triton kernels instead of
-the mask or the groups (hybridkv/kernels/triton_lora.py: `lora_shrink` then `lora_expand`, each row times its own
-slot's A and B only, the rows grouped by slot once per set of rows); one slot for all rows stays two cuBLAS matmuls.
+the masked matmuls (or, over many rows, a pair of matmuls per slot: `_Rows.groups`): hybridkv/kernels/triton_lora.py's
+`lora_shrink` then `lora_expand`, each row times its own slot's A and B only, the rows grouped by slot once per set of
+rows. One slot for all rows stays two cuBLAS matmuls.
 
 Which rows a layer sees: the step's tokens (`[1, tokens, in]`), the logits rows (the `lm_head`), or, inside a state
 layer run per request segment (hybridkv/execution/state_layers.py), that segment's rows (`rows`). A layer that sees
