@@ -29,7 +29,10 @@
 # benchmarks/host_profile.py --every-step), "kernels graphs zoo" (the kernel, CUDA-graph and zoo tests on the device), "startup"
 # (benchmarks/compile_startup.py, issue 46), "rl" (issue 51: benchmarks/rl_rollouts.py --device cuda, GRPO's
 # generation time through hybridkv, transformers' continuous batching and generate; needs trl and datasets with
-# their dependencies in .whl/: `pip download trl -d .whl`). KERNELS_SECONDS, GRAPHS_SECONDS, ... set a part's limit.
+# their dependencies in .whl/: `pip download trl -d .whl`), "lora" (issue 65: LoRA's Triton kernels on the device,
+# tests/test_triton_lora.py and tests/test_lora.py's tests through the kernels, then benchmarks/multi_lora.py --device
+# cuda where the checkout's script takes --device; else a line says it was skipped). KERNELS_SECONDS, GRAPHS_SECONDS,
+# ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
 mkdir -p "$out"
@@ -74,6 +77,10 @@ for part in $parts; do
         pytest -q -p no:cacheprovider -n 4 tests/test_speculative.py && python3 benchmarks/speculative.py --device cuda \
         --cache /tmp/hybridkv-bench --rounds 3" ;;
     rl) run_part rl "${RL_SECONDS:-150}" python3 benchmarks/rl_rollouts.py --device cuda --prompts 16 --new 128 ;;
+    lora) run_part lora "${LORA_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider \
+        -n 4 tests/test_triton_lora.py tests/test_lora.py -k 'triton or kernels' && if grep -qs -- '\"--device\"' \
+        benchmarks/multi_lora.py; then python3 benchmarks/multi_lora.py --device cuda; else echo 'lora benchmark skipped: \
+        benchmarks/multi_lora.py is missing or takes no --device in this checkout'; fi" ;;
     attention) run_part attention "${ATTENTION_SECONDS:-50}" python3 benchmarks/attention_gpu.py --repeats 20 ;;
     startup) run_part startup "${STARTUP_SECONDS:-150}" python3 benchmarks/compile_startup.py --model gemma3_1b ;;
     throughput) run_part throughput "${THROUGHPUT_SECONDS:-240}" python3 benchmarks/throughput_gpu.py $throughput_args ;;

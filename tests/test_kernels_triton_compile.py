@@ -3,7 +3,7 @@
 The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so every
 variant is compiled for sm_90 (and some for sm_80) through Triton's whole pipeline to PTX, where those
 errors and the shared memory a program needs are found. The first variant of each kind (kernel, target,
-cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 17 of the 51:
+cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 21 of the 61:
 ptxas takes a third of a variant's compile, and what it checks beyond Triton's own passes (valid PTX for the
 target) varies with the kind far more than with a head dim or a flag. It
 runs in a subprocess because TRITON_INTERPRET, set by conftest.py, would turn the kernels into
@@ -19,8 +19,10 @@ import sys
 from itertools import product
 
 import pytest
+import torch
 
 from hybridkv.kernels.triton_attention import launch_config
+from hybridkv.kernels.triton_lora import launch_constexprs
 
 # (kernel, pointer dtype, cache pointer dtype, constexprs, compute capability, num_warps / num_stages); the
 # launch shapes and pipelining come from launch_config, so this compiles exactly what a GPU launch would.
@@ -46,6 +48,9 @@ _INT32_POINTERS = {
     "cu_seqlens_q_ptr",
     "tile_seq_ids_ptr",
     "tile_starts_ptr",
+    "order_ptr",
+    "tile_slots_ptr",
+    "tile_rows_ptr",
 }
 
 
@@ -140,6 +145,13 @@ def _latent_variant(
     return ("latent", dtype, cache_dtype or dtype, constexprs, capability, {"num_warps": 4, "num_stages": 1})
 
 
+def _lora_variant(kernel: str, dtype: str, rank: int, capability: int = 90) -> Variant:
+    """LoRA's shrink or expand (hybridkv/kernels/triton_lora.py), as a GPU launch for that rank passes it."""
+    torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    constexprs = launch_constexprs(kernel, rank, torch_dtype, torch_dtype, interpreted=False)
+    return (kernel, dtype, dtype, constexprs, capability, {})
+
+
 def _variants() -> list[Variant]:
     flags = list(product([False, True], repeat=3))
     variants = [_attention_variant("bf16", 128, *combination) for combination in flags]
@@ -192,6 +204,13 @@ def _variants() -> list[Variant]:
         _write_variant("fp32", 64, cache_dtype="fp8e5", capability=80),
         _write_variant("fp32", 64, cache_dtype="bf16"),
     ]
+    # LoRA: ranks 8 to 128 (one rank tile, padded to 16, up to two), every dtype, an A100.
+    variants += [
+        _lora_variant(kernel, dtype, rank)
+        for kernel in ("shrink", "expand")
+        for dtype, rank in [("bf16", 16), ("fp16", 64), ("fp32", 8), ("bf16", 128)]
+    ]
+    variants += [_lora_variant("shrink", "bf16", 32, capability=80), _lora_variant("expand", "bf16", 32, capability=80)]
     return variants
 
 
@@ -240,6 +259,7 @@ def _compile_all(variants: list[Variant], assembled: list[bool]) -> list[str]:
     from hybridkv.kernels.triton_attention import paged_attention_kernel, reduce_segments_kernel
     from hybridkv.kernels.triton_cache_write import write_kv_kernel
     from hybridkv.kernels.triton_latent import latent_decode_kernel
+    from hybridkv.kernels.triton_lora import lora_expand_kernel, lora_shrink_kernel
 
     add_stages = CUDABackend.add_stages
     to_ptx = {"assemble": True}
@@ -255,6 +275,8 @@ def _compile_all(variants: list[Variant], assembled: list[bool]) -> list[str]:
         "write": write_kv_kernel,
         "reduce": reduce_segments_kernel,
         "latent": latent_decode_kernel,
+        "shrink": lora_shrink_kernel,
+        "expand": lora_expand_kernel,
     }
     failures = []
     for (name, dtype, cache_dtype, constexprs, capability, options), assemble in zip(variants, assembled, strict=True):

@@ -16,6 +16,7 @@ import hybridkv
 from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO, slow_except
+from tiny_models import DEVICE
 
 NEW = 6
 GREEDY = hybridkv.SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -82,6 +83,42 @@ def test_mixed_adapters_in_one_batch_equal_peft_per_adapter(name, built):
     assert stats["loads"] == 3 and sorted(stats["slots"]) == ["a0", "a1", "a2"]
     # unpatch removes every hook: the model computes as it did.
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def patch_on_kernels(model, **settings):
+    """`model` patched with LoRA's Triton kernels (hybridkv/kernels/triton_lora.py) for rows on several adapters: moved
+    to the GPU on a HYBRIDKV_TEST_ON_GPU=1 run (the kernels compiled), else forced on the CPU (interpreted). The caller
+    unpatches it and moves it back to the CPU."""
+    if DEVICE.type == "cuda":
+        model.to(DEVICE)
+        settings["kv_cache_memory"] = 1 << 30  # not 0.9 of the GPU: millions of a tiny model's blocks
+    llm = hybridkv.patch(model, **settings)
+    llm.core.lora.backend = "triton"
+    return llm
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_the_triton_kernels_give_each_adapters_tokens(name, built, monkeypatch):
+    """The linear hook's CUDA path: the tokens of a batch over the three adapters and the model alone equal PEFT's, as
+    the torch path's do (a prefill step and a decode step). Qwen3.5's state layers run per request segment, each its own
+    set of rows. Four prompts, two tokens: the interpreter takes ~10 ms a program."""
+    from hybridkv.kernels import triton_lora
+
+    model, adapters, batch, which, expected = built(name)
+    assert which[:4] == [None, *adapters]
+    launches = []
+    expand = triton_lora.lora_expand
+    monkeypatch.setattr(triton_lora, "lora_expand", lambda *args: launches.append(1) or expand(*args))
+    few = hybridkv.SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    try:
+        llm = patch_on_kernels(model, enable_lora=True, max_loras=3, max_lora_rank=16)
+        got = tokens(llm.generate(batch[:4], few, lora_request=which[:4], use_tqdm=False))
+    finally:
+        if hybridkv.is_patched(model):
+            hybridkv.unpatch(model)
+        model.to("cpu")
+    assert got == [t[:2] for t in expected[:4]]
+    assert launches
 
 
 MODES = {
@@ -191,8 +228,12 @@ def test_n_samples_and_beam_search_with_mixed_adapters(name, built):
     assert len({tuple(o.sequences[0].tokens) for o in mixed_beams}) == 4
 
 
-def test_embeddings_and_output_layer_as_targets(tmp_path):
-    """Adapters on the input embeddings (Gemma 3's are scaled: PEFT scales the delta too) and the output layer."""
+@pytest.mark.parametrize(
+    "kernels", [pytest.param(False, id="torch"), pytest.param(True, marks=pytest.mark.slow, id="kernels")]
+)
+def test_embeddings_and_output_layer_as_targets(tmp_path, kernels):
+    """Adapters on the input embeddings (Gemma 3's are scaled: PEFT scales the delta too) and the output layer; with the
+    Triton kernels forced, the embeddings' mask is built for them and the output layer's rows go to the kernels."""
     for name, targets in (
         ("gemma3", ["embed_tokens", "q_proj", "down_proj"]),
         ("llama", ["embed_tokens", "lm_head", "v_proj"]),
@@ -203,11 +244,14 @@ def test_embeddings_and_output_layer_as_targets(tmp_path):
         batch = prompts(4, seed=3)
         which = [adapters[0], None, adapters[1], adapters[0]]
         expected = [peft_greedy(model, a, p, NEW) for a, p in zip(which, batch, strict=True)]
-        llm = hybridkv.patch(model, enable_lora=True, max_loras=2, max_lora_rank=16)
+        settings = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
         try:
+            llm = patch_on_kernels(model, **settings) if kernels else hybridkv.patch(model, **settings)
             got = tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False))
         finally:
-            hybridkv.unpatch(model)
+            if hybridkv.is_patched(model):
+                hybridkv.unpatch(model)
+            model.to("cpu")
         assert got == expected, name
 
 

@@ -13,6 +13,11 @@ into `b`). A forward hook adds each row's delta to the layer's output:
   whole step, whatever its mix (benchmarks/multi_lora.py measures it against a gather per slot);
 - no row with an adapter: nothing.
 
+On CUDA (the kernels' backend, hybridkv/kernels/backend.py) rows on several slots go to the Triton kernels instead of
+the masked matmuls (or, over many rows, a pair of matmuls per slot: `_Rows.groups`): hybridkv/kernels/triton_lora.py's
+`lora_shrink` then `lora_expand`, each row times its own slot's A and B only, the rows grouped by slot once per set of
+rows. One slot for all rows stays two cuBLAS matmuls.
+
 Which rows a layer sees: the step's tokens (`[1, tokens, in]`), the logits rows (the `lm_head`), or, inside a state
 layer run per request segment (hybridkv/execution/state_layers.py), that segment's rows (`rows`). A layer that sees
 another count of rows while adapters run is an error, never a delta guessed. Outside a step (a user's own forward,
@@ -26,12 +31,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridkv.execution.lora_weights import AdapterWeights, LoRAError, read_adapter
+from hybridkv.kernels.backend import resolve_backend
 from hybridkv.lora.request import AdapterRef, LoRARequest
+
+if TYPE_CHECKING:
+    from hybridkv.kernels.triton_lora import RowTiles  # imports triton: the kernels are imported on first use
 
 logger = logging.getLogger("hybridkv")
 
@@ -59,23 +68,29 @@ _MASKED_ROWS = 128
 
 
 class _Rows:
-    """The adapter slots of a set of rows in a step: one slot for all (`single`); for a few rows, the mask over the
-    slots used (`mask`); for many, each slot's rows (`groups`: a slice where they are consecutive, else an index)."""
+    """The adapter slots of a set of rows in a step (`values`): one slot for all (`single`); where the kernels run, the
+    rows grouped by slot (`tiles`); else for a few rows, the mask over the slots used (`mask`); for many, each slot's
+    rows (`groups`: a slice where they are consecutive, else an index)."""
 
-    __slots__ = ("groups", "mask", "single", "used")
+    __slots__ = ("groups", "mask", "single", "tiles", "used", "values")
 
-    def __init__(self, values: list[int], device: torch.device, rank: int, dtype: torch.dtype) -> None:
+    def __init__(self, values: list[int], device: torch.device, rank: int, dtype: torch.dtype, kernels: bool) -> None:
         distinct = set(values)
+        self.values = values
         self.single: int | None = values[0] if len(distinct) == 1 else None
         self.used = max(distinct) + 1
         self.mask: torch.Tensor | None = None
         self.groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.tiles: RowTiles | None = None
         if self.single is not None:
             return
+        if kernels:
+            from hybridkv.kernels.triton_lora import row_tiles
+
+            self.tiles = row_tiles(values, device)
+            return
         if len(values) <= _MASKED_ROWS:
-            slots = torch.tensor(values, device=device)
-            columns = torch.arange(self.used, device=device)
-            self.mask = (slots[:, None] == columns[None]).to(dtype).repeat_interleave(rank, dim=1)
+            self.mask = _slot_mask(values, self.used, device, rank, dtype)
             return
         by_slot: dict[int, list[int]] = {}
         for row, slot in enumerate(values):
@@ -89,14 +104,22 @@ class _Rows:
                 self.groups.append((slot, torch.tensor(rows, device=device)))
 
 
+def _slot_mask(values: list[int], used: int, device: torch.device, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[rows, used * rank]`: 1 in each row's own slot's columns, 0 elsewhere (everywhere for a row without one)."""
+    slots = torch.tensor(values, device=device)
+    columns = torch.arange(used, device=device)
+    return (slots[:, None] == columns[None]).to(dtype).repeat_interleave(rank, dim=1)
+
+
 class _Step:
-    """The running step's adapter slots: per token, and per logits row."""
+    """The running step's adapter slots: per token, and per logits row; whether rows on several run the kernels."""
 
-    __slots__ = ("called", "device", "logits_rows", "num_logits", "num_tokens", "rows", "sets", "values")
+    __slots__ = ("called", "device", "kernels", "logits_rows", "num_logits", "num_tokens", "rows", "sets", "values")
 
-    def __init__(self, values: list[int], device: torch.device, logits_rows: Sequence[int]) -> None:
+    def __init__(self, values: list[int], device: torch.device, logits_rows: Sequence[int], kernels: bool) -> None:
         self.values = values
         self.device = device
+        self.kernels = kernels
         self.num_tokens = len(values)
         self.logits_rows = logits_rows
         self.num_logits = len(logits_rows)
@@ -135,6 +158,9 @@ class LoRASlots:
         self.loads = 0  # adapters copied into a device slot
         self.reads = 0  # adapters read from their folders
         self.step: _Step | None = None
+        # The backend of rows on several slots, resolved per step (hybridkv/kernels/backend.py): None picks the Triton
+        # kernels for CUDA tensors; "triton" forces them (tests: the CPU's tensors under TRITON_INTERPRET=1).
+        self.backend: str | None = None
         # Per slot, the layers its adapter targets that no step has called yet with its rows: a layer the forward
         # does not call as a module (a fused kernel reading its weight) would leave the delta out, so the first step
         # of each adapter checks that every one of them ran (`verify`); an adapter that fails is refused from then on.
@@ -280,7 +306,7 @@ class LoRASlots:
             self.step = None
             return
         device = next(iter(self.targets.values())).module.weight.device
-        self.step = _Step(values, device, logits_rows)
+        self.step = _Step(values, device, logits_rows, resolve_backend(self.backend, device) == "triton")
 
     def verify(self) -> None:
         """After a step's forward: every layer an adapter of the step targets ran its hook, the first time that adapter
@@ -345,7 +371,7 @@ class LoRASlots:
             raise RuntimeError(f"a layer with LoRA adapters saw {count} rows where its segment has {len(values)}")
         found = None
         if any(v != NO_ADAPTER for v in values):
-            found = _Rows(values, step.device, self.rank, self.dtype)
+            found = _Rows(values, step.device, self.rank, self.dtype, step.kernels)
         step.sets[key] = found
         return found
 
@@ -370,6 +396,10 @@ class LoRASlots:
             if target.slots >> rows.single & 1:
                 columns = slice(rows.single * rank, (rows.single + 1) * rank)
                 out.addmm_(flat @ target.a[columns].t(), target.b[:, columns].t())
+        elif rows.tiles is not None:
+            from hybridkv.kernels.triton_lora import lora_expand, lora_shrink
+
+            lora_expand(lora_shrink(flat, target.a, rows.tiles, rank), target.b, rows.tiles, rank, out)
         elif rows.mask is not None:
             width = rows.used * rank
             out.addmm_((flat @ target.a[:width].t()).mul_(rows.mask), target.b[:, :width].t())
@@ -410,13 +440,9 @@ class LoRASlots:
         return output + delta.view(output.shape)
 
     def _mask(self, step: _Step, rows: _Rows) -> torch.Tensor:
-        """The mask of a row set kept as groups (an embedding over many rows: one gather, then the mask)."""
+        """The mask of a row set kept as groups or tiles (an embedding over them: one gather, then the mask)."""
         if rows.mask is None:
-            slots = torch.full((step.num_tokens,), NO_ADAPTER, device=step.device)
-            for slot, index in rows.groups:
-                slots[index] = slot
-            columns = torch.arange(rows.used, device=step.device)
-            rows.mask = (slots[:, None] == columns[None]).to(self.dtype).repeat_interleave(self.rank, dim=1)
+            rows.mask = _slot_mask(rows.values, rows.used, step.device, self.rank, self.dtype)
         return rows.mask
 
     def _target_of(self, module: torch.nn.Module) -> _Target:

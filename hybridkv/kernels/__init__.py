@@ -5,7 +5,8 @@ per-layer scales; how a row becomes what a page holds), ``metadata`` (per-step d
 shared by its groups, and each group's block table), ``backend`` (backend choice), ``dispatch`` (the
 entry points: checked ones, and the engine's unchecked ones), ``torch_plan`` and ``torch_attention``
 (the CPU path), ``triton_attention``, ``triton_cache_write`` and ``triton_common`` (the Triton kernels,
-imported on first use), ``latent_attention`` and ``triton_latent`` (latent attention layers' step).
+imported on first use), ``latent_attention`` and ``triton_latent`` (latent attention layers' step), ``triton_lora``
+(LoRA's shrink and expand kernels, hybridkv/execution/lora.py's CUDA path).
 
 Nothing here imports the rest of ``hybridkv``: only relative imports, torch and triton (the bottom layer,
 docs/design.md). The folder lives inside ``hybridkv/``: at the repository's root it was importable as a

@@ -1,5 +1,5 @@
-"""Pieces the Triton kernels share: the cache's view of a row, one step of the online softmax, and
-which keys a tile's rows see."""
+"""Pieces the Triton kernels share: the cache's view of a row, rounding to bf16, one step of the online
+softmax, and which keys a tile's rows see."""
 
 from __future__ import annotations
 
@@ -36,10 +36,17 @@ def as_cached(
         rows = tl.minimum(tl.maximum(tl.math.div_rn(rows.to(tl.float32), scale), -FP8_MAX), FP8_MAX)
         rows = round_to_fp8_grid(rows, FP8_MANTISSA_BITS, FP8_MIN_EXPONENT)
     elif ROUND_TO_BF16:
-        bits = rows.to(tl.float32).to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        rows = bits.to(tl.float32, bitcast=True)
+        rows = round_to_bf16_grid(rows)
     return rows.to(CACHE_TYPE)
+
+
+@triton.jit
+def round_to_bf16_grid(x):
+    """x rounded to the nearest bf16 value (ties to even), as fp32: it converts to bf16 exactly, where the
+    interpreter's own fp32 -> bf16 conversion truncates."""
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
