@@ -19,10 +19,15 @@ peft-set-adapter. Every request's tokens are compared with peft-mixed's (greedy,
 `--ways` measures the ways to add a step's LoRA deltas to one linear layer (512 -> 512, rank 16) that
 hybridkv/execution/lora.py chooses between, for a decode step (32 rows) and a prefill step (1,024 rows) over 1, 4 and
 16 adapters: `masked` (two matmuls over the slots used, each row's own columns kept by a mask: hybridkv's),
-`per-slot` (each slot's rows gathered, two matmuls, added back: PEFT's way), `gathered` (each row's A and B gathered:
-a batched matmul, bgmv-style).
+`per-slot` (each slot's rows gathered, two matmuls, added back: PEFT's way), `padded` (every slot's rows gathered
+into one padded batch, two batched matmuls, added back), `gathered` (each row's A and B gathered: a batched matmul,
+bgmv-style).
+
+`--device cuda` runs the same on a GPU (benchmarks/gpu_check.sh, its `lora` part; hybridkv's steps with LoRA run
+eagerly there, its mixed rows through the Triton kernels of hybridkv/kernels/triton_lora.py).
 
     python benchmarks/multi_lora.py [--adapters 1,4,16] [--requests 32] [--rounds 3] [--max-loras 16] [--layers 4]
+                                    [--device cpu]
     python benchmarks/multi_lora.py --ways
 """
 
@@ -55,9 +60,11 @@ def build_model(layers: int) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
-        eos_token_id=0, pad_token_id=0, initializer_range=0.05,
+        eos_token_id=None, pad_token_id=0, initializer_range=0.05,
     )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # every system generates exactly --new-tokens (no EOS to mask)
+    return model
 
 
 def workload(count: int, seed: int = 0) -> list[list[int]]:
@@ -77,11 +84,9 @@ def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def hf_generate(model, prompts: list[list[int]], new: int, **kwargs) -> list[list[int]]:
-    ids, mask = padded(prompts)
+    ids, mask = (t.to(model.device) for t in padded(prompts))
     with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs
-        )
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
     return [row[ids.shape[1] :].tolist() for row in out]
 
 
@@ -154,11 +159,12 @@ def systems(model, adapters, prompts, which, new, max_loras) -> list[System]:
 
 
 def throughput(args) -> None:
-    model = build_model(args.layers)
+    model = build_model(args.layers).to(args.device)
     prompts = workload(args.requests)
     new = args.new_tokens
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; Llama {args.layers} layers, hidden 512; "
+        f"torch {torch.__version__}, {where}; Llama {args.layers} layers, hidden 512; "
         f"{args.requests} requests of 48-96 prompt tokens, {new} greedy tokens each; adapters of rank {RANK} on "
         f"{', '.join(TARGETS)}; median of {args.rounds} rounds"
     )
@@ -178,6 +184,8 @@ def throughput(args) -> None:
                     setups[system.name].append(time.perf_counter() - start)
                     start = time.perf_counter()
                     tokens[system.name] = system.run()
+                    if args.device == "cuda":
+                        torch.cuda.synchronize()
                     times[system.name].append(time.perf_counter() - start)
                     system.close()
             generated = len(prompts) * new
@@ -198,7 +206,7 @@ def ways(args) -> None:
     torch.manual_seed(0)
     dim, rank, repeats = 512, RANK, 50
     print(f"one linear layer {dim} -> {dim}, rank {rank}; microseconds per call, median of {repeats}")
-    print(f"  {'rows':>5} {'adapters':>8} {'masked':>8} {'per-slot':>9} {'gathered':>9}")
+    print(f"  {'rows':>5} {'adapters':>8} {'masked':>8} {'per-slot':>9} {'padded':>8} {'gathered':>9}")
     for rows in (32, 1024):
         for count in (1, 4, 16):
             x = torch.randn(rows, dim)
@@ -208,6 +216,11 @@ def ways(args) -> None:
             mask = (slots[:, None] == torch.arange(count)[None]).float().repeat_interleave(rank, dim=1)
             indices = [torch.nonzero(slots == s).flatten() for s in range(count)]
             a_stack, b_stack = a.view(count, rank, dim), b.view(dim, count, rank).permute(1, 0, 2)
+            per_slot_rows = max(len(index) for index in indices)
+            gather = torch.zeros(count * per_slot_rows, dtype=torch.long)
+            positions = torch.cat([s * per_slot_rows + torch.arange(len(index)) for s, index in enumerate(indices)])
+            rows_with_slot = torch.cat(indices)
+            gather[positions] = rows_with_slot
 
             def masked():
                 return ((x @ a.t()) * mask) @ b.t()
@@ -219,22 +232,28 @@ def ways(args) -> None:
                     out.index_add_(0, index, (part @ a_stack[s].t()) @ b_stack[s].t())
                 return out
 
+            def padded():
+                batch = x.index_select(0, gather).view(count, per_slot_rows, dim)
+                shrunk = torch.bmm(batch, a_stack.transpose(1, 2))
+                deltas = torch.bmm(shrunk, b.t().view(count, rank, dim)).view(count * per_slot_rows, dim)
+                return torch.zeros(rows, dim).index_add_(0, rows_with_slot, deltas.index_select(0, positions))
+
             def gathered():
                 shrunk = torch.bmm(a_stack[slots], x.unsqueeze(-1))  # [rows, rank, 1]
                 return torch.bmm(b_stack[slots], shrunk).squeeze(-1)
 
             reference = masked()
-            for way in (per_slot, gathered):
+            for way in (per_slot, padded, gathered):
                 assert torch.allclose(way(), reference, atol=1e-4), way.__name__
             medians = []
-            for way in (masked, per_slot, gathered):
+            for way in (masked, per_slot, padded, gathered):
                 samples = []
                 for _ in range(repeats):
                     start = time.perf_counter()
                     way()
                     samples.append(time.perf_counter() - start)
                 medians.append(statistics.median(samples) * 1e6)
-            print(f"  {rows:5} {count:8} {medians[0]:8.0f} {medians[1]:9.0f} {medians[2]:9.0f}")
+            print(f"  {rows:5} {count:8} {medians[0]:8.0f} {medians[1]:9.0f} {medians[2]:8.0f} {medians[3]:9.0f}")
 
 
 def main() -> None:
@@ -246,6 +265,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-loras", type=int, default=16)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     args.adapters = [int(n) for n in args.adapters.split(",")]
     if args.ways:

@@ -369,3 +369,32 @@ def test_an_adapter_on_a_layer_the_forward_bypasses_is_refused_not_ignored(tmp_p
     finally:
         hybridkv.unpatch(model)
         del mlp.forward
+
+
+@pytest.mark.parametrize(
+    "way",
+    [
+        pytest.param(dict(_MASKED_ROWS=10**6, _MASKED_WIDTH=10**6), id="masked"),
+        pytest.param(dict(_MASKED_ROWS=0, _GROUPED_SLOTS=10**6), id="slot by slot"),
+        pytest.param(dict(_MASKED_ROWS=0, _MASKED_WIDTH=0, _GROUPED_SLOTS=0), id="padded"),
+        pytest.param({}, id="as chosen"),
+    ],
+)
+def test_each_way_to_add_mixed_deltas_equals_peft(way, tmp_path, monkeypatch):
+    """Twelve prompts over six adapters of ranks 4, 8 and 16 in one batch (max_loras=6), the CPU's three ways forced in
+    turn (hybridkv/execution/lora.py: a mask over the slots' columns, slot by slot, rows padded per slot into batched
+    matmuls), and as the step sizes choose them."""
+    from hybridkv.execution import lora
+
+    for name, value in way.items():
+        monkeypatch.setattr(lora, name, value)
+    model = MODELS["llama"]()
+    adapters = make_adapters(model, tmp_path, 6)
+    batch = prompts(12, seed=9)
+    which = [None if i % 7 == 3 else adapters[i % 6] for i in range(12)]
+    expected = [peft_greedy(model, a, p, NEW) for a, p in zip(which, batch, strict=True)]
+    llm = hybridkv.patch(model, enable_lora=True, max_loras=6, max_lora_rank=16)
+    try:
+        assert tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False)) == expected
+    finally:
+        hybridkv.unpatch(model)

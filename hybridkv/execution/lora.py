@@ -26,12 +26,13 @@ the probe) the hooks do nothing. The scheduler never runs more than `max_loras` 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -65,14 +66,34 @@ class _Target:
 # masked matmuls cost every slot's columns for every row (benchmarks/multi_lora.py --ways: at 32 rows masking is 2-3x
 # faster than gathering per slot; at 1,024 rows over 4 and 16 adapters, 1.5x and 2.6x slower).
 _MASKED_ROWS = 128
+# The mask's columns (slots used x rank) beyond which the slots' rows are padded into one batched matmul instead
+# (`_Rows.padded`: at 32 rows over 16 adapters of rank 16, 80 us against the mask's 171 us for one 512 -> 512 layer;
+# over 4 adapters, 66 us against 58: python benchmarks/multi_lora.py --ways).
+_MASKED_WIDTH = 64
+# Many rows in at most this many slots, each slot's rows consecutive (a few prompts' prefills), go slot by slot
+# (`_Rows.groups`: slices read in place); otherwise through the padded batched matmul (at 1,024 rows over 4 and 16
+# adapters, 673 and 638 us against 839 and 2,808 us gathering each slot's rows apart: --ways).
+_GROUPED_SLOTS = 4
+
+
+class _Padded(NamedTuple):
+    """A step's rows laid out per slot for batched matmuls: `gather` `[used * per_slot]` picks each position's row
+    (padding repeats row 0, whose results are dropped), and the rows with a slot (`rows`) read their results at
+    `positions`."""
+
+    per_slot: int
+    gather: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
 
 
 class _Rows:
     """The adapter slots of a set of rows in a step (`values`): one slot for all (`single`); where the kernels run, the
-    rows grouped by slot (`tiles`); else for a few rows, the mask over the slots used (`mask`); for many, each slot's
-    rows (`groups`: a slice where they are consecutive, else an index)."""
+    rows grouped by slot (`tiles`); else for a few rows over few slots, the mask over the slots used (`mask`); for
+    many rows in few slots, each slot's rows (`groups`: a slice where they are consecutive, else an index); otherwise
+    every slot's rows padded to one batched matmul (`padded`)."""
 
-    __slots__ = ("groups", "mask", "single", "tiles", "used", "values")
+    __slots__ = ("groups", "mask", "padded", "single", "tiles", "used", "values")
 
     def __init__(self, values: list[int], device: torch.device, rank: int, dtype: torch.dtype, kernels: bool) -> None:
         distinct = set(values)
@@ -81,6 +102,7 @@ class _Rows:
         self.used = max(distinct) + 1
         self.mask: torch.Tensor | None = None
         self.groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.padded: _Padded | None = None
         self.tiles: RowTiles | None = None
         if self.single is not None:
             return
@@ -89,19 +111,34 @@ class _Rows:
 
             self.tiles = row_tiles(values, device)
             return
-        if len(values) <= _MASKED_ROWS:
+        if len(values) <= _MASKED_ROWS and self.used * rank <= _MASKED_WIDTH:
             self.mask = _slot_mask(values, self.used, device, rank, dtype)
             return
         by_slot: dict[int, list[int]] = {}
         for row, slot in enumerate(values):
             if slot != NO_ADAPTER:
                 by_slot.setdefault(slot, []).append(row)
-        self.groups = []
-        for slot, rows in sorted(by_slot.items()):
-            if rows[-1] - rows[0] + 1 == len(rows):
-                self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
-            else:
-                self.groups.append((slot, torch.tensor(rows, device=device)))
+        per_slot = max(map(len, by_slot.values()))
+        consecutive = all(rows[-1] - rows[0] + 1 == len(rows) for rows in by_slot.values())
+        # Padding costs rows of work: a long prefill beside a few decode rows goes slot by slot.
+        few = len(by_slot) <= _GROUPED_SLOTS and consecutive
+        if len(values) > _MASKED_ROWS and (few or self.used * per_slot > 4 * len(values)):
+            self.groups = []
+            for slot, rows in sorted(by_slot.items()):
+                if rows[-1] - rows[0] + 1 == len(rows):
+                    self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
+                else:
+                    self.groups.append((slot, torch.tensor(rows, device=device)))
+            return
+        gather = [0] * (self.used * per_slot)
+        rows_with_slot, positions = [], []
+        for slot, rows in by_slot.items():
+            for offset, row in enumerate(rows):
+                gather[slot * per_slot + offset] = row
+                rows_with_slot.append(row)
+                positions.append(slot * per_slot + offset)
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        self.padded = _Padded(per_slot, as_tensor(gather), as_tensor(rows_with_slot), as_tensor(positions))
 
 
 def _slot_mask(values: list[int], used: int, device: torch.device, rank: int, dtype: torch.dtype) -> torch.Tensor:
@@ -403,6 +440,12 @@ class LoRASlots:
         elif rows.mask is not None:
             width = rows.used * rank
             out.addmm_((flat @ target.a[:width].t()).mul_(rows.mask), target.b[:, :width].t())
+        elif rows.padded is not None:
+            padded, used, slots = rows.padded, rows.used, self.max_loras
+            batch = flat.index_select(0, padded.gather).view(used, padded.per_slot, -1)
+            shrunk = torch.bmm(batch, target.a.view(slots, rank, -1)[:used].transpose(1, 2))
+            deltas = torch.bmm(shrunk, target.b.t().view(slots, rank, -1)[:used]).view(used * padded.per_slot, -1)
+            out.index_add_(0, padded.rows, deltas.index_select(0, padded.positions))
         else:
             for slot, index in rows.groups:
                 if target.slots >> slot & 1:
