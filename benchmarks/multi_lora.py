@@ -49,7 +49,7 @@ import hybridkv
 from hybridkv import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from lora_adapters import make_adapters  # noqa: E402
+from lora_adapters import make_adapters
 
 VOCAB, RANK = 1000, 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -204,56 +204,62 @@ def throughput(args) -> None:
 def ways(args) -> None:
     """The ways to add one linear layer's LoRA deltas for a step (module docstring)."""
     torch.manual_seed(0)
-    dim, rank, repeats = 512, RANK, 50
-    print(f"one linear layer {dim} -> {dim}, rank {rank}; microseconds per call, median of {repeats}")
+    print(f"one linear layer 512 -> 512, rank {RANK}; microseconds per call, median of 50")
     print(f"  {'rows':>5} {'adapters':>8} {'masked':>8} {'per-slot':>9} {'padded':>8} {'gathered':>9}")
     for rows in (32, 1024):
         for count in (1, 4, 16):
-            x = torch.randn(rows, dim)
-            a = torch.randn(count * rank, dim) * 0.05
-            b = torch.randn(dim, count * rank) * 0.05
-            slots = torch.arange(rows) % count
-            mask = (slots[:, None] == torch.arange(count)[None]).float().repeat_interleave(rank, dim=1)
-            indices = [torch.nonzero(slots == s).flatten() for s in range(count)]
-            a_stack, b_stack = a.view(count, rank, dim), b.view(dim, count, rank).permute(1, 0, 2)
-            per_slot_rows = max(len(index) for index in indices)
-            gather = torch.zeros(count * per_slot_rows, dtype=torch.long)
-            positions = torch.cat([s * per_slot_rows + torch.arange(len(index)) for s, index in enumerate(indices)])
-            rows_with_slot = torch.cat(indices)
-            gather[positions] = rows_with_slot
-
-            def masked():
-                return ((x @ a.t()) * mask) @ b.t()
-
-            def per_slot():
-                out = torch.zeros(rows, dim)
-                for s, index in enumerate(indices):
-                    part = x.index_select(0, index)
-                    out.index_add_(0, index, (part @ a_stack[s].t()) @ b_stack[s].t())
-                return out
-
-            def padded():
-                batch = x.index_select(0, gather).view(count, per_slot_rows, dim)
-                shrunk = torch.bmm(batch, a_stack.transpose(1, 2))
-                deltas = torch.bmm(shrunk, b.t().view(count, rank, dim)).view(count * per_slot_rows, dim)
-                return torch.zeros(rows, dim).index_add_(0, rows_with_slot, deltas.index_select(0, positions))
-
-            def gathered():
-                shrunk = torch.bmm(a_stack[slots], x.unsqueeze(-1))  # [rows, rank, 1]
-                return torch.bmm(b_stack[slots], shrunk).squeeze(-1)
-
-            reference = masked()
-            for way in (per_slot, padded, gathered):
-                assert torch.allclose(way(), reference, atol=1e-4), way.__name__
-            medians = []
-            for way in (masked, per_slot, padded, gathered):
-                samples = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    way()
-                    samples.append(time.perf_counter() - start)
-                medians.append(statistics.median(samples) * 1e6)
+            medians = ways_of(rows, count)
             print(f"  {rows:5} {count:8} {medians[0]:8.0f} {medians[1]:9.0f} {medians[2]:8.0f} {medians[3]:9.0f}")
+
+
+def ways_of(rows: int, count: int, dim: int = 512, rank: int = RANK, repeats: int = 50) -> list[float]:
+    """The median microseconds of each way (masked, per-slot, padded, gathered) for `rows` rows over `count` slots,
+    after checking that all four give the same deltas."""
+    x = torch.randn(rows, dim)
+    a = torch.randn(count * rank, dim) * 0.05
+    b = torch.randn(dim, count * rank) * 0.05
+    slots = torch.arange(rows) % count
+    mask = (slots[:, None] == torch.arange(count)[None]).float().repeat_interleave(rank, dim=1)
+    indices = [torch.nonzero(slots == s).flatten() for s in range(count)]
+    a_stack, b_stack = a.view(count, rank, dim), b.view(dim, count, rank).permute(1, 0, 2)
+    per_slot_rows = max(len(index) for index in indices)
+    gather = torch.zeros(count * per_slot_rows, dtype=torch.long)
+    positions = torch.cat([s * per_slot_rows + torch.arange(len(index)) for s, index in enumerate(indices)])
+    rows_with_slot = torch.cat(indices)
+    gather[positions] = rows_with_slot
+
+    def masked():
+        return ((x @ a.t()) * mask) @ b.t()
+
+    def per_slot():
+        out = torch.zeros(rows, dim)
+        for s, index in enumerate(indices):
+            part = x.index_select(0, index)
+            out.index_add_(0, index, (part @ a_stack[s].t()) @ b_stack[s].t())
+        return out
+
+    def padded():
+        batch = x.index_select(0, gather).view(count, per_slot_rows, dim)
+        shrunk = torch.bmm(batch, a_stack.transpose(1, 2))
+        deltas = torch.bmm(shrunk, b.t().view(count, rank, dim)).view(count * per_slot_rows, dim)
+        return torch.zeros(rows, dim).index_add_(0, rows_with_slot, deltas.index_select(0, positions))
+
+    def gathered():
+        shrunk = torch.bmm(a_stack[slots], x.unsqueeze(-1))  # [rows, rank, 1]
+        return torch.bmm(b_stack[slots], shrunk).squeeze(-1)
+
+    reference = masked()
+    for way in (per_slot, padded, gathered):
+        assert torch.allclose(way(), reference, atol=1e-4), way.__name__
+    medians = []
+    for way in (masked, per_slot, padded, gathered):
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            way()
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples) * 1e6)
+    return medians
 
 
 def main() -> None:

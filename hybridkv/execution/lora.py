@@ -71,8 +71,9 @@ _MASKED_ROWS = 128
 # over 4 adapters, 66 us against 58: python benchmarks/multi_lora.py --ways).
 _MASKED_WIDTH = 64
 # Many rows in at most this many slots, each slot's rows consecutive (a few prompts' prefills), go slot by slot
-# (`_Rows.groups`: slices read in place); otherwise through the padded batched matmul (at 1,024 rows over 4 and 16
-# adapters, 673 and 638 us against 839 and 2,808 us gathering each slot's rows apart: --ways).
+# (`_Rows.groups`: slices read in place); otherwise through the padded batched matmul. At 1,024 interleaved rows over
+# 16 adapters --ways measured it at 0.6-0.95 ms against 1.8-2.8 ms gathering each slot's rows apart, but some runs
+# put it at 3.6-4.7 ms (its large temporaries; the machine's memory noise): a choice for decode-sized steps first.
 _GROUPED_SLOTS = 4
 
 
