@@ -398,3 +398,19 @@ def test_each_way_to_add_mixed_deltas_equals_peft(way, tmp_path, monkeypatch):
         assert tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False)) == expected
     finally:
         hybridkv.unpatch(model)
+
+
+def test_one_name_from_two_folders_is_two_adapters(tmp_path):
+    """vLLM keys adapters by name; a name given again with another folder (new weights) is another adapter here: each
+    request runs the weights it was added with, in the same batch, and their blocks are apart."""
+    model = MODELS["llama"]()
+    first, second = make_adapters(model, tmp_path, 2)
+    renamed = hybridkv.LoRARequest(first.lora_name, first.lora_int_id, second.lora_path)
+    batch = prompts(4, seed=11)
+    which = [first, renamed, first, renamed]
+    expected = [peft_greedy(model, a, p, NEW) for a, p in zip([first, second, first, second], batch, strict=True)]
+    llm = hybridkv.patch(model, enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        assert tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False)) == expected
+    finally:
+        hybridkv.unpatch(model)

@@ -255,19 +255,20 @@ class LoRASlots:
         request of this step uses (least recently used first). A LoRAError if the step has more adapters than slots
         (the scheduler prevents it) or an adapter's folder changed since its request was added (its key then)."""
         self.num_steps += 1
-        slot_of: dict[str, int] = {}
+        # By name and key: a name loaded again from another folder is another adapter.
+        slot_of: dict[tuple[str, bytes], int] = {}
         slots = []
         for adapter in adapters:
             if adapter is None:
                 slots.append(NO_ADAPTER)
                 continue
             request, key = adapter
-            slot = slot_of.get(request.lora_name)
+            slot = slot_of.get((request.lora_name, key))
             if slot is None:
                 slot = self._slot_holding(request.lora_name, key)
                 if slot is None:
                     slot = self._load(request, key, set(slot_of.values()))
-                slot_of[request.lora_name] = slot
+                slot_of[request.lora_name, key] = slot
             self.slot_used[slot] = self.num_steps
             slots.append(slot)
         return slots

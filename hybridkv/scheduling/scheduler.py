@@ -249,7 +249,7 @@ class Scheduler:
             if needed > seats:
                 break
             if adapters is not None and request.lora is not None:
-                name = request.lora.request.lora_name
+                name = request.lora.request.lora_name, request.lora.key
                 if name not in adapters and len(adapters) >= self.config.max_loras:
                     passed.append(self.waiting.popleft())
                     continue
@@ -278,12 +278,13 @@ class Scheduler:
             out.add(request, num_new)
             budget -= num_new
             if adapters is not None and request.lora is not None:
-                adapters.add(request.lora.request.lora_name)
+                adapters.add((request.lora.request.lora_name, request.lora.key))
         self.waiting.extendleft(reversed(passed))
 
-    def _adapters_running(self) -> set[str]:
-        """The LoRA adapters of the running requests, by name."""
-        return {r.lora.request.lora_name for r in self.running if r.lora is not None}
+    def _adapters_running(self) -> set[tuple[str, bytes]]:
+        """The LoRA adapters of the running requests, by name and key (a name read again from another folder is
+        another adapter)."""
+        return {(r.lora.request.lora_name, r.lora.key) for r in self.running if r.lora is not None}
 
     def _propose(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """A request whose step reaches its last token checks the tokens proposed for it too, as many as the step's
@@ -337,7 +338,7 @@ class Scheduler:
             lora = self.swapped[0].lora
             if self.config.max_loras and lora is not None:
                 adapters = self._adapters_running()
-                if lora.request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                if (lora.request.lora_name, lora.key) not in adapters and len(adapters) >= self.config.max_loras:
                     break
             members = [r for r in self.swapped if r.group is group]
             tables = {r.request_id: self.swap_records[r.request_id].tables for r in members}
