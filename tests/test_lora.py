@@ -28,12 +28,8 @@ MODELS = {
     "nemotron_h": ZOO["nemotron_h"],
     "minicpm3": ZOO["minicpm3"],
 }
-# A latent attention layer's up-projection is not served (hybridkv applies it inside attention): every other linear.
 # PEFT itself refuses a Mamba layer's out_proj and conv1d (a fused kernel reads their weights).
-TARGETS = {
-    "minicpm3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "nemotron_h": ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
-}
+TARGETS = {"nemotron_h": ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]}
 
 
 # Their hits land on state checkpoints, every 64 tokens by default: these prompts are shorter.
@@ -334,13 +330,17 @@ def test_bad_requests_are_clear_errors_and_the_engine_keeps_serving(tmp_path, bu
         hybridkv.patch(model, enable_lora=True, max_lora_rank=8.0)
 
 
-def test_latent_up_projection_adapters_are_refused(tmp_path):
+def test_latent_up_projection_adapters_expand_each_sequence_with_its_own_adapter(tmp_path):
+    """An adapter on a latent attention layer's up-projection (kv_b_proj, applied inside attention to each sequence's
+    context, not to the step's rows): mixed with others and the model alone, prefills and decodes, PEFT's tokens."""
     model = MODELS["minicpm3"]()
-    adapter = make_adapters(model, tmp_path, 1, ["kv_b_proj", "q_b_proj"])[0]
-    llm = hybridkv.patch(model, enable_lora=True, max_lora_rank=16)
+    adapters = make_adapters(model, tmp_path, 2, ["kv_b_proj", "q_b_proj"])
+    batch = prompts(6, seed=4)
+    which = [adapters[0], None, adapters[1], adapters[0], adapters[1], None]
+    expected = [peft_greedy(model, a, p, NEW) for a, p in zip(which, batch, strict=True)]
+    llm = hybridkv.patch(model, enable_lora=True, max_loras=2, max_lora_rank=16, max_num_batched_tokens=32)
     try:
-        with pytest.raises(ValueError, match="up-projection"):
-            llm.generate(prompts(1), GREEDY, lora_request=adapter, use_tqdm=False)
+        assert tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False)) == expected
     finally:
         hybridkv.unpatch(model)
 

@@ -135,7 +135,7 @@ class EngineCore:
         self.layout_watch = LayoutWatch(model, [named[name] for name in self.layout.module_names.values()])
         buckets, captures, compiled = self._plan_steps(self.layout)
         # LoRA adapters' slots, allocated before the KV pool is sized from the memory left.
-        self.lora = self._build_lora(self.layout)
+        self.lora = self._build_lora()
         memory = self._plan_memory(self.layout, max(buckets, default=0))
         self._build_memory(memory)
         self._build_runner(self.layout, memory, buckets, captures, compiled)
@@ -211,22 +211,12 @@ class EngineCore:
             )
         return buckets, captures, compiled
 
-    def _build_lora(self, layout: ModelLayout) -> LoRASlots | None:
-        """The LoRA adapters' slots and hooks (`enable_lora`); a latent attention layer's up-projection is not among
-        what adapters may target (its decode rows attend in latent space through its weight)."""
+    def _build_lora(self) -> LoRASlots | None:
+        """The LoRA adapters' slots and hooks (`enable_lora`)."""
         config = self.config
         if not config.enable_lora:
             return None
-        not_served = {
-            found.up_proj: (
-                f"{found.up_proj!r} is a latent attention layer's up-projection, which hybridkv applies inside "
-                "attention; adapters on it are not served yet (target q_a_proj, q_b_proj, kv_a_proj_with_mqa, o_proj "
-                "and the MLP)"
-            )
-            for found in layout.latent.values()
-        }
-        cpu_loras = config.max_cpu_loras or config.max_loras
-        return LoRASlots(self.model, config.max_loras, config.max_lora_rank, cpu_loras, not_served)
+        return LoRASlots(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
 
     def _plan_memory(self, layout: ModelLayout, largest_bucket: int) -> MemoryPlan:
         """How much of each kind of memory the engine takes (planned before anything is built): KV blocks sized to
@@ -312,8 +302,11 @@ class EngineCore:
             latent=layout.latent,
         )
         self.runner.lora = self.lora
-        if self.runner.state_cache is not None:
-            self.runner.state_cache.lora = self.lora
+        if self.lora is not None:
+            # State layers' segments and latent layers' per-sequence up-projections tell the hooks whose rows they see.
+            if self.runner.state_cache is not None:
+                self.runner.state_cache.lora = self.lora
+            self.runner.context.sequence_scope = self.lora.sequence
         self.runner.allocate_swap_space(memory.num_swap_blocks)
         self.runner.allocate_state_swap_space(memory.num_swap_state_slots)
         if compiled or captures:

@@ -26,11 +26,12 @@ the probe) the hooks do nothing. The scheduler never runs more than `max_loras` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -152,9 +153,20 @@ def _slot_mask(values: list[int], used: int, device: torch.device, rank: int, dt
 class _Step:
     """The running step's adapter slots: per token, and per logits row; whether rows on several run the kernels."""
 
-    __slots__ = ("called", "device", "kernels", "logits_rows", "num_logits", "num_tokens", "rows", "sets", "values")
+    __slots__ = (
+        "called", "device", "kernels", "logits_rows", "num_logits", "num_tokens", "request_slots", "rows", "sets",
+        "values",
+    )  # fmt: skip
 
-    def __init__(self, values: list[int], device: torch.device, logits_rows: Sequence[int], kernels: bool) -> None:
+    def __init__(
+        self,
+        request_slots: list[int],
+        values: list[int],
+        device: torch.device,
+        logits_rows: Sequence[int],
+        kernels: bool,
+    ) -> None:
+        self.request_slots = request_slots
         self.values = values
         self.device = device
         self.kernels = kernels
@@ -162,7 +174,9 @@ class _Step:
         self.logits_rows = logits_rows
         self.num_logits = len(logits_rows)
         self.sets: dict[Any, _Rows | None] = {}
-        self.rows: slice | torch.Tensor | None = None  # a state layer's segment
+        # A state layer's segment (a slice or index of the step's rows), or ("sequence", i): a latent layer's
+        # up-projection over the context of the step's sequence i.
+        self.rows: slice | torch.Tensor | tuple[str, int] | None = None
         self.called: set[str] = set()  # the targets whose hook ran
 
 
@@ -175,14 +189,11 @@ class LoRASlots:
         max_loras: int,
         max_lora_rank: int,
         max_cpu_loras: int,
-        not_served: dict[str, str] | None = None,
     ) -> None:
         self.max_loras, self.rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype = next(model.parameters()).dtype
         self.targets = _targets(model)
         self._by_module = {id(t.module): t for t in self.targets.values()}
-        # Layers adapters may not target, with the reason (a latent attention layer's up-projection).
-        self.not_served = not_served or {}
         self.embed_scales = {
             name: float(t.module.embed_scale)
             for name, t in self.targets.items()
@@ -220,7 +231,6 @@ class LoRASlots:
                 return found
         modules = {name: target.module for name, target in self.targets.items()}
         adapter = read_adapter(request, modules, self.rank, self.dtype, self.embed_scales)
-        self._check_served(adapter)
         with self._lock:
             self.reads += 1
             self.cache[request.lora_name] = adapter
@@ -228,11 +238,6 @@ class LoRASlots:
             while len(self.cache) > self.max_cpu_loras:
                 self.cache.popitem(last=False)
         return adapter
-
-    def _check_served(self, adapter: AdapterWeights) -> None:
-        for module_name in adapter.deltas:
-            if module_name in self.not_served:
-                raise LoRAError(f"adapter {adapter.request.lora_name!r}: {self.not_served[module_name]}")
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget the adapter of that id from the host cache (vLLM's `remove_lora`; a request that still runs it keeps
@@ -345,7 +350,7 @@ class LoRASlots:
             self.step = None
             return
         device = next(iter(self.targets.values())).module.weight.device
-        self.step = _Step(values, device, logits_rows, resolve_backend(self.backend, device) == "triton")
+        self.step = _Step(slots, values, device, logits_rows, resolve_backend(self.backend, device) == "triton")
 
     def verify(self) -> None:
         """After a step's forward: every layer an adapter of the step targets ran its hook, the first time that adapter
@@ -384,8 +389,31 @@ class LoRASlots:
         if self.step is not None:
             self.step.rows = None
 
+    @contextlib.contextmanager
+    def sequence(self, index: int) -> Iterator[None]:
+        """A latent attention layer's up-projection expands the context of the step's sequence `index`: its rows are
+        all that request's (`StepContext.sequence_scope`)."""
+        step = self.step
+        if step is None:
+            yield
+            return
+        step.rows = ("sequence", index)
+        try:
+            yield
+        finally:
+            step.rows = None
+
     def _rows(self, step: _Step, count: int, logits: bool) -> _Rows | None:
         rows = step.rows
+        if isinstance(rows, tuple):  # one sequence's context: every row its request's
+            key = (*rows, count)
+            if key not in step.sets:
+                slot = step.request_slots[rows[1]]
+                found = None
+                if slot != NO_ADAPTER and count:
+                    found = _Rows([slot] * count, step.device, self.rank, self.dtype, step.kernels)
+                step.sets[key] = found
+            return step.sets[key]
         if rows is not None:
             key = (rows.start, rows.stop) if isinstance(rows, slice) else ("rows", id(rows))
         elif logits and count == step.num_logits:

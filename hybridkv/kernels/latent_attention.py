@@ -6,6 +6,8 @@ own `attend` (the CPU decode kernel, the torch path) or hybridkv/kernels/triton_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -60,13 +62,16 @@ def latent_attention(
     scale: float,
     k_scale: float = 1.0,
     absorb: bool = True,
+    sequence_scope: Callable[[int], contextlib.AbstractContextManager[None]] | None = None,
 ) -> torch.Tensor:
     """A latent attention layer's step (hybridkv/patches/latent.py): `query` `[rows, heads, nope_dim + rotary]` over its
     pages, whose K rows `key_cache` `[blocks, block_size, 1, latent + rotary]` hold each token's latent then its rotary
     key, and whose V rows `value_cache` are a view of the latents (the step's rows stored already). A sequence of
     several rows (a prompt's chunk) expands its context through `up_proj` into keys `[tokens, heads, nope_dim + rotary]`
     and values, as the layer itself does, and attends per sequence. Decode rows, where `absorb`, attend in latent space
-    instead, all of them at once (`_absorbed_decode`). Returns `[rows, heads, v_dim]`."""
+    instead, all of them at once (`_absorbed_decode`). `sequence_scope(i)`, if given, is entered around the
+    up-projection of the step's sequence i (LoRA's hooks: hybridkv/execution/lora.py). Returns `[rows, heads,
+    v_dim]`."""
     step = metadata.step
     dtype, heads = query.dtype, query.shape[1]
     latent_dim = value_cache.shape[-1]
@@ -93,10 +98,12 @@ def latent_attention(
     latents = gather_contexts(value_cache, metadata, k_scale, dtype, chunks_only)
     rotary = gather_contexts(key_cache[..., latent_dim:], metadata, k_scale, dtype, chunks_only)
     row = key_start = 0
-    for query_len, seq_len in zip(step.query_lens_list, step.seq_lens_list, strict=True):
+    for index, (query_len, seq_len) in enumerate(zip(step.query_lens_list, step.seq_lens_list, strict=True)):
         if not chunks_only or query_len > 1:
             context, rotary_keys = latents[key_start : key_start + seq_len], rotary[key_start : key_start + seq_len]
-            expanded = up_proj(context).view(seq_len, heads, -1)
+            # A hooked up-projection (a LoRA adapter's) is told whose context it expands: the step's sequence `index`.
+            with sequence_scope(index) if sequence_scope is not None else contextlib.nullcontext():
+                expanded = up_proj(context).view(seq_len, heads, -1)
             keys = torch.cat([expanded[..., :nope_dim], rotary_keys[:, None].expand(-1, heads, -1)], dim=-1)
             out[row : row + query_len] = _attend_one(
                 query[row : row + query_len], keys, expanded[..., nope_dim:], scale

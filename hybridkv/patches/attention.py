@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,9 @@ class StepContext:
     # layers that let them (hybridkv/execution/multimodal.py); None in every other step.
     key_limits: KeyLimits | None = None
     image_layers: frozenset[int] = frozenset()
+    # LoRA (hybridkv/execution/lora.py): entered around a latent layer's hooked up-projection of the step's sequence i,
+    # which expands that sequence's context rather than the step's rows.
+    sequence_scope: Callable[[int], contextlib.AbstractContextManager[None]] | None = None
 
     def store(self, layer_idx: int, key_rows: torch.Tensor, value_rows: torch.Tensor) -> None:
         """Store a layer's rows of this step into its pages (after its attention: see `hybridkv_attention`)."""
@@ -240,6 +243,7 @@ def paged_attention(
         return latent_attention(
             query, layer.key_cache, layer.value_cache, step.metadata[layer.metadata_index], up, layer.latent.nope_dim,
             scale, layer.k_scale, absorb=layer.latent.absorb and plain,
+            sequence_scope=None if plain else step.sequence_scope,
         )  # fmt: skip
     # Unchecked calls: the step's lengths were checked when its metadata was built, the layer's cache
     # when the runner built its views, and its shapes and window by the probe at patch time. The step's
