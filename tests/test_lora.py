@@ -72,7 +72,7 @@ def test_mixed_adapters_in_one_batch_equal_peft_per_adapter(name, built):
     llm = hybridkv.patch(model, enable_lora=True, max_loras=3, max_lora_rank=16)
     try:
         got = tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False))
-        stats = llm.core.lora.stats()
+        stats = llm.stats()["lora"]
     finally:
         hybridkv.unpatch(model)
     assert got == expected
