@@ -3,7 +3,7 @@
 The interpreter accepts code that a GPU compiler rejects (tl.dot shapes, loop-carried types), so every
 variant is compiled for sm_90 (and some for sm_80) through Triton's whole pipeline to PTX, where those
 errors and the shared memory a program needs are found. The first variant of each kind (kernel, target,
-cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 21 of the 61:
+cache dtype class, split or not) is also assembled to a cubin by the ptxas in the triton wheel, 20 of the 58:
 ptxas takes a third of a variant's compile, and what it checks beyond Triton's own passes (valid PTX for the
 target) varies with the kind far more than with a head dim or a flag. It
 runs in a subprocess because TRITON_INTERPRET, set by conftest.py, would turn the kernels into
@@ -204,13 +204,14 @@ def _variants() -> list[Variant]:
         _write_variant("fp32", 64, cache_dtype="fp8e5", capability=80),
         _write_variant("fp32", 64, cache_dtype="bf16"),
     ]
-    # LoRA: ranks 8 to 128 (one rank tile, padded to 16, up to two), every dtype, an A100.
+    # LoRA: ranks 8 to 128 (one rank tile, padded to 16, up to two), bf16 and fp32 (its IEEE dots), an A100's shrink
+    # (fp16 compiles as bf16 does: the interpreter's tests cover its arithmetic).
     variants += [
         _lora_variant(kernel, dtype, rank)
         for kernel in ("shrink", "expand")
-        for dtype, rank in [("bf16", 16), ("fp16", 64), ("fp32", 8), ("bf16", 128)]
+        for dtype, rank in [("bf16", 16), ("fp32", 8), ("bf16", 128)]
     ]
-    variants += [_lora_variant("shrink", "bf16", 32, capability=80), _lora_variant("expand", "bf16", 32, capability=80)]
+    variants += [_lora_variant("shrink", "bf16", 32, capability=80)]
     return variants
 
 
