@@ -409,8 +409,13 @@ def test_one_name_from_two_folders_is_two_adapters(tmp_path):
     batch = prompts(4, seed=11)
     which = [first, renamed, first, renamed]
     expected = [peft_greedy(model, a, p, NEW) for a, p in zip([first, second, first, second], batch, strict=True)]
-    llm = hybridkv.patch(model, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm = hybridkv.patch(model, enable_lora=True, max_loras=2, max_lora_rank=16, block_size=4)
     try:
         assert tokens(llm.generate(batch, GREEDY, lora_request=which, use_tqdm=False)) == expected
+        # The first prompt ran with the first folder's weights only: under the new ones, nothing of it is hit.
+        (again,) = llm.generate(batch[:1], GREEDY, lora_request=renamed, use_tqdm=False)
+        assert again.num_cached_tokens == 0 and tokens([again]) == [peft_greedy(model, second, batch[0], NEW)]
+        (same,) = llm.generate(batch[:1], GREEDY, lora_request=first, use_tqdm=False)
+        assert same.num_cached_tokens > 0 and tokens([same]) == expected[:1]
     finally:
         hybridkv.unpatch(model)

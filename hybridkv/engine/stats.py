@@ -84,8 +84,8 @@ def engine_stats(
         "structured_output_mask_seconds": grammars.counters.seconds,
         # Images (hybridkv/execution/multimodal.py): through the vision tower, taken from the encoder cache instead,
         # and the bytes of embeddings the cache keeps (at most encoder_cache_bytes).
-        # LoRA (enable_lora; hybridkv/execution/lora.py): max_loras, the adapter in each device slot, the adapters read in
-        # host memory, adapters copied into a slot and read from their folders; None without LoRA.
+        # LoRA (enable_lora; hybridkv/execution/lora.py): max_loras, the adapter in each device slot, the adapters
+        # read in host memory, adapters copied into a slot and read from their folders; None without LoRA.
         "lora": core.lora.stats() if core.lora is not None else None,
         "images_encoded": images.num_encoded if images is not None else 0,
         "image_cache_hits": images.num_cache_hits if images is not None else 0,

@@ -442,18 +442,25 @@ class LoRASlots:
         step.sets[key] = found
         return found
 
-    def _linear_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    def _hooked(self, module: torch.nn.Module, count: int) -> tuple[_Target, _Rows] | None:
+        """A hook's start: the layer's target and the slots of the `count` rows it sees, None where no row of the
+        running step (if any) has an adapter on it; the layer is marked as run (`verify`)."""
         step = self.step
         if step is None:
             return None
-        target = self._target_of(module)
+        target = self._by_module[id(module)]
         if not target.slots:
             return None
         step.called.add(target.name)
+        rows = self._rows(step, count, target.logits)
+        return None if rows is None else (target, rows)
+
+    def _linear_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
         x = args[0]
-        rows = self._rows(step, x.numel() // x.shape[-1], target.logits)
-        if rows is None:
+        hooked = self._hooked(module, x.numel() // x.shape[-1])
+        if hooked is None:
             return None
+        target, rows = hooked
         flat = x.reshape(-1, x.shape[-1])
         # The layer's own output, a fresh tensor, takes the deltas in place (steps run under inference_mode).
         result = output if output.is_contiguous() else output.contiguous()
@@ -488,17 +495,11 @@ class LoRASlots:
         return None if result is output else result
 
     def _embedding_hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        step = self.step
-        if step is None:
-            return None
-        target = self._target_of(module)
-        if not target.slots:
-            return None
-        step.called.add(target.name)
         ids = args[0]
-        rows = self._rows(step, ids.numel(), False)
-        if rows is None:
+        hooked = self._hooked(module, ids.numel())
+        if hooked is None:
             return None
+        target, rows = hooked
         flat = ids.reshape(-1)
         rank = self.rank
         if rows.single is not None:
@@ -508,18 +509,15 @@ class LoRASlots:
             delta = target.a[:, columns].index_select(0, flat) @ target.b[:, columns].t()
         else:
             width = rows.used * rank
-            mask = rows.mask if rows.mask is not None else self._mask(step, rows)
+            mask = self._mask(rows, flat.device)
             delta = (target.a[:, :width].index_select(0, flat) * mask) @ target.b[:, :width].t()
         return output + delta.view(output.shape)
 
-    def _mask(self, step: _Step, rows: _Rows) -> torch.Tensor:
-        """The mask of a row set kept as groups or tiles (an embedding over them: one gather, then the mask)."""
+    def _mask(self, rows: _Rows, device: torch.device) -> torch.Tensor:
+        """The mask of a row set kept otherwise (an embedding over many rows: one gather, then the mask)."""
         if rows.mask is None:
-            rows.mask = _slot_mask(rows.values, rows.used, step.device, self.rank, self.dtype)
+            rows.mask = _slot_mask(rows.values, rows.used, device, self.rank, self.dtype)
         return rows.mask
-
-    def _target_of(self, module: torch.nn.Module) -> _Target:
-        return self._by_module[id(module)]
 
     def stats(self) -> dict[str, Any]:
         return {
