@@ -20,6 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
+from server_process import wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -494,15 +495,7 @@ def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "the server did not start within 60 s"
-                time.sleep(0.2)
+        wait_for_health(process, port, 60)
         expected = offline.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].text
         assert (
             client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0).choices[0].text

@@ -18,6 +18,7 @@ import openai
 import pytest
 from lora_adapters import make_adapters
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -276,15 +277,7 @@ def test_the_serve_command_serves_its_lora_modules(checkpoint, adapters, offline
     command += ["--lora-modules", f"a0={adapters[0].lora_path}", json_module]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "the server did not start within 60 s"
-                time.sleep(0.2)
+        wait_for_health(process, port, 60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert [(card.id, card.parent) for card in client.models.list().data] == [
             (MODEL, None),

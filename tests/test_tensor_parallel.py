@@ -18,10 +18,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from server_process import wait_for_health
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
@@ -132,16 +132,7 @@ def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
     server = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.stderr.read()[-4000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+        wait_for_health(server, port, 120)
         body = {"model": str(tmp_path), "prompt": "The quick", "max_tokens": 8, "temperature": 0}
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert response["choices"][0]["text"] == expected.text

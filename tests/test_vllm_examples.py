@@ -17,13 +17,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 import torch
 from pydantic import BaseModel
+from server_process import wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -301,15 +301,7 @@ def test_vllm_serve_command_line_and_openai_client(checkpoint, tmp_path):
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                httpx.get(base + "/health")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "the server did not start within 90 s"
-                time.sleep(0.2)
+        wait_for_health(process, port, 90)
         client = openai.OpenAI(base_url=base + "/v1", api_key="EMPTY", max_retries=0)
         model = client.models.list().data[0].id
         completion = client.completions.create(
