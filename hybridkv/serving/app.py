@@ -5,7 +5,8 @@ server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /deto
 `GET /metrics` (Prometheus text), and vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain
 text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Every
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
-a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404.
+a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the
+schema does not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
 time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 """
@@ -46,6 +47,7 @@ def build_app(
     tool_call_parser: str | None = None,
     fetch_images: bool = False,
     lora_modules: Sequence[LoRARequest] = (),
+    strict_fields: bool = False,
 ) -> FastAPI:
     """The server's app: requests for `model_name` run on `engine`, which the caller owns (and shuts
     down). `app.state.serving` is the `OpenAIServing` behind the routes. `api_key`: see the module docstring.
@@ -53,8 +55,9 @@ def build_app(
     chat template shows). `fetch_images`: image_url parts may name http(s) URLs, which the server fetches
     (hybridkv/serving/images.py); off, only data URLs are taken. `lora_modules`: LoRA adapters served from the start
     (vLLM's --lora-modules), a request's `model` naming one by its lora_name; each is read here, and a ValueError
-    names the fix for one the engine cannot serve (hybridkv/serving/served_models.py)."""
-    serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images, lora_modules)
+    names the fix for one the engine cannot serve (hybridkv/serving/served_models.py). `strict_fields`: a body's field
+    the server does not know is a 400 naming it, not ignored with a warning (OpenAIServing.accept_fields)."""
+    serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images, lora_modules, strict_fields)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
     app.state.serving = serving
 
@@ -104,27 +107,33 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        serving.accept_fields(body, request.url.path)
         return _respond(await serving.completion(body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        serving.accept_fields(body, request.url.path)
         return _respond(await serving.chat(body, request))
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+        serving.accept_fields(body, request.url.path)
         return PlainTextResponse(await serving.load_lora_adapter(body))
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
+        serving.accept_fields(body, request.url.path)
         return PlainTextResponse(await serving.unload_lora_adapter(body))
 
     # Plain functions: a long prompt is tokenized in FastAPI's thread pool, never on the event loop.
     @app.post("/tokenize")
-    def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        serving.accept_fields(body, request.url.path)
         return serving.tokenize(body)
 
     @app.post("/detokenize")
-    def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        serving.accept_fields(body, request.url.path)
         return serving.detokenize(body)
 
     return app
@@ -144,8 +153,6 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", "not JSON")
         return f"the request body is not valid JSON ({reason}); send a JSON object", None
-    if error["type"] == "extra_forbidden":
-        return f"unknown field {param!r}; check its spelling (see the API reference)", param
     if error["type"] == "missing":
         return f"the field {param!r} is required", param
     if param is None:

@@ -291,7 +291,9 @@ def serve(args: argparse.Namespace) -> None:
     adapters = lora_requests(args.lora_modules or [])
     try:
         try:
-            app = build_app(engine, name, args.api_key, args.tool_call_parser, args.fetch_images, adapters)
+            app = build_app(
+                engine, name, args.api_key, args.tool_call_parser, args.fetch_images, adapters, args.strict_fields
+            )
         except ValueError as error:  # a LoRA adapter the engine cannot serve: the launch fails with the reason
             raise SystemExit(f"hybridkv serve: {error}") from None
         served = "".join(f", LoRA adapter {adapter.lora_name!r}" for adapter in adapters)
@@ -387,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) a request's model names, read at start (needs --enable-lora): name=path, or "
         'vLLM\'s JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    srv.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="a request field the server does not know is a 400 naming it (default: ignored with one warning, as "
+        "vLLM does, so that routers which add fields of their own work)",
     )
     add_patch_flags(srv)
     return parser

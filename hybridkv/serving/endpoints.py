@@ -14,11 +14,12 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.engine.chat import ChatOptions, chat_prompt, image_chat_prompt
+from hybridkv.engine.chat import ChatOptions, chat_prompt, image_chat_prompt, render_chat
 from hybridkv.outputs import Logprob, RequestOutput, StreamDelta
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.structured_params import StructuredOutputsParams
@@ -31,6 +32,7 @@ from hybridkv.serving.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    OpenAIModel,
     SamplingFields,
     TokenizeRequest,
     TokenText,
@@ -53,11 +55,17 @@ if TYPE_CHECKING:
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_PROMPTS_PER_REQUEST = 256
 DISCONNECT_POLL_SECONDS = 0.5
+# Distinct sets of ignored fields warned about (each once); later new sets are logged at debug level only, so
+# that bodies made up by clients cannot grow the server's memory.
+MAX_IGNORED_FIELD_WARNINGS = 64
+
+logger = logging.getLogger("hybridkv")
 
 
 class OpenAIServing:
     """The endpoints' logic over one engine: its model's name and the LoRA adapters served with it (`lora_modules`,
-    each read now: a ValueError names the fix for one the engine cannot serve)."""
+    each read now: a ValueError names the fix for one the engine cannot serve). `strict_fields`: a body's unknown
+    field is a 400 naming it (by default it is ignored with one warning, as vLLM does: `accept_fields`)."""
 
     def __init__(
         self,
@@ -66,8 +74,11 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         fetch_images: bool = False,
         lora_modules: Sequence[LoRARequest] = (),
+        strict_fields: bool = False,
     ) -> None:
         self.engine = engine
+        self.strict_fields = strict_fields
+        self._warned_fields: set[tuple[str, ...]] = set()
         self.fetch_images = fetch_images
         self.model_name = model_name
         self.served_models = ServedModels(engine, model_name, lora_modules)
@@ -81,6 +92,29 @@ class OpenAIServing:
         )
         self.metrics = ServerMetrics(engine.stats)
         self._recorders: set[asyncio.Task[None]] = set()
+
+    def accept_fields(self, body: OpenAIModel, route: str) -> None:
+        """Let a body with fields this server does not know through, warning once per route and set of names (a
+        router adds the same ones to every request); with `strict_fields`, refuse it naming the first."""
+        ignored = body.ignored_fields()
+        if not ignored:
+            return
+        if self.strict_fields:
+            message = f"unknown field {ignored[0]!r}; check its spelling (see the API reference)"
+            raise APIError(400, message, param=ignored[0])
+        key = (route, *sorted(ignored))
+        if key in self._warned_fields:
+            return
+        if len(self._warned_fields) >= MAX_IGNORED_FIELD_WARNINGS:
+            logger.debug("%s: ignored the request's unknown fields %s", route, ignored)
+            return
+        self._warned_fields.add(key)
+        logger.warning(
+            "%s: the request's fields %s are not used by this server and were ignored (said once for these fields; "
+            "`hybridkv serve --strict-fields` refuses them instead)",
+            route,
+            ", ".join(repr(name) for name in ignored),
+        )
 
     def models(self) -> dict[str, Any]:
         """`/v1/models`: the model, then each LoRA adapter served with it."""
@@ -279,7 +313,8 @@ class OpenAIServing:
         return text.removesuffix(eos) if eos else text
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
-        """`/tokenize`: the token ids the server would run for the prompt or the chat, and their count."""
+        """`/tokenize`: the token ids the server would run for the prompt or the chat, their count (and with
+        `return_token_strs`, each token's text), as vLLM's."""
         self.served_models.resolve(body.model)
         tokenizer = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
@@ -289,13 +324,22 @@ class OpenAIServing:
                 raise APIError(
                     400, "/tokenize takes text messages only (images are expanded by the processor)", "messages"
                 )
+            options = ChatOptions(
+                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )
             try:
-                _, tokens = chat_prompt(tokenizer, [message.as_dict() for message in body.messages])
+                text = render_chat(tokenizer, [message.as_dict() for message in body.messages], body.tools, options)
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error), param="messages") from error
+            # vLLM's: the template holds a chat's special tokens, so none are added unless asked for.
+            tokens = list(tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"])
         else:
-            tokens = list(tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+            add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = list(tokenizer(body.prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            answer["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return answer
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """`/detokenize`: the text of token ids (ids outside the vocabulary are a 400)."""

@@ -54,6 +54,7 @@ def serve(
     tool_call_parser: str | None = None,
     fetch_images: bool = False,
     lora_modules: Sequence[LoRARequest] = (),
+    strict_fields: bool = False,
 ) -> ServerHandle:
     """Serve `llm` (an engine from `hybridkv.patch`, or an `AsyncLLMEngine`) with OpenAI's API from a
     background thread, and return once it accepts connections. `port=0` takes a free port (the handle's
@@ -64,12 +65,13 @@ def serve(
     default the one the chat template shows). `fetch_images`: fetch http(s) image URLs (off: data URLs only).
     `lora_modules`: LoRA adapters (`LoRARequest`s; the engine patched with enable_lora) that a request's `model` names
     by their lora_name, each read here (a ValueError names the fix for one the engine cannot serve); more are loaded
-    and unloaded at run time through `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`."""
+    and unloaded at run time through `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`. `strict_fields`: a request
+    field the server does not know is a 400 naming it (by default: ignored with one warning, as vLLM does)."""
     owns_engine = isinstance(llm, LLMEngine)
     engine = AsyncLLMEngine(llm) if owns_engine else llm
     name = model_name or default_model_name(engine.llm)
     try:
-        app = build_app(engine, name, api_key, tool_call_parser, fetch_images, lora_modules)
+        app = build_app(engine, name, api_key, tool_call_parser, fetch_images, lora_modules, strict_fields)
     except BaseException:
         if owns_engine:  # its thread holds the engine: a refused adapter must not leave it locked
             engine.shutdown()

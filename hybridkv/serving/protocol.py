@@ -1,7 +1,9 @@
 """OpenAI's request bodies as pydantic models, their `SamplingParams`, and the response bodies.
 
-Only the fields hybridkv honours are accepted: an unknown field is a 400 naming it, so a typo never
-passes silently. Beyond OpenAI's fields a body may carry vLLM's extra settings: top_k, min_p, min_tokens,
+A field hybridkv does not know is accepted and ignored, as vLLM's server does (routers such as vllm-router and SGLang's
+add fields of their own, e.g. `no_stop_trim`): `OpenAIModel.ignored_fields` names them for the server's one warning
+(and `hybridkv serve --strict-fields` makes them a 400 naming the first, so a typo never passes silently).
+Beyond OpenAI's fields a body may carry vLLM's extra settings: top_k, min_p, min_tokens,
 ignore_eos, stop_token_ids, repetition_penalty, cache_salt, skip_special_tokens, include_stop_str_in_output,
 prompt_logprobs, return_token_ids, structured_outputs (one of json, regex, choice, grammar, json_object; beside
 OpenAI's response_format), and for a chat chat_template, chat_template_kwargs, add_generation_prompt and
@@ -27,14 +29,28 @@ from hybridkv.scheduling.structured_params import StructuredOutputsParams
 STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OpenAIModel(BaseModel):
+    """A request body (or a part of one): fields it does not declare are kept aside, not refused (vLLM's
+    `OpenAIBaseModel`), and `ignored_fields` names them."""
 
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        """The body's undeclared fields, a nested part's as `part.field`, in the order sent."""
+        names = list(self.model_extra or ())
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, OpenAIModel):
+                names += [f"{name}.{inner}" for inner in value.ignored_fields()]
+        return names
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
     name: str
     description: str | None = None
@@ -42,10 +58,8 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(OpenAIModel):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -60,10 +74,8 @@ class ResponseFormat(BaseModel):
         return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIModel):
     """The fields both endpoints share: OpenAI's sampling settings and vLLM's extras."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -237,41 +249,40 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(OpenAIModel):
     """`POST /tokenize` (vLLM's): a prompt's token ids as `/v1/completions` makes them (`add_special_tokens`,
-    default true), or a chat's as `/v1/chat/completions` renders it (`messages`)."""
-
-    model_config = ConfigDict(extra="forbid")
+    default true), or a chat's as `/v1/chat/completions` renders it (`messages`, with the same template settings and
+    `tools`); `return_token_strs` adds each token's text."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(OpenAIModel):
     """`POST /detokenize` (vLLM's): token ids back to text."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(OpenAIModel):
     """`POST /v1/load_lora_adapter` (vLLM's): serve the PEFT folder `lora_path` under the model name `lora_name`."""
-
-    model_config = ConfigDict(extra="forbid")
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(OpenAIModel):
     """`POST /v1/unload_lora_adapter` (vLLM's): stop serving the adapter named `lora_name` (or, with no name, the one of
     vLLM's `lora_int_id`)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     lora_name: str | None = None
     lora_int_id: int | None = None
