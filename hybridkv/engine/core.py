@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hybridkv.engine.kv_events import ZmqEventPublisher
 from hybridkv.engine.speculation import DraftEngine, RecordToken, Speculator
 from hybridkv.execution.config import GIB, EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
@@ -47,6 +48,7 @@ from hybridkv.kernels.quant import is_fp8
 from hybridkv.lora.request import AdapterRef, as_lora_request
 from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import KVCacheCoordinator
+from hybridkv.memory.kv_events import DISK
 from hybridkv.memory.state_slots import STATE_GROUP
 from hybridkv.memory.tiers import BlockTiers
 from hybridkv.patches.inspection import ModelLayout
@@ -140,6 +142,7 @@ class EngineCore:
         self._build_memory(memory)
         self._build_runner(self.layout, memory, buckets, captures, compiled)
         self.disk_store = self._build_tiers()
+        self.kv_events = self._build_kv_events()
         # Whether only full attention holds what a request computed: no state layer (it cannot go back) and no window
         # or attention chunk (a block behind one may have gone back to the pool). A speculative step's proposals
         # then store their K/V, and a request can go on from other tokens (`LLMEngine.continue_from`).
@@ -380,6 +383,23 @@ class EngineCore:
                 state_tiers = BlockTiers(num_state_slots, disk, host_keeps)
         coordinator.attach_tiers(BlockTiers(num_host_slots, disk, host_keeps), state_tiers)
         return disk
+
+    def _build_kv_events(self) -> ZmqEventPublisher | None:
+        """vLLM's KV events, where `kv_events_config` enables them: recorded by the memory manager (its pool, state
+        checkpoints and tiers, the disk store's removals too), sent by a publisher thread."""
+        config = self.config.kv_events_config
+        if config is None or not config.publishes:
+            return None
+        recorder = self.coordinator.record_events()
+        if self.disk_store is not None:
+            self.disk_store.on_remove = lambda key: recorder.removed(*key, DISK)
+        return ZmqEventPublisher(config)
+
+    def publish_kv_events(self) -> None:
+        """Send the KV events recorded since the last call as one batch (after each step, and after what changes the
+        cache outside one)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.coordinator.events.take())
 
     def _speculator(self, draft_engine: DraftFactory | None) -> Speculator | None:
         """Speculative decoding's proposer and check (hybridkv/engine/speculation.py), where `speculative_config` asks
@@ -726,6 +746,7 @@ class EngineCore:
             self.disk_store.clear()
         change = self.model_watch.invalidate("reset_prefix_cache() was called")
         self.take_model_change(change)
+        self.publish_kv_events()
         return change
 
     def sleep(self) -> None:
@@ -734,6 +755,7 @@ class EngineCore:
         if self.disk_store is not None:
             self.disk_store.flush()
         self.coordinator.forget_cached()
+        self.publish_kv_events()
         self.runner.sleep()
         if self.speculator is not None:
             self.speculator.sleep()
@@ -756,6 +778,9 @@ class EngineCore:
             self.tp.stop()
         if self.disk_store is not None:
             self.disk_store.flush()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+            self.kv_events.shutdown()
         self.coordinator.close()
         self.runner.close()
         if self.lora is not None:

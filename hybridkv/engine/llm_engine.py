@@ -664,6 +664,7 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - start
             if self.core.disk_store is not None and not self.has_unfinished_requests():
                 self.core.disk_store.flush()  # idle: the last step's blocks to disk now, not at the next request
+            self.core.publish_kv_events()
         unclaimed, self.unclaimed = self.unclaimed, []
         return unclaimed + reports
 

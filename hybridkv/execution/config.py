@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from hybridkv.execution.kv_dtypes import KVCacheDtype, normalize_kv_cache_dtype
+from hybridkv.execution.kv_events_config import KVEventsConfig
 from hybridkv.execution.speculative_config import SpeculativeConfig
 from hybridkv.kernels.backend import Backend
 from hybridkv.scheduling.scheduler import PREEMPTION_MODES
@@ -99,6 +100,10 @@ class EngineConfig:
     (`lora_request`), at most `max_loras` adapters run in one step (others wait), of rank at most `max_lora_rank`, and
     `max_cpu_loras` (default `max_loras`) stay read in host memory.
 
+    `kv_events_config` (vLLM's dict, or a `KVEventsConfig`; hybridkv/execution/kv_events_config.py): with
+    `enable_kv_cache_events`, the blocks the prefix cache stores and drops, in every tier, are published as vLLM's KV
+    events over ZMQ (hybridkv/memory/kv_events.py), which a router's index reads (vllm-router's kv_aware policy).
+
     `speculative_config` (vLLM's dict: n-gram prompt lookup or a draft model; hybridkv/execution/speculative_config.py)
     proposes tokens that each step checks in the same forward (hybridkv/engine/speculation.py).
 
@@ -138,6 +143,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_events_config: Any = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
@@ -189,6 +195,13 @@ class EngineConfig:
                 raise ValueError(f"cpu_threads must be 'auto', a thread count or None, got {self.cpu_threads!r}")
             set_field("cpu_threads", check_int("cpu_threads", self.cpu_threads, 1, " (or 'auto', or None)"))
         self._check_tiers()
+        events = KVEventsConfig.of(self.kv_events_config)
+        if events is not None and events.publishes and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_config announces prefix-cache blocks, which enable_prefix_caching=False turns off; turn "
+                "prefix caching on or drop kv_events_config"
+            )
+        set_field("kv_events_config", events)
         self._check_swap_space_fits_the_host()
         self._check_lora()
 

@@ -94,6 +94,9 @@ class DiskBlockStore:
         self._pending: list[tuple[TierKey, int]] = []
         self._warned = False
         self.active = True
+        # Told of each file of this store's folder removed (for room, or damaged): a block the disk no longer holds
+        # (vLLM's KV events, hybridkv/memory/kv_events.py).
+        self.on_remove: Callable[[TierKey], None] | None = None
         self.num_written = self.num_removed = self.num_damaged = 0
         # Every file under the root, oldest first (what the size bound removes), and their bytes.
         self._files: list[tuple[float, str, int]] = []
@@ -215,6 +218,8 @@ class DiskBlockStore:
             if os.path.dirname(path) == str(self.folder):
                 key = _key_of(os.path.basename(path))
                 self._known.discard(key)
+                if key is not None and self.on_remove is not None:
+                    self.on_remove(key)
 
     def load(self, key: TierKey, host_slot: int) -> bool:
         """Read the block's file into the host slot after checking every field; False (the file removed, one
@@ -250,6 +255,8 @@ class DiskBlockStore:
         )
         with contextlib.suppress(OSError):
             os.remove(path)
+        if self.on_remove is not None:
+            self.on_remove(key)
         return False
 
     def counters(self) -> dict[str, int]:

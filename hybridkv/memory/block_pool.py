@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from hybridkv.memory.kv_events import KVEventRecorder
 
 # Never allocated, never freed: stands in a block table for blocks a query cannot see.
 NULL_BLOCK_ID = 0
@@ -233,6 +236,8 @@ class BlockPool:
         self.max_evicted_keys = min(4 * num_blocks, 1 << 17)
         self._evictions_since_cut = 0
         self.on_cache: Callable[[KVBlock], None] | None = None
+        # vLLM's KV events (hybridkv/memory/kv_events.py), told of each cached block that loses its hash.
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -245,7 +250,7 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Pop n blocks from the head (ref count 1 each); evicts the hashes they carried."""
         blocks = self.free_queue.popleft_n(n)
-        cached, on_evict, remembered = self.cached, self.on_evict, self.evicted_keys
+        cached, on_evict, remembered, events = self.cached, self.on_evict, self.evicted_keys, self.events
         evictions = self.num_evictions
         for block in blocks:
             block_hash = block.block_hash
@@ -253,6 +258,8 @@ class BlockPool:
                 if on_evict is not None:
                     on_evict(block)
                 group = block.hash_group
+                if events is not None:
+                    events.removed(group, block_hash)
                 group_map = cached[group]
                 if group_map.get(block_hash) is block:
                     del group_map[block_hash]
@@ -340,6 +347,8 @@ class BlockPool:
             del group_map[block.block_hash]
         self.evicted_keys[block.hash_group][block.block_hash] = None
         self._forget_old_evictions(1)
+        if self.events is not None:
+            self.events.removed(block.hash_group, block.block_hash)
         block.block_hash = None
         block.hash_group = -1
         self.num_evictions += 1
@@ -376,7 +385,7 @@ class BlockPool:
         self.free_queue.close()
         self.blocks = []
         self.cached = []
-        self.on_evict = self.on_cache = None  # the coordinator's methods: a cycle through it otherwise
+        self.on_evict = self.on_cache = self.events = None  # the coordinator's: a cycle through it otherwise
 
     def check_integrity(self) -> None:
         """Assert the pool's own accounting: every block is exactly one of null / free / used."""

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from hybridkv.memory.block_pool import BlockLookup, BlockPool, KVBlock, cdiv
 from hybridkv.memory.grouping import KVCacheConfig
+from hybridkv.memory.kv_events import SPEC_KINDS, BlockChain, GroupShape, KVEventRecorder
 from hybridkv.memory.kv_request import KVRequest
 from hybridkv.memory.managers import FullAttentionManager, SingleTypeManager, num_window_blocks
-from hybridkv.memory.state_slots import StateCheckpoints, StateSlots
+from hybridkv.memory.state_slots import STATE_GROUP, StateCheckpoints, StateSlots
 from hybridkv.memory.tiers import BlockTiers, TierCopies, TierKey
 from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowManager, WindowedManager
 
@@ -198,6 +199,9 @@ class KVCacheCoordinator:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.host_hit_tokens = self.disk_hit_tokens = 0
+        # vLLM's KV events (`record_events`), and the blocks the pool registered in the update being made.
+        self.events: KVEventRecorder | None = None
+        self._just_cached: list[KVBlock] = []
         # Tiers beyond the pool (`attach_tiers`).
         self.tiers: BlockTiers | None = None
         self._restored: list[KVBlock] = []
@@ -343,6 +347,8 @@ class KVCacheCoordinator:
                     lost.append(block)
                     continue
                 pool.cache_restored(block, block_hash, manager.group_id)
+                if self.events is not None:
+                    self._announce(request, manager, index, index + 1)
                 hit.blocks[manager.group_id][index] = block
                 self._restored.append(block)
                 size = manager.block_size
@@ -363,8 +369,11 @@ class KVCacheCoordinator:
         self.pool.on_evict = self._evicted
         self.pool.on_cache = self._cached
         tiers.on_drop = self._forgotten
+        tiers.events = self.events
         if self.state_checkpoints is not None:
             self.state_checkpoints.tiers = state_tiers
+            if state_tiers is not None:
+                state_tiers.events = self.events
 
     def _evicted(self, block: KVBlock) -> None:
         """The pool reuses a block that still holds a cached prefix: the host tier keeps a copy."""
@@ -375,8 +384,65 @@ class KVCacheCoordinator:
         self.pool.record_evicted(*key)
 
     def _cached(self, block: KVBlock) -> None:
-        """The pool registered a computed block under its hash: the disk store writes it."""
-        self.tiers.cached((block.hash_group, block.block_hash), block.block_id)
+        """The pool registered a computed block under its hash: the disk store writes it, and the events announce
+        it once the update is made (`_announce_cached`)."""
+        if self.tiers is not None:
+            self.tiers.cached((block.hash_group, block.block_hash), block.block_id)
+        if self.events is not None:
+            self._just_cached.append(block)
+
+    def record_events(self) -> KVEventRecorder:
+        """Record vLLM's KV events from now on (hybridkv/memory/kv_events.py): the pool's blocks as they are cached
+        and evicted, the state checkpoints', and the tiers'. Groups are published prefix-closed ones first (group 0
+        is the one a single-group index reads), the state checkpoints last."""
+        shapes = [
+            GroupShape(m.block_size, SPEC_KINDS[m.kind], getattr(m, "sliding_window", None)) for m in self.managers
+        ]
+        published = sorted(range(len(self.managers)), key=lambda g: not self.managers[g].hits_are_prefix_closed)
+        order = [published.index(group_id) for group_id in range(len(self.managers))]
+        state_group = len(self.managers) if self.state_checkpoints is not None else None
+        recorder = KVEventRecorder(shapes, order, state_group, STATE_GROUP)
+        self.events = recorder
+        self.pool.events = recorder
+        self.pool.on_cache = self._cached
+        if self.state_checkpoints is not None:
+            self.state_checkpoints.events = recorder
+        for tier in (self.tiers, self.state_checkpoints.tiers if self.state_checkpoints is not None else None):
+            if tier is not None:
+                tier.events = recorder
+        return recorder
+
+    def _announce_cached(self, request: KVRequest) -> None:
+        """`BlockStored` for the blocks the pool registered in the request's update: in each group, they are among
+        its last cached positions (a block whose hash another block holds already is not registered: a gap)."""
+        just = {id(block) for block in self._just_cached}
+        counts = Counter(block.hash_group for block in self._just_cached)
+        self._just_cached.clear()
+        request_id = request.request_id
+        for group_id, count in counts.items():
+            manager = self.managers[group_id]
+            blocks = manager.blocks_of(request_id)
+            indices = []
+            index = manager.num_cached(request_id) - 1
+            while count and index >= 0:
+                if id(blocks[index]) in just:
+                    indices.append(index)
+                    count -= 1
+                index -= 1
+            indices.reverse()
+            for run in _runs(indices):
+                self._announce(request, manager, run[0], run[-1] + 1)
+
+    def _announce(self, request: KVRequest, manager: SingleTypeManager, start: int, end: int) -> None:
+        """`BlockStored` of the request's blocks start..end-1 in the manager's group, held by the pool."""
+        hashes, size = request.block_hashes, manager.block_size
+        chain = BlockChain(
+            [manager.block_hash(hashes, index) for index in range(start, end)],
+            manager.block_hash(hashes, start - 1) if start else None,
+            request.token_ids[start * size : end * size],
+            request.adapter_id,
+        )
+        self.events.stored(manager.group_id, chain)
 
     def take_tier_copies(self) -> tuple[TierCopies, TierCopies]:
         """The copies between the pool and the tiers planned since the last call (the runner makes them before the
@@ -392,6 +458,8 @@ class KVCacheCoordinator:
         """The model computes as `key` now: no block of another model is found in a tier (the disk tier is read and
         written only while the model is as patched, b"", the one its files name)."""
         self.model_key = key
+        if self.events is not None:  # what the pool and the tiers hold is another model's: no request hits it
+            self.events.cleared()
         tiers = [self.tiers, self.state_checkpoints.tiers if self.state_checkpoints is not None else None]
         for tier in tiers:
             if tier is not None:
@@ -422,12 +490,23 @@ class KVCacheCoordinator:
                 continue
             found = []
             for boundary in range(first, end + 1, interval):
-                slot = checkpoints.reserve(request.block_hashes[boundary // size - 1])
+                block_hash = request.block_hashes[boundary // size - 1]
+                slot = checkpoints.reserve(block_hash)
                 if slot is not None:
                     found.append((boundary - start, slot))
+                    if self.events is not None:
+                        self._checkpoint_planned(request, boundary // size - 1)
             if found:
                 planned[request.request_id] = found
         return planned
+
+    def _checkpoint_planned(self, request: KVRequest, index: int) -> None:
+        """Tell the events of a state checkpoint planned after the request's block `index` (announced once written)."""
+        hashes, size = request.block_hashes, self.block_size
+        parent = hashes[index - 1] if index else None
+        tokens = request.token_ids[index * size : (index + 1) * size]
+        chain = BlockChain([hashes[index]], parent, tokens, request.adapter_id)
+        self.events.checkpoint_planned(hashes[index], chain)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: CacheHit | None = None) -> bool:
         """Give the request blocks for num_new_tokens more tokens (after the hit, if any).
@@ -692,6 +771,8 @@ class KVCacheCoordinator:
         ):
             for manager in self.managers:
                 manager.cache_blocks(request_id, hashes, num_computed)
+        if self._just_cached:
+            self._announce_cached(request)
         if not returns:
             return
         # The blocks every window left go back to the pool in one call, in the order the groups would return them
@@ -782,6 +863,8 @@ class KVCacheCoordinator:
         planned into them may not run); the disk keeps its files."""
         self.take_tier_copies()
         self.pool.forget_cached()
+        if self.events is not None:
+            self.events.cleared()
         if self.state_checkpoints is not None:
             self.state_checkpoints.forget()
         for tier in (self.tiers, self.state_checkpoints.tiers if self.state_checkpoints is not None else None):
@@ -910,3 +993,14 @@ class KVCacheCoordinator:
                 assert block.ref_cnt == 1, (
                     f"{request_id} writes {block} at position {index} of group {manager.group_id} while it is shared"
                 )
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Ascending indices split into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][-1] == index - 1:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs

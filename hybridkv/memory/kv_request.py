@@ -24,6 +24,7 @@ class KVRequest:
 
     __slots__ = (
         "_root_hash",
+        "adapter_id",
         "adapter_key",
         "block_hashes",
         "block_size",
@@ -60,6 +61,7 @@ class KVRequest:
         self.block_size = block_size
         self.model_key = model_key
         self.adapter_key = adapter_key  # its LoRA adapter's digest (b"": none)
+        self.adapter_id: tuple[int, str] | None = None  # its adapter's (lora_int_id, lora_name), for KV events
         self._root_hash = root_hash(cache_salt, model_key, adapter_key)
         self.block_hashes: list[bytes] = []
         # False: it computes its whole prompt, taking no prefix-cache hit (it asks for the prompt's logprobs, vLLM's
@@ -80,6 +82,7 @@ class KVRequest:
         self.block_size = parent.block_size
         self.model_key = parent.model_key
         self.adapter_key = parent.adapter_key
+        self.adapter_id = parent.adapter_id
         self._root_hash = parent._root_hash
         self.block_hashes = list(parent.block_hashes)
 

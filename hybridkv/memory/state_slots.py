@@ -11,8 +11,12 @@ what a prefix-cache hit restores. No torch here: the memory manager's side.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from hybridkv.memory.tiers import BlockTiers
+
+if TYPE_CHECKING:
+    from hybridkv.memory.kv_events import KVEventRecorder
 
 SCRATCH_SLOT = 0
 # The group id of state checkpoints' keys in the tiers below the pool (blocks' groups count from 0).
@@ -77,6 +81,8 @@ class StateCheckpoints:
         # take one (a hit's copy reads it before the forward).
         self.tiers: BlockTiers | None = None
         self._found: set[int] = set()
+        # vLLM's KV events (hybridkv/memory/kv_events.py): told of each checkpoint written and evicted.
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_kept(self) -> int:
@@ -101,6 +107,8 @@ class StateCheckpoints:
             return None
         self._kept[block_hash] = slot
         self._found.add(slot)
+        if self.events is not None:
+            self.events.copied(STATE_GROUP, block_hash, "GPU")
         return slot
 
     def _slot_for_restore(self) -> int | None:
@@ -116,6 +124,8 @@ class StateCheckpoints:
         return None
 
     def _evicted(self, block_hash: bytes, slot: int) -> None:
+        if self.events is not None:
+            self.events.removed(STATE_GROUP, block_hash)
         if self.tiers is not None:
             self.tiers.evicted((STATE_GROUP, block_hash), slot)
 
@@ -140,12 +150,16 @@ class StateCheckpoints:
         if self.tiers is not None:
             for block_hash, slot in self._pending.items():
                 self.tiers.cached((STATE_GROUP, block_hash), slot)
+        if self.events is not None:
+            self.events.checkpoints_written(list(self._pending))
         self._kept.update(self._pending)
         self._pending.clear()
         self._found.clear()
 
     def discard(self) -> None:
         """The step failed: its checkpoints were not (all) written."""
+        if self.events is not None:
+            self.events.checkpoints_discarded()
         self._free.extend(self._pending.values())
         self._pending.clear()
         self._found.clear()

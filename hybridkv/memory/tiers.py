@@ -22,7 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from hybridkv.memory.kv_events import KVEventRecorder
 
 TierKey = tuple[int, bytes]
 
@@ -105,6 +108,8 @@ class BlockTiers:
         self.disk_on = disk is not None
         # Told of each block the host drops for room (the coordinator's record of evicted blocks).
         self.on_drop: Callable[[TierKey], None] | None = None
+        # vLLM's KV events (hybridkv/memory/kv_events.py): told of each block a tier takes and drops.
+        self.events: KVEventRecorder | None = None
 
     @property
     def num_host_blocks(self) -> int:
@@ -134,6 +139,8 @@ class BlockTiers:
         self._pinned.add(slot)
         self._copies.offload.append((block_id, slot))
         self.host.stored += 1
+        if self.events is not None:
+            self.events.copied(*key, "CPU")
 
     def hold(self, keys: list[TierKey]) -> None:
         """Keep the host slots of these blocks (those the host holds) until the step's copies are taken: a lookup
@@ -161,6 +168,8 @@ class BlockTiers:
             self.disk_counters.restored += 1
             if self.host_keeps:
                 self._host[key] = slot
+                if self.events is not None:
+                    self.events.copied(*key, "CPU")
             else:  # a staging slot: free again once the step's copies are made
                 self._staged.append(slot)
         else:
@@ -173,6 +182,8 @@ class BlockTiers:
     def cached(self, key: TierKey, block_id: int) -> None:
         """The pool registered `block_id`, computed, under `key`: the disk store writes it."""
         if self.disk_on:
+            if self.events is not None:
+                self.events.copied(*key, "DISK")
             self.disk.save(key, block_id)
 
     def take_copies(self) -> TierCopies:
@@ -204,6 +215,8 @@ class BlockTiers:
             if slot not in self._pinned:
                 del self._host[key]
                 self.host.evicted += 1
+                if self.events is not None:
+                    self.events.removed(*key, "CPU")
                 if self.on_drop is not None:
                     self.on_drop(key)
                 return slot

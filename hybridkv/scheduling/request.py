@@ -72,6 +72,8 @@ class Request(KVRequest):
         )
         self.params = params
         self.lora = lora  # its LoRA adapter (enable_lora), None for the model alone
+        if lora is not None:
+            self.adapter_id = (lora.request.lora_int_id, lora.request.lora_name)
         self.reads_prefix_cache = params.prompt_logprobs is None
         self.status = RequestStatus.WAITING
         self.error: str | None = None

@@ -31,9 +31,10 @@ def cpu_threads_flag(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count, got {text!r}") from None
 
 
-def speculative_config_flag(text: str) -> dict[str, Any]:
-    """`--speculative-config`: vLLM's JSON, e.g. '{"method": "ngram", "num_speculative_tokens": 4}'; a draft model's
-    "model" is a local checkpoint folder, loaded with the served model's dtype."""
+def json_object_flag(text: str) -> dict[str, Any]:
+    """A flag holding vLLM's JSON object: `--speculative-config` ('{"method": "ngram", "num_speculative_tokens": 4}'; a
+    draft model's "model" is a local checkpoint folder, loaded with the served model's dtype) and `--kv-events-config`
+    ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}')."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -66,7 +67,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "num_state_checkpoints": int,
     "state_checkpoint_interval": int,
     "encoder_cache_bytes": int,
-    "speculative_config": speculative_config_flag,
+    "speculative_config": json_object_flag,
     "kv_offloading_size": float,
     "kv_offloading_backend": ["native", "lmcache"],
     "prefix_cache_dir": str,
@@ -75,6 +76,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "max_loras": int,
     "max_lora_rank": int,
     "max_cpu_loras": int,
+    "kv_events_config": json_object_flag,
 }
 DEMO_PROMPTS = [
     "Once upon a time",
