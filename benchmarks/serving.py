@@ -99,8 +99,10 @@ class ServerFailed(RuntimeError):
     """A server exited or did not answer /health in time; the message ends with its last log lines."""
 
 
-def save_checkpoint(folder: Path) -> None:
-    """The tiny hybrid model and a tokenizer whose every token is ASCII text (its one special token: <eos>)."""
+def save_checkpoint(folder: Path, family: str = "gemma3", **model_settings: object) -> None:
+    """A tiny model (by default the Gemma-3-style hybrid of the module docstring; `family` and `model_settings`:
+    another of hybridkv.tiny's, of other sizes) and a tokenizer whose every token is ASCII text (its one special token:
+    <eos>)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.utils.logging import disable_progress_bar
@@ -117,10 +119,10 @@ def save_checkpoint(folder: Path) -> None:
     bpe.train_from_iterator(WORDS * 10, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
     tokenizer.chat_template = CHAT_TEMPLATE
-    model = tiny_model(
-        "gemma3", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, head_dim=32, sliding_window=32,
-        max_position_embeddings=1024,
-    )  # fmt: skip
+    model_settings = model_settings or dict(
+        hidden_size=128, intermediate_size=256, head_dim=32, sliding_window=32, max_position_embeddings=1024
+    )
+    model = tiny_model(family, vocab_size=len(tokenizer), **model_settings)
     disable_progress_bar()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

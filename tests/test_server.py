@@ -776,3 +776,31 @@ def test_a_conversation_with_tool_results_renders_and_bad_tool_requests_are_400s
     for which, extra, message in cases:
         with pytest.raises(openai.BadRequestError, match=message):
             which.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, **extra)
+
+
+def streamed_chunks(server, path, body):
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=DEADLINE_SECONDS) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(line[len("data: ") :]) for line in lines]
+
+
+def test_return_token_ids_streams_the_prompts_ids_first_as_vllm_does(server):
+    """A router (or an RL loop) reads the token ids the server ran from the stream: a chat's first chunk carries them
+    beside its choices, a completion's first choice of each prompt inside it; the answer's ids come chunk by chunk."""
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=DEADLINE_SECONDS).json()
+    chunks = streamed_chunks(server, "/v1/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == whole["choices"][0]["token_ids"]
+    completion = {"model": MODEL, "prompt": ["The quick", "Once upon"], "max_tokens": 4, "temperature": 0}
+    completion["return_token_ids"] = True
+    whole = httpx.post(server.url + "/v1/completions", json=completion, timeout=DEADLINE_SECONDS).json()
+    firsts = {}
+    for chunk in streamed_chunks(server, "/v1/completions", completion):
+        for choice in chunk["choices"]:
+            if "prompt_token_ids" in choice:
+                assert choice["index"] not in firsts
+                firsts[choice["index"]] = choice["prompt_token_ids"]
+    assert firsts == {choice["index"]: choice["prompt_token_ids"] for choice in whole["choices"]}

@@ -2,7 +2,9 @@
 so that a subscriber written for vLLM (vllm-router's kv_aware policy, llm-d, Dynamo) reads hybridkv unchanged.
 
 The wire format is vLLM's (`vllm.distributed.kv_events.ZmqEventPublisher`):
-- a PUB socket at `endpoint` sends one message per step that had events: three frames, the topic, the sequence number
+- a PUB socket at `endpoint` (bound or connected to by vLLM's rule, `binds`; a loopback tcp:// address is bound unless
+  a subscriber holds it, hybridkv's addition: `ZmqEventPublisher._bind_or_connect`) sends one message per step that had
+  events: three frames, the topic, the sequence number
   (8 bytes, big-endian, from 0) and the batch;
 - the batch is msgpack, as msgspec encodes vLLM's structs: `[ts, [event, ...], data_parallel_rank]`, each event a map
   whose first key is "type" ("BlockStored", "BlockRemoved", "AllBlocksCleared") followed by its fields in vLLM's
@@ -77,10 +79,18 @@ def encode_batch(
     return msgpack.packb([float(ts), [event_fields(event) for event in events], data_parallel_rank])
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
 def binds(endpoint: str) -> bool:
     """vLLM's rule: a wildcard host (`*`, `::`) or an ipc:// or inproc:// address is bound; any other is connected
     to (a subscriber that binds, as llm-d's does)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def is_loopback(endpoint: str) -> bool:
+    """A tcp:// address on this machine's loopback (`tcp://127.0.0.1:5557`)."""
+    return endpoint.startswith("tcp://") and endpoint[len("tcp://") :].rsplit(":", 1)[0] in LOOPBACK_HOSTS
 
 
 class ZmqEventPublisher:
@@ -106,6 +116,8 @@ class ZmqEventPublisher:
         try:
             if binds(config.endpoint):
                 self._pub.bind(config.endpoint)
+            elif is_loopback(config.endpoint):
+                self._bind_or_connect(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint is not None:
@@ -120,6 +132,19 @@ class ZmqEventPublisher:
         self.num_batches = 0
         self._thread = threading.Thread(target=self._run, name="hybridkv-kv-events", daemon=True)
         self._thread.start()
+
+    def _bind_or_connect(self, endpoint: str) -> None:
+        """A loopback address: bound, so that replicas on one machine publish to a router there (vllm-router's
+        subscribers connect, to tcp:// addresses only) without opening a port to the network; connected to where a
+        subscriber has bound it already (vLLM's rule, which connects to every address but a wildcard's)."""
+        import zmq
+
+        try:
+            self._pub.bind(endpoint)
+        except zmq.ZMQError as error:
+            if error.errno != zmq.EADDRINUSE:
+                raise
+            self._pub.connect(endpoint)
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue a step's events (waits while `max_queue_size` batches are queued, as vLLM's publisher does)."""

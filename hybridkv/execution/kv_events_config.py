@@ -1,11 +1,12 @@
 """`KVEventsConfig`: vLLM's `--kv-events-config`, where the engine publishes its KV cache events
 (hybridkv/memory/kv_events.py; the publisher: hybridkv/engine/kv_events.py).
 
-The fields, names and defaults are vLLM's (`vllm.config.KVEventsConfig`): `enable_kv_cache_events`, `publisher` ("zmq",
-the default once enabled, or "null"), `endpoint` (a ZMQ address: bound where its host is `*`, `::`, or for ipc:// and
-inproc://, else connected to), `replay_endpoint` (a ZMQ ROUTER socket, bound, that answers a subscriber asking for the
-batches from a sequence number on), `buffer_steps` (batches kept for replay), `hwm` (the socket's high-water mark),
-`max_queue_size` (batches waiting for the publisher thread) and `topic` (the first frame of every message).
+The fields, names and defaults are vLLM's (`vllm.config.KVEventsConfig`): `enable_kv_cache_events`, `publisher`
+("zmq", the default once enabled, or "null"), `endpoint` (a ZMQ address: bound where its host is `*`, `::`, or for
+ipc:// and inproc://, else connected to; hybridkv binds a loopback tcp:// address too unless a subscriber has bound
+it), `replay_endpoint` (a ZMQ ROUTER socket, bound, that answers a subscriber asking for the batches from a sequence
+number on), `buffer_steps` (batches kept for replay), `hwm` (the socket's high-water mark), `max_queue_size` (batches
+waiting for the publisher thread) and `topic` (the first frame of every message).
 """
 
 from __future__ import annotations

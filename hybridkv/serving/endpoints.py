@@ -153,11 +153,10 @@ class OpenAIServing:
         n = params[0].n
         num_top = body.logprobs or 0
         if body.stream:
-            num_prompt_tokens = sum(map(len, prompts))
             choice = functools.partial(
                 self._completion_choice, echoes=echoes, n=n, num_top=num_top, token_ids=body.return_token_ids
             )
-            return self._events(handles, header, num_prompt_tokens, n, body, choice)
+            return self._events(handles, header, prompts, n, body, choice)
         try:
             outputs = [await self._wait(handle, request) for handle in handles]
         except BaseException:  # a failed or cancelled wait leaves none of them running
@@ -251,7 +250,7 @@ class OpenAIServing:
         if body.stream:
             header["object"] = "chat.completion.chunk"
             choice = functools.partial(self._chat_choice, tools=tools, num_top=num_top, token_ids=body.return_token_ids)
-            return self._events([handle], header, len(prompt_ids), params.n, body, choice)
+            return self._events([handle], header, [prompt_ids], params.n, body, choice)
         output = await self._wait(handle, request)
         choices = []
         for sample in output.outputs:
@@ -488,16 +487,20 @@ class OpenAIServing:
         self,
         handles: list[RequestHandle],
         header: dict[str, Any],
-        num_prompt_tokens: int,
+        prompts: list[list[int]],
         n: int,
         body: SamplingFields,
         choice: Callable[[int, StreamDelta, bool, _Pending], dict[str, Any]],
     ) -> AsyncIterator[str]:
-        """OpenAI's server-sent events for the requests of one body (one per prompt, their deltas as they come),
-        ending with `data: [DONE]`. The chunk that finishes the last choice carries the usage; with
-        stream_options.include_usage a last chunk without choices carries it too, as OpenAI sends it. A chunk's
+        """OpenAI's server-sent events for the requests of one body (one per prompt, of token ids `prompts`, their
+        deltas as they come), ending with `data: [DONE]`. The chunk that finishes the last choice carries the usage;
+        with stream_options.include_usage a last chunk without choices carries it too, as OpenAI sends it. A chunk's
         logprobs are those of the tokens since the choice's last chunk (a token whose text is held back waits
-        for the chunk that shows it). Closing or cancelling the stream (the client went away) aborts them all."""
+        for the chunk that shows it). With return_token_ids, the prompt's token ids come in the first chunk, as vLLM
+        sends them: a chat's beside its choices, a completion's in each prompt's first choice. Closing or cancelling
+        the stream (the client went away) aborts them all."""
+        num_prompt_tokens = sum(map(len, prompts))
+        chat = header["object"] == "chat.completion.chunk"
         num_completion_tokens, num_finished = 0, 0
         pending: dict[tuple[int, int], _Pending] = {}
         finished = False
@@ -519,6 +522,11 @@ class OpenAIServing:
                 if not (delta.text or delta.finish_reason or first):
                     continue
                 chunk = {**header, "choices": [choice(prompt_index, delta, first, held)]}
+                if body.return_token_ids and first:
+                    if not chat:
+                        chunk["choices"][0]["prompt_token_ids"] = prompts[prompt_index]
+                    elif len(pending) == 1:
+                        chunk["prompt_token_ids"] = prompts[0]
                 if num_finished == n * len(handles):
                     chunk["usage"] = usage(num_prompt_tokens, num_completion_tokens)
                 yield _event(chunk)
