@@ -346,6 +346,107 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     assert 'hybridkv_request_finished_total{finish_reason="abort"}' in httpx.get(server.url + "/metrics").text
 
 
+def engine_ids(server, monkeypatch):
+    """The request ids the server's engine is given, in order, from now to the end of the test."""
+    submit, given = server.engine.submit, []
+
+    def recorded(prompt, params, request_id, lora_request=None):
+        given.append(request_id)
+        return submit(prompt, params, request_id, lora_request)
+
+    monkeypatch.setattr(server.engine, "submit", recorded)
+    return given
+
+
+def sse_payloads(lines):
+    return [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]
+
+
+def test_x_request_id_names_the_engine_request_and_comes_back_streamed_or_not(server, client, monkeypatch):
+    """vLLM's request-id headers: the client's X-Request-Id is the request's id (the engine's, the response's `id`)
+    and comes back as the response's X-Request-Id; a body's request_id comes first; with neither, the server's own
+    id comes back."""
+    given = engine_ids(server, monkeypatch)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="The quick", max_tokens=4, extra_headers={"X-Request-Id": "client-1"}
+    )
+    assert (raw.headers["x-request-id"], raw.parse().id, given) == ("client-1", "client-1", ["client-1"])
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "client-2"}
+    ) as response:
+        chunks = sse_payloads(response.iter_lines())
+    assert response.headers["x-request-id"] == "client-2" and given[-1] == "client-2"
+    assert {chunk["id"] for chunk in chunks} == {"client-2"}
+    named = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The quick", "max_tokens": 4, "request_id": "body-3"},
+        headers={"X-Request-Id": "client-3"},
+    )
+    assert (named.headers["x-request-id"], named.json()["id"], given[-1]) == ("body-3", "body-3", "body-3")
+    own = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert own.headers["x-request-id"] == own.parse().id == given[-1] and given[-1].startswith("chatcmpl-")
+    refused = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The quick", "temperature": -1},
+        headers={"X-Request-Id": "client-4"},
+    )
+    assert (refused.status_code, refused.headers["x-request-id"]) == (400, "client-4")
+
+
+def test_a_request_id_that_cannot_be_a_header_is_the_responses_id_only(server):
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2, "request_id": "two\nlines"}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS)
+    assert response.json()["id"] == "two\nlines" and "x-request-id" not in response.headers
+
+
+def test_a_prompt_list_runs_as_the_request_id_and_its_numbered_variants(server, client, monkeypatch):
+    given = engine_ids(server, monkeypatch)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=["The quick", "Once upon"], max_tokens=4, extra_headers={"X-Request-Id": "pair"}
+    )
+    assert (raw.headers["x-request-id"], raw.parse().id, given) == ("pair", "pair", ["pair", "pair-1"])
+
+
+def test_two_requests_in_flight_with_one_x_request_id_each_get_their_own_answer(server, client, offline, monkeypatch):
+    """A client's retry, or two clients behind a router, may send the same X-Request-Id while the first request
+    runs: the second runs under a suffixed engine id, both answers are their own prompts', and both come back
+    named as the client named them; once they end, the id is free again."""
+    given = engine_ids(server, monkeypatch)
+    execute = server.engine.llm.core.runner.execute
+
+    def slow(*args, **kwargs):  # the first request's 40 steps take a second at least: the second comes meanwhile
+        time.sleep(0.025)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.llm.core.runner, "execute", slow)
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected_long = offline.generate("Once upon", long_params, use_tqdm=False)[0].outputs[0].text
+    expected_short = offline.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].text
+    header = {"X-Request-Id": "same"}
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=header
+    ) as streamed:
+        lines = streamed.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the first request is in flight
+        other = client.completions.with_raw_response.create(
+            model=MODEL, prompt="The quick", max_tokens=8, temperature=0, extra_headers=header
+        )
+        chunks = sse_payloads([first, *lines])
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]) == expected_long
+    assert (other.parse().choices[0].text, other.parse().id, other.headers["x-request-id"]) == (
+        expected_short,
+        "same",
+        "same",
+    )
+    assert streamed.headers["x-request-id"] == "same" and {chunk["id"] for chunk in chunks} == {"same"}
+    assert given[0] == "same" and re.fullmatch(r"same-[0-9a-f]{8}", given[1])
+    wait_until_idle(server)
+    client.completions.create(model=MODEL, prompt="The quick", max_tokens=2, extra_headers=header)
+    assert given[2] == "same"
+
+
 BAD_REQUESTS = [
     pytest.param(
         {"temperature": -1},

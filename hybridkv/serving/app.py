@@ -7,6 +7,9 @@ text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
 a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the
 schema does not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
+A completion's or chat's id is the body's `request_id`, else the client's `X-Request-Id` header, else the server's
+own; the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as vLLM's
+--enable-request-id-headers does (hybridkv/serving/request_ids.py: two requests in flight may share one).
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
 time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 """
@@ -34,6 +37,7 @@ from hybridkv.serving.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
 )
+from hybridkv.serving.request_ids import chosen_request_id, id_headers
 
 if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
@@ -75,7 +79,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def refused(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=_named(request))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -85,7 +89,7 @@ def build_app(
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         message = f"the server failed: {type(error).__name__}: {error}"
-        return JSONResponse(error_body(message, "server_error"), status_code=500)
+        return JSONResponse(error_body(message, "server_error"), status_code=500, headers=_named(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -108,12 +112,14 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         serving.accept_fields(body, request.url.path)
-        return _respond(await serving.completion(body, request))
+        request_id = _name(request, body.request_id, "cmpl")
+        return _respond(await serving.completion(body, request, request_id), request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         serving.accept_fields(body, request.url.path)
-        return _respond(await serving.chat(body, request))
+        request_id = _name(request, body.request_id, "chatcmpl")
+        return _respond(await serving.chat(body, request, request_id), request_id)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
@@ -139,10 +145,24 @@ def build_app(
     return app
 
 
-def _respond(result: Any) -> Any:
+def _name(request: Request, body_id: str | None, prefix: str) -> str:
+    """The request's id (hybridkv/serving/request_ids.py), kept on the request for the X-Request-Id of a refusal."""
+    request.state.request_id = chosen_request_id(body_id, request.headers, prefix)
+    return request.state.request_id
+
+
+def _named(request: Request) -> dict[str, str]:
+    """The X-Request-Id header of a refused request that was named before the refusal."""
+    request_id = getattr(request.state, "request_id", None)
+    return {} if request_id is None else id_headers(request_id)
+
+
+def _respond(result: Any, request_id: str) -> Any:
+    headers = id_headers(request_id)
     if isinstance(result, dict):
-        return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(result, headers=headers)
+    headers["Cache-Control"] = "no-cache"
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +40,9 @@ from hybridkv.serving.protocol import (
     error_body,
     now,
     prompt_logprobs_body,
-    request_id,
     usage,
 )
+from hybridkv.serving.request_ids import EngineIds
 from hybridkv.serving.served_models import ServedModels
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class OpenAIServing:
             template if isinstance(template, str) else None
         )
         self.metrics = ServerMetrics(engine.stats)
+        self.engine_ids = EngineIds()
         self._recorders: set[asyncio.Task[None]] = set()
 
     def accept_fields(self, body: OpenAIModel, route: str) -> None:
@@ -128,9 +129,12 @@ class OpenAIServing:
         """`/v1/unload_lora_adapter`: vLLM's success text (ServedModels.unload)."""
         return await self.served_models.unload(body.lora_name, body.lora_int_id)
 
-    async def completion(self, body: CompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
-        """`/v1/completions`: the response body, or the server-sent events of a stream. Several prompts run as
-        concurrent requests; prompt i's samples are choices i x n .. i x n + n - 1, as OpenAI numbers them."""
+    async def completion(
+        self, body: CompletionRequest, request: Request, request_id: str
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/completions`: the response body, or the server-sent events of a stream; `request_id` is the response's
+        `id` (hybridkv/serving/request_ids.py). Several prompts run as concurrent requests; prompt i's samples are
+        choices i x n .. i x n + n - 1, as OpenAI numbers them."""
         lora = self.served_models.resolve(body.model)
         echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's logprobs lead the choice's
         if echo_logprobs and body.stream:
@@ -146,8 +150,7 @@ class OpenAIServing:
         await self._compile_grammar(params[0])
         await self._read_adapter(lora)
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
-        handles = self._submit_all(prompts, params, "cmpl", body.request_id, lora)
-        request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
+        handles = self._submit_all(prompts, params, request_id, lora)
         model = self.model_name if lora is None else lora.lora_name
         header = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         n = params[0].n
@@ -190,28 +193,26 @@ class OpenAIServing:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _submit_all(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompts: list[list[int]], params: list[SamplingParams], request_id: str, lora: LoRARequest | None
     ) -> list[RequestHandle]:
-        """Submit every prompt, or none: a refusal aborts those submitted before it. A body's `request_id` names the
-        first request (vLLM's), the others `ID-1`, `ID-2`, ..."""
+        """Submit every prompt, or none: a refusal aborts those submitted before it. The first prompt's request is
+        named `request_id`, the others `ID-1`, `ID-2`, ... (each made unique by `_submit`)."""
         handles: list[RequestHandle] = []
         try:
             for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-                own = None if given_id is None else (given_id if index == 0 else f"{given_id}-{index}")
-                handles.append(self._submit(prompt_ids, prompt_params, prefix, own, lora))
+                wanted_id = request_id if index == 0 else f"{request_id}-{index}"
+                handles.append(self._submit(prompt_ids, prompt_params, wanted_id, lora))
         except BaseException:
             for handle in handles:
                 handle.abort()
             raise
         return handles
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
-        """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
+    async def chat(
+        self, body: ChatCompletionRequest, request: Request, request_id: str
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/chat/completions`: the response body, or the server-sent events of a stream; `request_id` is the
+        response's `id` (hybridkv/serving/request_ids.py)."""
         lora = self.served_models.resolve(body.model)
         tools = self._tool_plan(body)
         image_urls = [url for message in body.messages for url in message.image_urls()]
@@ -243,11 +244,11 @@ class OpenAIServing:
         await self._compile_grammar(params)
         await self._read_adapter(lora)
         if image_urls:  # the vision tower runs when the request is checked: off the event loop
-            handle = await self._submit_off_loop(prompt, params, "chatcmpl", body.request_id, lora)
+            handle = await self._submit_off_loop(prompt, params, request_id, lora)
         else:
-            handle = self._submit(prompt_ids, params, "chatcmpl", body.request_id, lora)
+            handle = self._submit(prompt_ids, params, request_id, lora)
         model = self.model_name if lora is None else lora.lora_name
-        header = {"id": handle.request_id, "object": "chat.completion", "created": now(), "model": model}
+        header = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         if body.stream:
             header["object"] = "chat.completion.chunk"
             choice = functools.partial(self._chat_choice, tools=tools, num_top=num_top, token_ids=body.return_token_ids)
@@ -428,45 +429,49 @@ class OpenAIServing:
             raise APIError(400, str(error), param="model") from error
 
     async def _submit_off_loop(
-        self,
-        prompt: dict[str, Any],
-        params: SamplingParams,
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompt: dict[str, Any], params: SamplingParams, wanted_id: str, lora: LoRARequest | None
     ) -> RequestHandle:
-        submit = functools.partial(self.engine.submit, prompt, params, given_id or request_id(prefix), lora)
-        try:
-            handle = await asyncio.to_thread(submit)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="messages") from error
+        """`_submit` of a prompt whose check takes long (a chat's images run the vision tower): in a worker thread."""
+        with self._engine_id(wanted_id, param="messages") as engine_id:
+            handle = await asyncio.to_thread(self.engine.submit, prompt, params, engine_id, lora)
         self._track(handle, lora)
         return handle
 
     def _submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompt_ids: list[int], params: SamplingParams, wanted_id: str, lora: LoRARequest | None
     ) -> RequestHandle:
-        try:
-            handle = self.engine.submit(prompt_ids, params, given_id or request_id(prefix), lora)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="prompt") from error
+        """Queue one request under `wanted_id`, or a unique variant of it while another request holds it."""
+        with self._engine_id(wanted_id, param="prompt") as engine_id:
+            handle = self.engine.submit(prompt_ids, params, engine_id, lora)
         self._track(handle, lora)
         return handle
 
+    @contextlib.contextmanager
+    def _engine_id(self, wanted_id: str, param: str) -> Iterator[str]:
+        """An engine id of `wanted_id` (EngineIds.claim) for the submit in the block, freed if that fails; the engine's
+        refusal (ValueError, TypeError) is a 400 naming `param`."""
+        engine_id = self.engine_ids.claim(wanted_id)
+        try:
+            yield engine_id
+        except BaseException as error:
+            self.engine_ids.release(engine_id)
+            if isinstance(error, ValueError | TypeError):
+                raise APIError(400, str(error), param=param) from error
+            raise
+
     def _track(self, handle: RequestHandle, lora: LoRARequest | None) -> None:
-        """Observe every request when it ends, however its handling ends (a stream closed early too)."""
+        """Observe every request when it ends, however its handling ends (a stream closed early too), and free its
+        engine id then."""
         recorder = asyncio.ensure_future(self._record(handle, None if lora is None else lora.lora_name))
         self._recorders.add(recorder)
         recorder.add_done_callback(self._recorders.discard)
 
     async def _record(self, handle: RequestHandle, adapter: str | None) -> None:
-        with contextlib.suppress(Exception):
-            self.metrics.record(await handle, adapter)
+        try:
+            with contextlib.suppress(Exception):
+                self.metrics.record(await handle, adapter)
+        finally:
+            self.engine_ids.release(handle.request_id)
 
     async def _wait(self, handle: RequestHandle, request: Request) -> RequestOutput:
         """The finished output; a client that disconnects first, or a cancelled task, aborts it."""
