@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.engine.chat import render_chat
+from hybridkv.engine.chat import ChatOptions, chat_prompt, render_chat
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer
@@ -247,6 +247,84 @@ def test_tokenize_and_detokenize_give_the_ids_the_server_runs(server, offline):
     ):
         response = post(server.url + path, json=payload)
         assert response.status_code in (400, 404) and message in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param("The quick brown fox", id="text"),
+        pytest.param(["The quick", "Once upon a time"], id="texts"),
+        pytest.param([5, 17, 42, 9], id="token-ids"),
+        pytest.param([[5, 17], [42, 9, 11]], id="lists-of-token-ids"),
+    ],
+)
+def test_a_completions_render_is_the_prompt_token_ids_the_completion_runs(server, prompt):
+    """vLLM's /v1/completions/render, which vllm-router asks for a prompt's tokens to route by: one item per prompt,
+    named as the completion's requests are, with the token ids the completion returns as prompt_token_ids."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS, headers={"X-Request-Id": "r-1"})
+    ran = post(server.url + "/v1/completions", json=body).json()
+    response = post(server.url + "/v1/completions/render", json=body)
+    rendered = response.json()
+    assert [item["token_ids"] for item in rendered] == [choice["prompt_token_ids"] for choice in ran["choices"]]
+    names = ["r-1", "r-1-1"][: len(rendered)]
+    assert [(item["request_id"], item["features"], item["model"]) for item in rendered] == [
+        (name, None, MODEL) for name in names
+    ]
+    assert response.headers["x-request-id"] == "r-1"
+
+
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "The fox"}]
+GREETING_TEMPLATE = "{{ greeting }}" + CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    ("change", "options"),
+    [
+        pytest.param({}, ChatOptions(), id="plain"),
+        pytest.param(
+            {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+            ChatOptions(add_generation_prompt=False, continue_final_message=True),
+            id="continue-final-message",
+        ),
+        pytest.param(
+            {"chat_template": GREETING_TEMPLATE, "chat_template_kwargs": {"greeting": "Hello there"}},
+            ChatOptions(GREETING_TEMPLATE, chat_template_kwargs={"greeting": "Hello there"}),
+            id="template-and-kwargs",
+        ),
+    ],
+)
+def test_a_chat_render_is_the_prompt_token_ids_the_chat_runs(server, offline, change, options):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "return_token_ids": True, **change}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran = post(server.url + "/v1/chat/completions", json=body).json()
+    rendered = post(server.url + "/v1/chat/completions/render", json=body).json()
+    _, expected = chat_prompt(offline.tokenizer, body["messages"], None, options)
+    assert rendered["token_ids"] == ran["prompt_token_ids"] == expected
+    assert rendered["features"] is None and rendered["request_id"].startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize(
+    ("change", "status"),
+    [
+        pytest.param({"model": "gpt-4"}, 404, id="unknown-model"),
+        pytest.param({"prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, id="prompt-too-long"),
+    ],
+)
+def test_a_render_refuses_the_prompt_the_completion_refuses_alike(server, change, status):
+    body = {"model": MODEL, "prompt": "The quick", **change}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran, rendered = (post(server.url + path, json=body) for path in ("/v1/completions", "/v1/completions/render"))
+    assert (rendered.status_code, rendered.json()) == (ran.status_code, ran.json()) and ran.status_code == status
+
+
+def test_a_chat_render_with_images_is_a_400_naming_why(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    body = {"model": MODEL, "messages": messages}
+    response = httpx.post(server.url + "/v1/chat/completions/render", json=body, timeout=DEADLINE_SECONDS)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("a chat with images is not rendered here")
 
 
 def test_several_prompts_in_one_completion_and_echo(server, client, offline):
@@ -826,6 +904,17 @@ def test_required_and_named_tool_choices_return_valid_calls_streamed_or_not(tool
             pieces = [c for chunk in chunks for choice_ in chunk.choices for c in choice_.delta.tool_calls or []]
             assert sum(1 for c in pieces if c.function.arguments) > 1 and pieces[0].function.name == "get_weather"
     wait_until_idle(server)
+
+
+def test_a_chat_render_with_tools_is_the_prompt_token_ids_the_chat_runs(tool_server):
+    handle, _ = tool_server
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "return_token_ids": True}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran = post(handle.url + "/v1/chat/completions", json=body).json()
+    rendered = post(handle.url + "/v1/chat/completions/render", json=body).json()
+    tokenizer = handle.engine.llm.tokenizer
+    assert rendered["token_ids"] == ran["prompt_token_ids"]
+    assert tokenizer.decode(rendered["token_ids"]).startswith("<tools>get_weather;get_time;</tools>")
 
 
 def test_auto_parses_the_templates_format_from_the_text(tool_server):

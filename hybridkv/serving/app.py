@@ -1,7 +1,9 @@
 """`build_app`: the FastAPI app of an OpenAI-compatible server over an `AsyncLLMEngine`.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
-server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
+server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), vLLM's
+`POST /v1/completions/render` and `POST /v1/chat/completions/render` (the token ids the endpoint would run, which
+vllm-router asks for to route by a prompt's cached prefix; a chat with images is a 400), `GET /health`,
 `GET /metrics` (Prometheus text), and vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain
 text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Every
 refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
@@ -120,6 +122,19 @@ def build_app(
         serving.accept_fields(body, request.url.path)
         request_id = _name(request, body.request_id, "chatcmpl")
         return _respond(await serving.chat(body, request, request_id), request_id)
+
+    # Plain functions, as /tokenize: a long prompt is tokenized in FastAPI's thread pool, never on the event loop.
+    @app.post("/v1/completions/render")
+    def render_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+        serving.accept_fields(body, request.url.path)
+        request_id = _name(request, body.request_id, "cmpl")
+        return JSONResponse(serving.render_completion(body, request_id), headers=id_headers(request_id))
+
+    @app.post("/v1/chat/completions/render")
+    def render_chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+        serving.accept_fields(body, request.url.path)
+        request_id = _name(request, body.request_id, "chatcmpl")
+        return JSONResponse(serving.render_chat(body, request_id), headers=id_headers(request_id))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:

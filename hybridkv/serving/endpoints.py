@@ -1,10 +1,10 @@
 """`OpenAIServing`: OpenAI's completion and chat endpoints over an `AsyncLLMEngine`, without the HTTP.
 
 A request's life: check the model name (the model's, or a LoRA adapter's: hybridkv/serving/served_models.py), make
-the prompt token ids (a chat through the tokenizer's template), refuse a prompt over max_model_len, build
-`SamplingParams` (its checks are the 400s), submit, then either await the whole output or turn its `StreamDelta`s
-into OpenAI's chunks. Whatever ends a
-request's handling early (a client gone, a cancelled task) aborts the request, so its blocks return.
+the prompt token ids (a chat through the tokenizer's template; vLLM's render endpoints answer with these), refuse a
+prompt over max_model_len, build `SamplingParams` (its checks are the 400s), submit, then either await the whole
+output or turn its `StreamDelta`s into OpenAI's chunks. Whatever ends a request's handling early (a client gone, a
+cancelled task) aborts the request, so its blocks return.
 """
 
 from __future__ import annotations
@@ -215,21 +215,9 @@ class OpenAIServing:
         response's `id` (hybridkv/serving/request_ids.py)."""
         lora = self.served_models.resolve(body.model)
         tools = self._tool_plan(body)
-        image_urls = [url for message in body.messages for url in message.image_urls()]
-        prompt: list[int] | dict[str, Any]
-        try:
-            options = ChatOptions(
-                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-            )
-            messages = [message.as_dict() for message in body.messages]
-            if image_urls:
-                prompt = await asyncio.to_thread(self._image_prompt, messages, image_urls, body.tools, options)
-                prompt_ids = prompt["prompt_token_ids"]
-            else:
-                _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools, options)
-                prompt = prompt_ids
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="messages") from error
+        # Off the event loop: the template, the tokenizer and an image's processing take long for a long chat.
+        prompt = await asyncio.to_thread(self._chat_prompt, body)
+        prompt_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # vLLM's: what fits, or less by the model's generation config
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
@@ -243,7 +231,7 @@ class OpenAIServing:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
         await self._read_adapter(lora)
-        if image_urls:  # the vision tower runs when the request is checked: off the event loop
+        if isinstance(prompt, dict):  # a chat with images: the vision tower runs when the request is checked
             handle = await self._submit_off_loop(prompt, params, request_id, lora)
         else:
             handle = self._submit(prompt_ids, params, request_id, lora)
@@ -273,6 +261,23 @@ class OpenAIServing:
         if body.return_token_ids:
             response["prompt_token_ids"] = output.prompt_token_ids
         return response
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int] | dict[str, Any]:
+        """The prompt a chat runs (in a worker thread: this is slow for a long chat): the token ids of its messages
+        rendered by the chat template with the body's template settings and tools, or for a chat with images the
+        processor's dict prompt (`prompt_token_ids` and the image tensors). A chat that cannot be rendered is a 400.
+        The chat endpoint and its render both take their tokens from here, so they cannot differ."""
+        image_urls = [url for message in body.messages for url in message.image_urls()]
+        try:
+            options = ChatOptions(
+                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )
+            messages = [message.as_dict() for message in body.messages]
+            if image_urls:
+                return self._image_prompt(messages, image_urls, body.tools, options)
+            return chat_prompt(self.tokenizer, messages, body.tools, options)[1]
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="messages") from error
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the body's tools and tool_choice ask of the output (400s for what cannot be done)."""
@@ -342,6 +347,37 @@ class OpenAIServing:
             answer["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
         return answer
 
+    def render_completion(self, body: CompletionRequest, request_id: str) -> list[dict[str, Any]]:
+        """`/v1/completions/render` (vLLM's, which vllm-router asks for a prompt's tokens to route by): per prompt, the
+        token ids /v1/completions runs for this body, in vLLM's `GenerateRequest` fields (rendered_request); a prompt
+        the endpoint would refuse is refused alike."""
+        self.served_models.resolve(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        for prompt_ids in prompts:
+            self._check_length(prompt_ids, "prompt")
+        return [
+            rendered_request(request_id if index == 0 else f"{request_id}-{index}", prompt_ids, body.model)
+            for index, prompt_ids in enumerate(prompts)
+        ]
+
+    def render_chat(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+        """`/v1/chat/completions/render` (vLLM's): the token ids /v1/chat/completions runs for this chat, in vLLM's
+        `GenerateRequest` fields. A chat with images is a 400: its image tokens are the processor's expansion,
+        which vLLM's render describes with multimodal `features` this server does not make (vllm-router asks for no
+        such render; it routes such a chat without its tokens)."""
+        self.served_models.resolve(body.model)
+        if any(message.image_urls() for message in body.messages):
+            raise APIError(
+                400,
+                "a chat with images is not rendered here (its image tokens are made when it runs); "
+                "send it to /v1/chat/completions",
+                param="messages",
+            )
+        prompt_ids = self._chat_prompt(body)
+        assert isinstance(prompt_ids, list)  # a chat without images is token ids
+        self._check_length(prompt_ids, "messages")
+        return rendered_request(request_id, prompt_ids, body.model)
+
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """`/detokenize`: the text of token ids (ids outside the vocabulary are a 400)."""
         self.served_models.resolve(body.model)
@@ -378,17 +414,20 @@ class OpenAIServing:
     def _params(
         self, body: SamplingFields, prompt_ids: list[int], max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        self._check_length(prompt_ids, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        try:
+            return body.sampling_params(max_tokens, logprobs, self.engine.llm.default_sampling)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param=_setting_named(str(error))) from error
+
+    def _check_length(self, prompt_ids: list[int], param: str) -> None:
         if len(prompt_ids) > self.max_model_len:
             raise APIError(
                 400,
                 f"prompt has {len(prompt_ids):,} tokens but max_model_len is {self.max_model_len:,}; "
                 "shorten the prompt (or serve with a larger --max-model-len)",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                param=param,
             )
-        try:
-            return body.sampling_params(max_tokens, logprobs, self.engine.llm.default_sampling)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param=_setting_named(str(error))) from error
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """A constrained request's grammar, compiled off the event loop (the first one also builds the grammar
@@ -723,6 +762,13 @@ def _marker_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def rendered_request(request_id: str, token_ids: list[int], model: str | None) -> dict[str, Any]:
+    """A render's answer for one prompt: vLLM's `GenerateRequest` fields that name the prompt (vllm-router reads
+    `token_ids`, and refuses an item whose `features`, vLLM's multimodal data, is not null). The request's sampling
+    settings are not included: this server runs no `GenerateRequest` (vLLM's /inference/v1/generate)."""
+    return {"request_id": request_id, "token_ids": token_ids, "features": None, "model": model}
 
 
 def _event(payload: dict[str, Any]) -> str:
