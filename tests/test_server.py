@@ -249,6 +249,15 @@ def test_tokenize_and_detokenize_give_the_ids_the_server_runs(server, offline):
         assert response.status_code in (400, 404) and message in response.json()["error"]["message"]
 
 
+def test_get_server_info_names_the_model_the_block_size_and_the_instance(server, checkpoint):
+    """What vllm-router's kv_aware discovery reads (model_id, kv_block_size, instance_id), and SGLang's model info."""
+    info = httpx.get(server.url + "/get_server_info", timeout=DEADLINE_SECONDS).json()
+    assert re.fullmatch(r"[0-9a-f]{32}", info.pop("instance_id"))
+    assert info == {"model_id": MODEL, "model_path": MODEL, "kv_block_size": SETTINGS["block_size"]}
+    model_info = httpx.get(server.url + "/get_model_info", timeout=DEADLINE_SECONDS).json()
+    assert model_info == {"model_path": MODEL, "tokenizer_path": str(checkpoint), "is_generation": True}
+
+
 @pytest.mark.parametrize(
     "prompt",
     [

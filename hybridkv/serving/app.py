@@ -1,17 +1,21 @@
 """`build_app`: the FastAPI app of an OpenAI-compatible server over an `AsyncLLMEngine`.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
-server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), vLLM's
-`POST /v1/completions/render` and `POST /v1/chat/completions/render` (the token ids the endpoint would run, which
-vllm-router asks for to route by a prompt's cached prefix; a chat with images is a 400), `GET /health`,
-`GET /metrics` (Prometheus text), and vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain
-text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Every
-refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
-a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the
-schema does not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
-A completion's or chat's id is the body's `request_id`, else the client's `X-Request-Id` header, else the server's
-own; the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as vLLM's
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives server-sent
+events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text), and vLLM's routes:
+`POST /tokenize` and `POST /detokenize`; `POST /v1/completions/render` and `POST /v1/chat/completions/render` (the
+token ids the endpoint would run, which vllm-router asks for to route by a prompt's cached prefix; a chat with images
+is a 400); `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain text answers; enable_lora is all
+they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). And SGLang's `GET /get_server_info` (the
+KV cache's block size and this instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`.
+
+Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status: a body that
+is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the schema does
+not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
+
+A completion's or chat's id (a render's too) is the body's `request_id`, else the client's `X-Request-Id` header, else
+the server's own; the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as vLLM's
 --enable-request-id-headers does (hybridkv/serving/request_ids.py: two requests in flight may share one).
+
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
 time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 """
@@ -106,6 +110,15 @@ def build_app(
     @app.get("/metrics")
     def metrics() -> Response:
         return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    # A plain function, as /metrics: it waits for the engine's stats.
+    @app.get("/get_server_info")
+    def server_info() -> dict[str, Any]:
+        return serving.server_info()
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return serving.model_info()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,8 @@ DISCONNECT_POLL_SECONDS = 0.5
 # Distinct sets of ignored fields warned about (each once); later new sets are logged at debug level only, so
 # that bodies made up by clients cannot grow the server's memory.
 MAX_IGNORED_FIELD_WARNINGS = 64
+# This process's name in /get_server_info: a router that indexes its workers' caches tells them apart by it.
+INSTANCE_ID = uuid.uuid4().hex
 
 logger = logging.getLogger("hybridkv")
 
@@ -120,6 +123,23 @@ class OpenAIServing:
     def models(self) -> dict[str, Any]:
         """`/v1/models`: the model, then each LoRA adapter served with it."""
         return {"object": "list", "data": self.served_models.cards()}
+
+    def server_info(self) -> dict[str, Any]:
+        """`/get_server_info` (SGLang's), what vllm-router's kv_aware discovery reads (its `ServerInfo`): the served
+        model's name as model_id and model_path, the KV cache's block size in tokens and this process's instance id.
+        Waits for the engine thread (its stats): call it off the event loop."""
+        return {
+            "model_id": self.model_name,
+            "model_path": self.model_name,
+            "instance_id": INSTANCE_ID,
+            "kv_block_size": self.engine.stats()["block_size"],
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        """`/get_model_info` (SGLang's, which routers may ask): the served model, where its tokenizer was read from,
+        and that it generates text."""
+        tokenizer_path = getattr(self.tokenizer, "name_or_path", None) or None
+        return {"model_path": self.model_name, "tokenizer_path": tokenizer_path, "is_generation": True}
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         """`/v1/load_lora_adapter`: vLLM's success text (ServedModels.load)."""
