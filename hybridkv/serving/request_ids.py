@@ -4,7 +4,7 @@ A completion's or chat's id is the body's `request_id` (vLLM's field), else the 
 vllm-router forwards), else a new `cmpl-<hex>` / `chatcmpl-<hex>`. The response's `id` and its `X-Request-Id` header
 are that id. Clients retry with the same header and routers pass it on, so two requests in flight may name one id,
 while the engine refuses a request whose id a running one holds: `EngineIds` gives the first the id itself as its
-engine id (what logs and metrics show) and a later one the id with a random suffix, as vLLM suffixes its internal ids.
+engine id and a later one the id with a random suffix, as vLLM suffixes its internal ids.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ _HEADER_VALUE = re.compile(r"[!-~]+(?: [!-~]+)*")
 
 
 def new_request_id(prefix: str) -> str:
+    """A server-made id: `prefix-<32 hex digits>`."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
@@ -51,6 +52,3 @@ class EngineIds:
     def release(self, engine_id: str) -> None:
         """Free an id whose request has ended (or was never queued)."""
         self._in_flight.discard(engine_id)
-
-    def __len__(self) -> int:
-        return len(self._in_flight)
