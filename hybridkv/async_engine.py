@@ -7,9 +7,10 @@ it in the thread's inbox; results come back through a `RequestHandle`: a future 
 the request's `StreamDelta`s (`async for delta in handle.deltas()`) and its cumulative `RequestOutput`s
 (`async for output in handle.outputs()`, what vLLM's `AsyncLLM.generate` yields: `engine.generate` is that).
 Abandoning a stream (closing it, cancelling its task, dropping it) or `handle.abort()` aborts the request and
-returns its blocks. A
-failing step fails only its requests (the engine's rule); an unexpected error in the loop fails the
-requests in flight and the loop keeps serving. `shutdown()` aborts what runs and stops the thread.
+returns its blocks; a handle aborts only its own request, never another that holds the same id (a refused
+duplicate, or a later request that took a finished one's id). A failing step fails only its requests (the
+engine's rule); an unexpected error in the loop fails the requests in flight and the loop keeps serving.
+`shutdown()` aborts what runs and stops the thread.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class RequestHandle:
         return asyncio.wrap_future(self._future).__await__()
 
     def abort(self) -> None:
-        """Stop the request; its blocks return to the pool (thread-safe; nothing if it already finished)."""
-        self._engine._post(("abort", self.request_id))
+        """Stop this handle's request; its blocks return to the pool (thread-safe). Nothing if it already finished or
+        was refused: a request that took its id since, or holds it still (a refused duplicate's), runs on."""
+        self._engine._post(("abort", self))
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         """Each sample's new tokens and text as the engine produces them, until the request ends. Leaving
@@ -288,7 +290,7 @@ class AsyncLLMEngine:
             if kind == "add":
                 self._add(*message[1:])
             elif kind == "abort":
-                self._deliver(self.llm.abort(message[1]))
+                self._abort(message[1])
             else:
                 self._call(*message[1:])
 
@@ -304,6 +306,14 @@ class AsyncLLMEngine:
             return
         handle.state = self.llm.outputs.states[request_id]
         self._handles[request_id] = handle
+
+    def _abort(self, target: str | RequestHandle) -> None:
+        """Abort a request by its id, or a handle's own request: one that is still the running holder of its id."""
+        if isinstance(target, RequestHandle):
+            if self._handles.get(target.request_id) is not target:
+                return
+            target = target.request_id
+        self._deliver(self.llm.abort(target))
 
     def _call(self, function: Callable[[], Any], future: concurrent.futures.Future) -> None:
         try:

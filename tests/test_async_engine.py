@@ -133,6 +133,31 @@ def test_bad_input_raises_in_the_callers_thread_and_queues_nothing(gemma3, serve
     assert served.submit(batch[0], GREEDY).result(60).outputs[0].token_ids == expected[0]
 
 
+def test_a_refused_duplicates_abort_leaves_the_request_holding_the_id_running(gemma3, served, monkeypatch):
+    """A second request with a running one's id is refused; aborting its handle (what a server does when the refusal
+    reaches it) must not abort the first, which owns the id."""
+    _, batch, _ = gemma3
+    slow_steps(served, monkeypatch)
+    first = served.submit(batch[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "shared")
+    duplicate = served.submit(batch[1], GREEDY, "shared")
+    with pytest.raises(ValueError, match="request id 'shared' is already in use"):
+        duplicate.result(60)
+    duplicate.abort()
+    output = first.result(60)
+    assert (output.outputs[0].finish_reason, len(output.outputs[0].token_ids)) == ("length", 40)
+
+
+def test_a_finished_handles_abort_leaves_a_later_request_with_its_id_running(gemma3, served, monkeypatch):
+    _, batch, expected = gemma3
+    earlier = served.submit(batch[0], GREEDY, "reused")
+    assert earlier.result(60).outputs[0].token_ids == expected[0]
+    slow_steps(served, monkeypatch)
+    later = served.submit(batch[1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "reused")
+    earlier.abort()
+    output = later.result(60)
+    assert (output.outputs[0].finish_reason, len(output.outputs[0].token_ids)) == ("length", 40)
+
+
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(gemma3, served, monkeypatch):
     _, batch, expected = gemma3
     execute = served.llm.core.runner.execute

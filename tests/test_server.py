@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
-from hybridkv.engine.chat import render_chat
+from hybridkv.engine.chat import ChatOptions, chat_prompt, render_chat
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer
@@ -249,6 +249,93 @@ def test_tokenize_and_detokenize_give_the_ids_the_server_runs(server, offline):
         assert response.status_code in (400, 404) and message in response.json()["error"]["message"]
 
 
+def test_get_server_info_names_the_model_the_block_size_and_the_instance(server, checkpoint):
+    """What vllm-router's kv_aware discovery reads (model_id, kv_block_size, instance_id), and SGLang's model info."""
+    info = httpx.get(server.url + "/get_server_info", timeout=DEADLINE_SECONDS).json()
+    assert re.fullmatch(r"[0-9a-f]{32}", info.pop("instance_id"))
+    assert info == {"model_id": MODEL, "model_path": MODEL, "kv_block_size": SETTINGS["block_size"]}
+    model_info = httpx.get(server.url + "/get_model_info", timeout=DEADLINE_SECONDS).json()
+    assert model_info == {"model_path": MODEL, "tokenizer_path": str(checkpoint), "is_generation": True}
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param("The quick brown fox", id="text"),
+        pytest.param(["The quick", "Once upon a time"], id="texts"),
+        pytest.param([5, 17, 42, 9], id="token-ids"),
+        pytest.param([[5, 17], [42, 9, 11]], id="lists-of-token-ids"),
+    ],
+)
+def test_a_completions_render_is_the_prompt_token_ids_the_completion_runs(server, prompt):
+    """vLLM's /v1/completions/render, which vllm-router asks for a prompt's tokens to route by: one item per prompt,
+    named as the completion's requests are, with the token ids the completion returns as prompt_token_ids."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS, headers={"X-Request-Id": "r-1"})
+    ran = post(server.url + "/v1/completions", json=body).json()
+    response = post(server.url + "/v1/completions/render", json=body)
+    rendered = response.json()
+    assert [item["token_ids"] for item in rendered] == [choice["prompt_token_ids"] for choice in ran["choices"]]
+    names = ["r-1", "r-1-1"][: len(rendered)]
+    assert [(item["request_id"], item["features"], item["model"]) for item in rendered] == [
+        (name, None, MODEL) for name in names
+    ]
+    assert response.headers["x-request-id"] == "r-1"
+
+
+CONTINUED = [*MESSAGES, {"role": "assistant", "content": "The fox"}]
+GREETING_TEMPLATE = "{{ greeting }}" + CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    ("change", "options"),
+    [
+        pytest.param({}, ChatOptions(), id="plain"),
+        pytest.param(
+            {"messages": CONTINUED, "add_generation_prompt": False, "continue_final_message": True},
+            ChatOptions(add_generation_prompt=False, continue_final_message=True),
+            id="continue-final-message",
+        ),
+        pytest.param(
+            {"chat_template": GREETING_TEMPLATE, "chat_template_kwargs": {"greeting": "Hello there"}},
+            ChatOptions(GREETING_TEMPLATE, chat_template_kwargs={"greeting": "Hello there"}),
+            id="template-and-kwargs",
+        ),
+    ],
+)
+def test_a_chat_render_is_the_prompt_token_ids_the_chat_runs(server, offline, change, options):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, "return_token_ids": True, **change}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran = post(server.url + "/v1/chat/completions", json=body).json()
+    rendered = post(server.url + "/v1/chat/completions/render", json=body).json()
+    _, expected = chat_prompt(offline.tokenizer, body["messages"], None, options)
+    assert rendered["token_ids"] == ran["prompt_token_ids"] == expected
+    assert rendered["features"] is None and rendered["request_id"].startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize(
+    ("change", "status"),
+    [
+        pytest.param({"model": "gpt-4"}, 404, id="unknown-model"),
+        pytest.param({"prompt": [5] * (MAX_MODEL_LEN + 1)}, 400, id="prompt-too-long"),
+    ],
+)
+def test_a_render_refuses_the_prompt_the_completion_refuses_alike(server, change, status):
+    body = {"model": MODEL, "prompt": "The quick", **change}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran, rendered = (post(server.url + path, json=body) for path in ("/v1/completions", "/v1/completions/render"))
+    assert (rendered.status_code, rendered.json()) == (ran.status_code, ran.json()) and ran.status_code == status
+
+
+def test_a_chat_render_with_images_is_a_400_naming_why(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+    body = {"model": MODEL, "messages": messages}
+    response = httpx.post(server.url + "/v1/chat/completions/render", json=body, timeout=DEADLINE_SECONDS)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("a chat with images is not rendered here")
+
+
 def test_several_prompts_in_one_completion_and_echo(server, client, offline):
     """A list of prompts (text or token ids) runs them concurrently: prompt i's samples are choices i x n ..,
     streamed or not; echo puts the prompt before each choice's text, and with logprobs its tokens' logprobs."""
@@ -344,6 +431,107 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(server):
     stats = wait_until_idle(server)
     assert stats["blocks_in_use"] == 0
     assert 'hybridkv_request_finished_total{finish_reason="abort"}' in httpx.get(server.url + "/metrics").text
+
+
+def engine_ids(server, monkeypatch):
+    """The request ids the server's engine is given, in order, from now to the end of the test."""
+    submit, given = server.engine.submit, []
+
+    def recorded(prompt, params, request_id, lora_request=None):
+        given.append(request_id)
+        return submit(prompt, params, request_id, lora_request)
+
+    monkeypatch.setattr(server.engine, "submit", recorded)
+    return given
+
+
+def sse_payloads(lines):
+    return [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: {")]
+
+
+def test_x_request_id_names_the_engine_request_and_comes_back_streamed_or_not(server, client, monkeypatch):
+    """vLLM's request-id headers: the client's X-Request-Id is the request's id (the engine's, the response's `id`)
+    and comes back as the response's X-Request-Id; a body's request_id comes first; with neither, the server's own
+    id comes back."""
+    given = engine_ids(server, monkeypatch)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="The quick", max_tokens=4, extra_headers={"X-Request-Id": "client-1"}
+    )
+    assert (raw.headers["x-request-id"], raw.parse().id, given) == ("client-1", "client-1", ["client-1"])
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "client-2"}
+    ) as response:
+        chunks = sse_payloads(response.iter_lines())
+    assert response.headers["x-request-id"] == "client-2" and given[-1] == "client-2"
+    assert {chunk["id"] for chunk in chunks} == {"client-2"}
+    named = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The quick", "max_tokens": 4, "request_id": "body-3"},
+        headers={"X-Request-Id": "client-3"},
+    )
+    assert (named.headers["x-request-id"], named.json()["id"], given[-1]) == ("body-3", "body-3", "body-3")
+    own = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert own.headers["x-request-id"] == own.parse().id == given[-1] and given[-1].startswith("chatcmpl-")
+    refused = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The quick", "temperature": -1},
+        headers={"X-Request-Id": "client-4"},
+    )
+    assert (refused.status_code, refused.headers["x-request-id"]) == (400, "client-4")
+
+
+def test_a_request_id_that_cannot_be_a_header_is_the_responses_id_only(server):
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 2, "request_id": "two\nlines"}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS)
+    assert response.json()["id"] == "two\nlines" and "x-request-id" not in response.headers
+
+
+def test_a_prompt_list_runs_as_the_request_id_and_its_numbered_variants(server, client, monkeypatch):
+    given = engine_ids(server, monkeypatch)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=["The quick", "Once upon"], max_tokens=4, extra_headers={"X-Request-Id": "pair"}
+    )
+    assert (raw.headers["x-request-id"], raw.parse().id, given) == ("pair", "pair", ["pair", "pair-1"])
+
+
+def test_two_requests_in_flight_with_one_x_request_id_each_get_their_own_answer(server, client, offline, monkeypatch):
+    """A client's retry, or two clients behind a router, may send the same X-Request-Id while the first request
+    runs: the second runs under a suffixed engine id, both answers are their own prompts', and both come back
+    named as the client named them; once they end, the id is free again."""
+    given = engine_ids(server, monkeypatch)
+    execute = server.engine.llm.core.runner.execute
+
+    def slow(*args, **kwargs):  # the first request's 40 steps take a second at least: the second comes meanwhile
+        time.sleep(0.025)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.llm.core.runner, "execute", slow)
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected_long = offline.generate("Once upon", long_params, use_tqdm=False)[0].outputs[0].text
+    expected_short = offline.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].text
+    header = {"X-Request-Id": "same"}
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=header
+    ) as streamed:
+        lines = streamed.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the first request is in flight
+        other = client.completions.with_raw_response.create(
+            model=MODEL, prompt="The quick", max_tokens=8, temperature=0, extra_headers=header
+        )
+        chunks = sse_payloads([first, *lines])
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]) == expected_long
+    assert (other.parse().choices[0].text, other.parse().id, other.headers["x-request-id"]) == (
+        expected_short,
+        "same",
+        "same",
+    )
+    assert streamed.headers["x-request-id"] == "same" and {chunk["id"] for chunk in chunks} == {"same"}
+    assert given[0] == "same" and re.fullmatch(r"same-[0-9a-f]{8}", given[1])
+    wait_until_idle(server)
+    client.completions.create(model=MODEL, prompt="The quick", max_tokens=2, extra_headers=header)
+    assert given[2] == "same"
 
 
 BAD_REQUESTS = [
@@ -725,6 +913,17 @@ def test_required_and_named_tool_choices_return_valid_calls_streamed_or_not(tool
             pieces = [c for chunk in chunks for choice_ in chunk.choices for c in choice_.delta.tool_calls or []]
             assert sum(1 for c in pieces if c.function.arguments) > 1 and pieces[0].function.name == "get_weather"
     wait_until_idle(server)
+
+
+def test_a_chat_render_with_tools_is_the_prompt_token_ids_the_chat_runs(tool_server):
+    handle, _ = tool_server
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1, "return_token_ids": True}
+    post = functools.partial(httpx.post, timeout=DEADLINE_SECONDS)
+    ran = post(handle.url + "/v1/chat/completions", json=body).json()
+    rendered = post(handle.url + "/v1/chat/completions/render", json=body).json()
+    tokenizer = handle.engine.llm.tokenizer
+    assert rendered["token_ids"] == ran["prompt_token_ids"]
+    assert tokenizer.decode(rendered["token_ids"]).startswith("<tools>get_weather;get_time;</tools>")
 
 
 def test_auto_parses_the_templates_format_from_the_text(tool_server):

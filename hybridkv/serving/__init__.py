@@ -1,9 +1,9 @@
 """Serving: the command line and the OpenAI-compatible server (the `serve` extra: FastAPI and uvicorn).
 
-`cli.py` the `hybridkv` command, `tool_calls.py` tool-call parsers, `protocol.py` the request and response
-bodies, `served_models.py` the model names served (the model's and its LoRA adapters'), `endpoints.py` the
-endpoints' logic over an `AsyncLLMEngine`, `images.py` image inputs, `metrics.py` the Prometheus text, `app.py`
-the FastAPI app, `launcher.py` `serve`.
+`cli.py` the `hybridkv` command, `tool_calls.py` tool-call parsers, `protocol.py` the request and response bodies,
+`request_ids.py` requests' ids (the client's X-Request-Id; unique engine ids), `served_models.py` the model names
+served (the model's and its LoRA adapters'), `endpoints.py` the endpoints' logic over an `AsyncLLMEngine`,
+`images.py` image inputs, `metrics.py` the Prometheus text, `app.py` the FastAPI app, `launcher.py` `serve`.
 
 Imports: every layer below it. FastAPI is imported with `app.py` and `launcher.py` only, so the command line
 runs without the extra.

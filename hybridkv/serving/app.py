@@ -1,12 +1,21 @@
 """`build_app`: the FastAPI app of an OpenAI-compatible server over an `AsyncLLMEngine`.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives
-server-sent events ending with `data: [DONE]`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /health`,
-`GET /metrics` (Prometheus text), and vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain
-text answers; enable_lora is all they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Every
-refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status:
-a body that is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the
-schema does not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (`stream: true` gives server-sent
+events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus text), and vLLM's routes:
+`POST /tokenize` and `POST /detokenize`; `POST /v1/completions/render` and `POST /v1/chat/completions/render` (the
+token ids the endpoint would run, which vllm-router asks for to route by a prompt's cached prefix; a chat with images
+is a 400); `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain text answers; enable_lora is all
+they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). And SGLang's `GET /get_server_info` (the
+KV cache's block size and this instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`.
+
+Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status: a body that
+is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the schema does
+not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
+
+A completion's or chat's id (a render's too) is the body's `request_id`, else the client's `X-Request-Id` header, else
+the server's own; the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as vLLM's
+--enable-request-id-headers does (hybridkv/serving/request_ids.py: two requests in flight may share one).
+
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
 time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
 """
@@ -34,6 +43,7 @@ from hybridkv.serving.protocol import (
     UnloadLoRAAdapterRequest,
     error_body,
 )
+from hybridkv.serving.request_ids import chosen_request_id, id_headers
 
 if TYPE_CHECKING:
     from hybridkv.async_engine import AsyncLLMEngine
@@ -75,7 +85,7 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def refused(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=_named(request))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -85,7 +95,7 @@ def build_app(
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
         message = f"the server failed: {type(error).__name__}: {error}"
-        return JSONResponse(error_body(message, "server_error"), status_code=500)
+        return JSONResponse(error_body(message, "server_error"), status_code=500, headers=_named(request))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
@@ -101,6 +111,15 @@ def build_app(
     def metrics() -> Response:
         return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    # A plain function, as /metrics: it waits for the engine's stats.
+    @app.get("/get_server_info")
+    def server_info() -> dict[str, Any]:
+        return serving.server_info()
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return serving.model_info()
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return serving.models()
@@ -108,12 +127,27 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         serving.accept_fields(body, request.url.path)
-        return _respond(await serving.completion(body, request))
+        request_id = _name(request, body.request_id, "cmpl")
+        return _respond(await serving.completion(body, request, request_id), request_id)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         serving.accept_fields(body, request.url.path)
-        return _respond(await serving.chat(body, request))
+        request_id = _name(request, body.request_id, "chatcmpl")
+        return _respond(await serving.chat(body, request, request_id), request_id)
+
+    # Plain functions, as /tokenize: a long prompt is tokenized in FastAPI's thread pool, never on the event loop.
+    @app.post("/v1/completions/render")
+    def render_completion(body: CompletionRequest, request: Request) -> JSONResponse:
+        serving.accept_fields(body, request.url.path)
+        request_id = _name(request, body.request_id, "cmpl")
+        return JSONResponse(serving.render_completion(body, request_id), headers=id_headers(request_id))
+
+    @app.post("/v1/chat/completions/render")
+    def render_chat(body: ChatCompletionRequest, request: Request) -> JSONResponse:
+        serving.accept_fields(body, request.url.path)
+        request_id = _name(request, body.request_id, "chatcmpl")
+        return JSONResponse(serving.render_chat(body, request_id), headers=id_headers(request_id))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
@@ -139,10 +173,24 @@ def build_app(
     return app
 
 
-def _respond(result: Any) -> Any:
+def _name(request: Request, body_id: str | None, prefix: str) -> str:
+    """The request's id (hybridkv/serving/request_ids.py), kept on the request for the X-Request-Id of a refusal."""
+    request.state.request_id = chosen_request_id(body_id, request.headers, prefix)
+    return request.state.request_id
+
+
+def _named(request: Request) -> dict[str, str]:
+    """The X-Request-Id header of a refused request that was named before the refusal."""
+    request_id = getattr(request.state, "request_id", None)
+    return {} if request_id is None else id_headers(request_id)
+
+
+def _respond(result: Any, request_id: str) -> Any:
+    headers = id_headers(request_id)
     if isinstance(result, dict):
-        return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return JSONResponse(result, headers=headers)
+    headers["Cache-Control"] = "no-cache"
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

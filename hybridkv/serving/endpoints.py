@@ -1,10 +1,10 @@
 """`OpenAIServing`: OpenAI's completion and chat endpoints over an `AsyncLLMEngine`, without the HTTP.
 
 A request's life: check the model name (the model's, or a LoRA adapter's: hybridkv/serving/served_models.py), make
-the prompt token ids (a chat through the tokenizer's template), refuse a prompt over max_model_len, build
-`SamplingParams` (its checks are the 400s), submit, then either await the whole output or turn its `StreamDelta`s
-into OpenAI's chunks. Whatever ends a
-request's handling early (a client gone, a cancelled task) aborts the request, so its blocks return.
+the prompt token ids (a chat through the tokenizer's template; vLLM's render endpoints answer with these), refuse a
+prompt over max_model_len, build `SamplingParams` (its checks are the 400s), submit, then either await the whole
+output or turn its `StreamDelta`s into OpenAI's chunks. Whatever ends a request's handling early (a client gone, a
+cancelled task) aborts the request, so its blocks return.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +41,9 @@ from hybridkv.serving.protocol import (
     error_body,
     now,
     prompt_logprobs_body,
-    request_id,
     usage,
 )
+from hybridkv.serving.request_ids import EngineIds
 from hybridkv.serving.served_models import ServedModels
 
 if TYPE_CHECKING:
@@ -58,6 +59,8 @@ DISCONNECT_POLL_SECONDS = 0.5
 # Distinct sets of ignored fields warned about (each once); later new sets are logged at debug level only, so
 # that bodies made up by clients cannot grow the server's memory.
 MAX_IGNORED_FIELD_WARNINGS = 64
+# This process's name in /get_server_info: a router that indexes its workers' caches tells them apart by it.
+INSTANCE_ID = uuid.uuid4().hex
 
 logger = logging.getLogger("hybridkv")
 
@@ -91,6 +94,7 @@ class OpenAIServing:
             template if isinstance(template, str) else None
         )
         self.metrics = ServerMetrics(engine.stats)
+        self.engine_ids = EngineIds()
         self._recorders: set[asyncio.Task[None]] = set()
 
     def accept_fields(self, body: OpenAIModel, route: str) -> None:
@@ -120,6 +124,23 @@ class OpenAIServing:
         """`/v1/models`: the model, then each LoRA adapter served with it."""
         return {"object": "list", "data": self.served_models.cards()}
 
+    def server_info(self) -> dict[str, Any]:
+        """`/get_server_info` (SGLang's), what vllm-router's kv_aware discovery reads (its `ServerInfo`): the served
+        model's name as model_id and model_path, the KV cache's block size in tokens and this process's instance id.
+        Waits for the engine thread (its stats): call it off the event loop."""
+        return {
+            "model_id": self.model_name,
+            "model_path": self.model_name,
+            "instance_id": INSTANCE_ID,
+            "kv_block_size": self.engine.stats()["block_size"],
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        """`/get_model_info` (SGLang's, which routers may ask): the served model, where its tokenizer was read from,
+        and that it generates text."""
+        tokenizer_path = getattr(self.tokenizer, "name_or_path", None) or None
+        return {"model_path": self.model_name, "tokenizer_path": tokenizer_path, "is_generation": True}
+
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> str:
         """`/v1/load_lora_adapter`: vLLM's success text (ServedModels.load)."""
         return await self.served_models.load(body.lora_name, body.lora_path)
@@ -128,9 +149,12 @@ class OpenAIServing:
         """`/v1/unload_lora_adapter`: vLLM's success text (ServedModels.unload)."""
         return await self.served_models.unload(body.lora_name, body.lora_int_id)
 
-    async def completion(self, body: CompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
-        """`/v1/completions`: the response body, or the server-sent events of a stream. Several prompts run as
-        concurrent requests; prompt i's samples are choices i x n .. i x n + n - 1, as OpenAI numbers them."""
+    async def completion(
+        self, body: CompletionRequest, request: Request, request_id: str
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/completions`: the response body, or the server-sent events of a stream; `request_id` is the response's
+        `id` (hybridkv/serving/request_ids.py). Several prompts run as concurrent requests; prompt i's samples are
+        choices i x n .. i x n + n - 1, as OpenAI numbers them."""
         lora = self.served_models.resolve(body.model)
         echo_logprobs = body.echo and body.logprobs is not None  # OpenAI's: the prompt's logprobs lead the choice's
         if echo_logprobs and body.stream:
@@ -146,8 +170,7 @@ class OpenAIServing:
         await self._compile_grammar(params[0])
         await self._read_adapter(lora)
         echoes = [self._text(prompt_ids) if body.echo else "" for prompt_ids in prompts]
-        handles = self._submit_all(prompts, params, "cmpl", body.request_id, lora)
-        request_id = handles[0].request_id if len(handles) == 1 else f"cmpl-{handles[0].request_id}"
+        handles = self._submit_all(prompts, params, request_id, lora)
         model = self.model_name if lora is None else lora.lora_name
         header = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
         n = params[0].n
@@ -189,45 +212,31 @@ class OpenAIServing:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _submit_all(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompts: list[list[int]], params: list[SamplingParams], request_id: str, lora: LoRARequest | None
     ) -> list[RequestHandle]:
-        """Submit every prompt, or none: a refusal aborts those submitted before it. A body's `request_id` names the
-        first request (vLLM's), the others `ID-1`, `ID-2`, ..."""
+        """Submit every prompt, or none: a refusal aborts those submitted before it. The first prompt's request is
+        named `request_id`, the others `ID-1`, `ID-2`, ... (each made unique by `_submit`)."""
         handles: list[RequestHandle] = []
         try:
             for index, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
-                own = None if given_id is None else (given_id if index == 0 else f"{given_id}-{index}")
-                handles.append(self._submit(prompt_ids, prompt_params, prefix, own, lora))
+                wanted_id = request_id if index == 0 else f"{request_id}-{index}"
+                handles.append(self._submit(prompt_ids, prompt_params, wanted_id, lora))
         except BaseException:
             for handle in handles:
                 handle.abort()
             raise
         return handles
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> dict[str, Any] | AsyncIterator[str]:
-        """`/v1/chat/completions`: the response body, or the server-sent events of a stream."""
+    async def chat(
+        self, body: ChatCompletionRequest, request: Request, request_id: str
+    ) -> dict[str, Any] | AsyncIterator[str]:
+        """`/v1/chat/completions`: the response body, or the server-sent events of a stream; `request_id` is the
+        response's `id` (hybridkv/serving/request_ids.py)."""
         lora = self.served_models.resolve(body.model)
         tools = self._tool_plan(body)
-        image_urls = [url for message in body.messages for url in message.image_urls()]
-        prompt: list[int] | dict[str, Any]
-        try:
-            options = ChatOptions(
-                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-            )
-            messages = [message.as_dict() for message in body.messages]
-            if image_urls:
-                prompt = await asyncio.to_thread(self._image_prompt, messages, image_urls, body.tools, options)
-                prompt_ids = prompt["prompt_token_ids"]
-            else:
-                _, prompt_ids = await asyncio.to_thread(chat_prompt, self.tokenizer, messages, body.tools, options)
-                prompt = prompt_ids
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="messages") from error
+        # Off the event loop: the template, the tokenizer and an image's processing take long for a long chat.
+        prompt = await asyncio.to_thread(self._chat_prompt, body)
+        prompt_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # vLLM's: what fits, or less by the model's generation config
             max_tokens = max(1, self.max_model_len - len(prompt_ids))
@@ -241,12 +250,12 @@ class OpenAIServing:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=tools.forced_schema))
         await self._compile_grammar(params)
         await self._read_adapter(lora)
-        if image_urls:  # the vision tower runs when the request is checked: off the event loop
-            handle = await self._submit_off_loop(prompt, params, "chatcmpl", body.request_id, lora)
+        if isinstance(prompt, dict):  # a chat with images: the vision tower runs when the request is checked
+            handle = await self._submit_off_loop(prompt, params, request_id, lora)
         else:
-            handle = self._submit(prompt_ids, params, "chatcmpl", body.request_id, lora)
+            handle = self._submit(prompt_ids, params, request_id, lora)
         model = self.model_name if lora is None else lora.lora_name
-        header = {"id": handle.request_id, "object": "chat.completion", "created": now(), "model": model}
+        header = {"id": request_id, "object": "chat.completion", "created": now(), "model": model}
         if body.stream:
             header["object"] = "chat.completion.chunk"
             choice = functools.partial(self._chat_choice, tools=tools, num_top=num_top, token_ids=body.return_token_ids)
@@ -271,6 +280,23 @@ class OpenAIServing:
         if body.return_token_ids:
             response["prompt_token_ids"] = output.prompt_token_ids
         return response
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int] | dict[str, Any]:
+        """The prompt a chat runs (in a worker thread: this is slow for a long chat): the token ids of its messages
+        rendered by the chat template with the body's template settings and tools, or for a chat with images the
+        processor's dict prompt (`prompt_token_ids` and the image tensors). A chat that cannot be rendered is a 400.
+        The chat endpoint and its render both take their tokens from here, so they cannot differ."""
+        image_urls = [url for message in body.messages for url in message.image_urls()]
+        try:
+            options = ChatOptions(
+                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+            )
+            messages = [message.as_dict() for message in body.messages]
+            if image_urls:
+                return self._image_prompt(messages, image_urls, body.tools, options)
+            return chat_prompt(self.tokenizer, messages, body.tools, options)[1]
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="messages") from error
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the body's tools and tool_choice ask of the output (400s for what cannot be done)."""
@@ -340,6 +366,37 @@ class OpenAIServing:
             answer["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
         return answer
 
+    def render_completion(self, body: CompletionRequest, request_id: str) -> list[dict[str, Any]]:
+        """`/v1/completions/render` (vLLM's, which vllm-router asks for a prompt's tokens to route by): per prompt, the
+        token ids /v1/completions runs for this body, in vLLM's `GenerateRequest` fields (rendered_request); a prompt
+        the endpoint would refuse is refused alike."""
+        self.served_models.resolve(body.model)
+        prompts = self._completion_prompts(body.prompt)
+        for prompt_ids in prompts:
+            self._check_length(prompt_ids, "prompt")
+        return [
+            rendered_request(request_id if index == 0 else f"{request_id}-{index}", prompt_ids, body.model)
+            for index, prompt_ids in enumerate(prompts)
+        ]
+
+    def render_chat(self, body: ChatCompletionRequest, request_id: str) -> dict[str, Any]:
+        """`/v1/chat/completions/render` (vLLM's): the token ids /v1/chat/completions runs for this chat, in vLLM's
+        `GenerateRequest` fields. A chat with images is a 400: its image tokens are the processor's expansion,
+        which vLLM's render describes with multimodal `features` this server does not make (vllm-router asks for no
+        such render; it routes such a chat without its tokens)."""
+        self.served_models.resolve(body.model)
+        if any(message.image_urls() for message in body.messages):
+            raise APIError(
+                400,
+                "a chat with images is not rendered here (its image tokens are made when it runs); "
+                "send it to /v1/chat/completions",
+                param="messages",
+            )
+        prompt_ids = self._chat_prompt(body)
+        assert isinstance(prompt_ids, list)  # a chat without images is token ids
+        self._check_length(prompt_ids, "messages")
+        return rendered_request(request_id, prompt_ids, body.model)
+
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         """`/detokenize`: the text of token ids (ids outside the vocabulary are a 400)."""
         self.served_models.resolve(body.model)
@@ -376,17 +433,20 @@ class OpenAIServing:
     def _params(
         self, body: SamplingFields, prompt_ids: list[int], max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        self._check_length(prompt_ids, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        try:
+            return body.sampling_params(max_tokens, logprobs, self.engine.llm.default_sampling)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param=_setting_named(str(error))) from error
+
+    def _check_length(self, prompt_ids: list[int], param: str) -> None:
         if len(prompt_ids) > self.max_model_len:
             raise APIError(
                 400,
                 f"prompt has {len(prompt_ids):,} tokens but max_model_len is {self.max_model_len:,}; "
                 "shorten the prompt (or serve with a larger --max-model-len)",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                param=param,
             )
-        try:
-            return body.sampling_params(max_tokens, logprobs, self.engine.llm.default_sampling)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param=_setting_named(str(error))) from error
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """A constrained request's grammar, compiled off the event loop (the first one also builds the grammar
@@ -427,45 +487,49 @@ class OpenAIServing:
             raise APIError(400, str(error), param="model") from error
 
     async def _submit_off_loop(
-        self,
-        prompt: dict[str, Any],
-        params: SamplingParams,
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompt: dict[str, Any], params: SamplingParams, wanted_id: str, lora: LoRARequest | None
     ) -> RequestHandle:
-        submit = functools.partial(self.engine.submit, prompt, params, given_id or request_id(prefix), lora)
-        try:
-            handle = await asyncio.to_thread(submit)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="messages") from error
+        """`_submit` of a prompt whose check takes long (a chat's images run the vision tower): in a worker thread."""
+        with self._engine_id(wanted_id, param="messages") as engine_id:
+            handle = await asyncio.to_thread(self.engine.submit, prompt, params, engine_id, lora)
         self._track(handle, lora)
         return handle
 
     def _submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        prefix: str,
-        given_id: str | None = None,
-        lora: LoRARequest | None = None,
+        self, prompt_ids: list[int], params: SamplingParams, wanted_id: str, lora: LoRARequest | None
     ) -> RequestHandle:
-        try:
-            handle = self.engine.submit(prompt_ids, params, given_id or request_id(prefix), lora)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="prompt") from error
+        """Queue one request under `wanted_id`, or a unique variant of it while another request holds it."""
+        with self._engine_id(wanted_id, param="prompt") as engine_id:
+            handle = self.engine.submit(prompt_ids, params, engine_id, lora)
         self._track(handle, lora)
         return handle
 
+    @contextlib.contextmanager
+    def _engine_id(self, wanted_id: str, param: str) -> Iterator[str]:
+        """An engine id of `wanted_id` (EngineIds.claim) for the submit in the block, freed if that fails; the engine's
+        refusal (ValueError, TypeError) is a 400 naming `param`."""
+        engine_id = self.engine_ids.claim(wanted_id)
+        try:
+            yield engine_id
+        except BaseException as error:
+            self.engine_ids.release(engine_id)
+            if isinstance(error, ValueError | TypeError):
+                raise APIError(400, str(error), param=param) from error
+            raise
+
     def _track(self, handle: RequestHandle, lora: LoRARequest | None) -> None:
-        """Observe every request when it ends, however its handling ends (a stream closed early too)."""
+        """Observe every request when it ends, however its handling ends (a stream closed early too), and free its
+        engine id then."""
         recorder = asyncio.ensure_future(self._record(handle, None if lora is None else lora.lora_name))
         self._recorders.add(recorder)
         recorder.add_done_callback(self._recorders.discard)
 
     async def _record(self, handle: RequestHandle, adapter: str | None) -> None:
-        with contextlib.suppress(Exception):
-            self.metrics.record(await handle, adapter)
+        try:
+            with contextlib.suppress(Exception):
+                self.metrics.record(await handle, adapter)
+        finally:
+            self.engine_ids.release(handle.request_id)
 
     async def _wait(self, handle: RequestHandle, request: Request) -> RequestOutput:
         """The finished output; a client that disconnects first, or a cancelled task, aborts it."""
@@ -726,6 +790,13 @@ def _marker_prefix(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def rendered_request(request_id: str, token_ids: list[int], model: str | None) -> dict[str, Any]:
+    """A render's answer for one prompt: vLLM's `GenerateRequest` fields that name the prompt (vllm-router reads
+    `token_ids`, and refuses an item whose `features`, vLLM's multimodal data, is not null). The request's sampling
+    settings are not included: this server runs no `GenerateRequest` (vLLM's /inference/v1/generate)."""
+    return {"request_id": request_id, "token_ids": token_ids, "features": None, "model": model}
 
 
 def _event(payload: dict[str, Any]) -> str:

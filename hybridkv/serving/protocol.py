@@ -7,16 +7,15 @@ Beyond OpenAI's fields a body may carry vLLM's extra settings: top_k, min_p, min
 ignore_eos, stop_token_ids, repetition_penalty, cache_salt, skip_special_tokens, include_stop_str_in_output,
 prompt_logprobs, return_token_ids, structured_outputs (one of json, regex, choice, grammar, json_object; beside
 OpenAI's response_format), and for a chat chat_template, chat_template_kwargs, add_generation_prompt and
-continue_final_message; `model` may be left out, and `request_id` and `priority` are accepted (they change no
-output). A sampling field a body leaves out takes the model's default (its generation config's, as vLLM's
-`--generation-config auto`), else vLLM's.
+continue_final_message; `model` may be left out, `request_id` names the request (hybridkv/serving/request_ids.py),
+and `priority` is accepted (it changes no output). A sampling field a body leaves out takes the model's default (its
+generation config's, as vLLM's `--generation-config auto`), else vLLM's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import fields
 from typing import Any, Literal
 
@@ -286,10 +285,6 @@ class UnloadLoRAAdapterRequest(OpenAIModel):
 
     lora_name: str | None = None
     lora_int_id: int | None = None
-
-
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now() -> int:

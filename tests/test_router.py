@@ -1,0 +1,167 @@
+"""hybridkv behind vllm-router, unchanged: two `hybridkv serve` workers of a tiny checkpoint behind
+`vllm-router --policy cache_aware`, which asks each worker for a request's prompt tokens (/v1/completions/render and
+/v1/chat/completions/render) to route it by its cached prefix. Completions and chats, streamed or not, go through the
+router with the real `openai` client; each answer is the offline engine's for the token ids the worker ran.
+
+vllm-router is in the dev extra: without it the test fails naming the install, rather than skipping unseen."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_process import wait_for_health
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
+
+from tiny_tokenizer import tiny_tokenizer
+
+MODEL = "tiny-llama"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The quick brown fox"}]
+# Two prompts that share a prefix: what cache_aware routes by.
+PROMPTS = ["The quick brown fox", "The quick brown fox jumps over"]
+MAX_MODEL_LEN = 128
+BLOCK_SIZE = 8
+NEW_TOKENS = 8
+SETTINGS = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"return_token_ids": True}}
+WORKER_START_SECONDS = 120
+ROUTER_START_SECONDS = 60
+DEADLINE_SECONDS = 30
+STOP_SECONDS = 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("checkpoint")
+    tiny_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)  # a copy: tiny_tokenizer() is shared by the process's tests
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """An engine of its own on the same checkpoint: what the workers must answer."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    yield hybridkv.patch(model, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, num_blocks=64)
+    hybridkv.unpatch(model)
+
+
+def router_executable() -> str:
+    """vllm-router's command: on PATH, or beside this Python (a virtual environment's bin, not activated)."""
+    beside = Path(sys.executable).with_name("vllm-router")
+    found = shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+    if found is None:
+        pytest.fail("vllm-router is not installed: pip install vllm-router (it is in hybridkv's dev extra)", False)
+    return found
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now (each probe is held until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+
+
+@pytest.fixture
+def router(checkpoint):
+    """The router's URL and its Prometheus URL, in front of two workers; every process is stopped after the test."""
+    executable = router_executable()
+    *worker_ports, router_port, metrics_port = free_ports(4)
+    processes: list[subprocess.Popen] = []
+
+    def start(command: list[str]) -> subprocess.Popen:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        processes.append(process)
+        return process
+
+    try:
+        for port in worker_ports:
+            start([
+                sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint), "--port", str(port),
+                "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+                "--threads", "1", "--log-level", "warning",
+            ])  # fmt: skip
+        for process, port in zip(processes, worker_ports, strict=True):
+            wait_for_health(process, port, WORKER_START_SECONDS)
+        urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
+        routing = start([
+            executable, "--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(router_port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", "cache_aware",
+            "--worker-startup-timeout-secs", str(ROUTER_START_SECONDS), "--log-level", "warning",
+        ])  # fmt: skip
+        wait_for_health(routing, router_port, ROUTER_START_SECONDS)
+        yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{metrics_port}"
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def offline_answer(offline, prompt_ids: list[int]) -> tuple[list[int], str]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    (sample,) = offline.generate([prompt_ids], params, use_tqdm=False)[0].outputs
+    return list(sample.token_ids), sample.text
+
+
+def routing_inputs(metrics_url: str) -> dict[str, float]:
+    """How the router got the tokens it routed by, per worker and request: `render`, or why it got none."""
+    text = httpx.get(metrics_url + "/metrics", timeout=DEADLINE_SECONDS).text
+    families = [f for f in text_string_to_metric_families(text) if f.name == "vllm_router_kv_routing_inputs"]
+    return {s.labels["result"]: s.value for f in families for s in f.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.slow
+def test_completions_and_chats_through_vllm_router_are_the_offline_engines(router, offline):
+    router_url, metrics_url = router
+    client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_SECONDS)
+    for prompt in PROMPTS:
+        (choice,) = client.completions.create(model=MODEL, prompt=prompt, **SETTINGS).choices
+        expected_ids, expected_text = offline_answer(offline, choice.prompt_token_ids)
+        assert (choice.token_ids, choice.text) == (expected_ids, expected_text)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **SETTINGS))
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert [t for c in streamed for t in c.token_ids] == expected_ids
+        assert "".join(c.text for c in streamed) == expected_text
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, extra_headers={"X-Request-Id": "routed-1"}, **SETTINGS
+    )
+    chat = raw.parse()
+    expected_ids, expected_text = offline_answer(offline, chat.prompt_token_ids)
+    assert (chat.choices[0].token_ids, chat.choices[0].message.content) == (expected_ids, expected_text)
+    assert (chat.id, raw.headers["x-request-id"]) == ("routed-1", "routed-1")  # the client's name reached the worker
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **SETTINGS))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert [t for c in streamed for t in c.token_ids] == expected_ids
+    assert "".join(c.delta.content or "" for c in streamed) == expected_text
+
+    # Each worker rendered each request's tokens for the router (a render that ran past the router's one-second
+    # budget on a busy machine counts as preparation_unavailable); none was refused or unreadable.
+    inputs = routing_inputs(metrics_url)
+    assert inputs.get("render", 0) > 0 and set(inputs) <= {"render", "preparation_unavailable"}, inputs
