@@ -10,7 +10,8 @@ so far plus the answer (`--max-tokens`, greedy, streamed) and a new question. Po
 - cache_aware: vllm-router's approximate radix tree of the token ids it routed (it asks a replica's
   /v1/chat/completions/render for them);
 - kv_aware: vllm-router's index of the replicas' KV events (`--kv-event-source URL=tcp://127.0.0.1:PORT`,
-  `--kv-event-block-size`): the replica that holds the longest prefix of the prompt, in its pool.
+  `--kv-event-block-size`; `--kv-event-replay-source` for batches sent before it subscribed): the replica that holds the
+  longest prefix of the prompt, in its pool.
 
 Printed per model and policy: the prompt tokens found in the prefix cache over all replicas (their /metrics,
 `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, the first turn of each session left out: it has nothing to hit
@@ -113,8 +114,8 @@ class PolicyRun:
         return sum(len(t.token_ids) for t in self.turns) / self.wall_s
 
 
-def replica_command(model: Path, port: int, events: str, num_blocks: int) -> list[str]:
-    config = {"enable_kv_cache_events": True, "endpoint": events}
+def replica_command(model: Path, port: int, events: tuple[str, str], num_blocks: int) -> list[str]:
+    config = {"enable_kv_cache_events": True, "endpoint": events[0], "replay_endpoint": events[1]}
     return [
         sys.executable, "-m", "hybridkv", "serve", str(model), "--host", HOST, "--port", str(port), "--threads", "1",
         "--served-model-name", "model", "--block-size", str(BLOCK_SIZE), "--num-blocks", str(num_blocks),
@@ -122,15 +123,15 @@ def replica_command(model: Path, port: int, events: str, num_blocks: int) -> lis
     ]  # fmt: skip
 
 
-def router_command(policy: str, port: int, workers: list[tuple[str, str]]) -> list[str]:
+def router_command(policy: str, port: int, workers: list[tuple[str, tuple[str, str]]]) -> list[str]:
     command = [
         router_executable(), "--host", HOST, "--port", str(port), "--prometheus-host", HOST,
         "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warning",
         "--worker-urls", *[url for url, _ in workers],
     ]  # fmt: skip
     if policy == "kv_aware":
-        for url, events in workers:
-            command += ["--kv-event-source", f"{url}={events}"]
+        for url, (events, replay) in workers:
+            command += ["--kv-event-source", f"{url}={events}", "--kv-event-replay-source", f"{url}={replay}"]
         command += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", "model"]
     return command
 
@@ -204,7 +205,7 @@ def run_policy(policy: str, model: Path, workdir: Path, args: argparse.Namespace
         workers = []
         for replica in range(args.replicas):
             port = free_port()
-            events = f"tcp://{HOST}:{free_port()}"
+            events = (f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}")
             log = workdir / f"{policy}-replica{replica}.log"
             url = stack.enter_context(running(replica_command(model, port, events, num_blocks), log, 1))
             workers.append((url, events))

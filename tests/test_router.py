@@ -8,10 +8,12 @@ vllm-router is in the dev extra: without it the test fails naming the install, r
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -43,6 +45,7 @@ WORKER_START_SECONDS = 120
 ROUTER_START_SECONDS = 60
 DEADLINE_SECONDS = 30
 STOP_SECONDS = 30
+SUBSCRIBE_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +86,14 @@ def free_ports(count: int) -> list[int]:
         return [probe.getsockname()[1] for probe in probes]
 
 
-@pytest.fixture
-def router(checkpoint):
-    """The router's URL and its Prometheus URL, in front of two workers; every process is stopped after the test."""
+@contextlib.contextmanager
+def routed(checkpoint, policy: str, events: bool = False):
+    """Two workers behind `vllm-router --policy POLICY`: the router's URL, its Prometheus URL and the workers' URLs;
+    with `events`, each worker publishes its KV events on a loopback port the router subscribes to (kv_aware's
+    `--kv-event-source`), and answers replays on another (`--kv-event-replay-source`: batches sent before the router's
+    subscription reached the worker are read from there). Every process is stopped on exit."""
     executable = router_executable()
-    *worker_ports, router_port, metrics_port = free_ports(4)
+    *worker_ports, router_port, metrics_port, event_a, event_b, replay_a, replay_b = free_ports(8)
     processes: list[subprocess.Popen] = []
 
     def start(command: list[str]) -> subprocess.Popen:
@@ -95,23 +101,35 @@ def router(checkpoint):
         processes.append(process)
         return process
 
+    endpoints = [f"tcp://127.0.0.1:{event_a}", f"tcp://127.0.0.1:{event_b}"]
+    replays = [f"tcp://127.0.0.1:{replay_a}", f"tcp://127.0.0.1:{replay_b}"]
     try:
-        for port in worker_ports:
+        for port, endpoint, replay in zip(worker_ports, endpoints, replays, strict=True):
+            config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
+            config = ["--kv-events-config", json.dumps(config)]
             start([
                 sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint), "--port", str(port),
                 "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
-                "--threads", "1", "--log-level", "warning",
+                "--threads", "1", "--log-level", "warning", *(config if events else []),
             ])  # fmt: skip
         for process, port in zip(processes, worker_ports, strict=True):
             wait_for_health(process, port, WORKER_START_SECONDS)
         urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
+        sources = []
+        if events:
+            sources = [flag for url, endpoint, replay in zip(urls, endpoints, replays, strict=True)
+                       for flag in ("--kv-event-source", f"{url}={endpoint}",
+                                    "--kv-event-replay-source", f"{url}={replay}")]  # fmt: skip
+            sources += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
         routing = start([
             executable, "--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(router_port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", "cache_aware",
-            "--worker-startup-timeout-secs", str(ROUTER_START_SECONDS), "--log-level", "warning",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", policy,
+            "--worker-startup-timeout-secs", str(ROUTER_START_SECONDS), "--log-level", "warning", *sources,
         ])  # fmt: skip
         wait_for_health(routing, router_port, ROUTER_START_SECONDS)
-        yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{metrics_port}"
+        if events:  # the router's subscribers connect (a batch sent before is replayed once a later one shows the gap)
+            time.sleep(SUBSCRIBE_SECONDS)
+        yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{metrics_port}", urls
     finally:
         for process in processes:
             process.terminate()
@@ -121,6 +139,13 @@ def router(checkpoint):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@pytest.fixture
+def router(checkpoint):
+    """The router's URL and its Prometheus URL, in front of two workers (cache_aware)."""
+    with routed(checkpoint, "cache_aware") as (router_url, metrics_url, _):
+        yield router_url, metrics_url
 
 
 def offline_answer(offline, prompt_ids: list[int]) -> tuple[list[int], str]:
@@ -165,3 +190,44 @@ def test_completions_and_chats_through_vllm_router_are_the_offline_engines(route
     # budget on a busy machine counts as preparation_unavailable); none was refused or unreadable.
     inputs = routing_inputs(metrics_url)
     assert inputs.get("render", 0) > 0 and set(inputs) <= {"render", "preparation_unavailable"}, inputs
+
+
+def prefix_hits(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=DEADLINE_SECONDS).text
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prefix_cache_hits_total"
+    )
+
+
+@pytest.mark.slow
+def test_kv_aware_routes_each_session_to_the_worker_its_events_say_holds_it(checkpoint, offline):
+    """vllm-router's kv_aware policy over hybridkv's KV events: session A starts on worker 0 and session B on worker 1
+    (sent to them directly, not through the router); each next turn through the router goes to the worker holding its
+    prefix, which only the router's index of the events can know (a load-only choice sends both to one worker), so
+    every turn finds its whole computed prefix there; answers stay the offline engine's."""
+    tokenizer = offline.tokenizer
+    sessions = [tokenizer.encode(text) * 2 for text in ("The quick brown fox", "Once upon a time, a tiny model")]
+    with routed(checkpoint, "kv_aware", events=True) as (router_url, _, workers):
+        for prompt, url in zip(sessions, workers, strict=True):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+            assert httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS).status_code == 200
+        client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_SECONDS)
+        for _ in range(2):
+            for index, prompt in enumerate(sessions):
+                expected_ids, _ = offline_answer(offline, prompt)
+                sessions[index] = prompt + expected_ids + tokenizer.encode(" and more")
+                time.sleep(0.5)  # the last turn's events reach the router's index
+                before = [prefix_hits(url) for url in workers]
+                # Without return_token_ids: vllm-router 0.1.17 gives a completion that asks for them no kv_aware credit
+                # (its decision logs credited_prefix_tokens=0 whatever its index holds); the prompt is ours anyway.
+                (choice,) = client.completions.create(
+                    model=MODEL, prompt=sessions[index], max_tokens=NEW_TOKENS, temperature=0
+                ).choices
+                assert choice.text == offline_answer(offline, sessions[index])[1]
+                hits = [prefix_hits(url) - earlier for url, earlier in zip(workers, before, strict=True)]
+                # Its worker found the last turn's prompt and answer but the answer's last token, in whole blocks.
+                expected = (len(prompt) + NEW_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
+                assert hits == [expected if worker == index else 0 for worker in range(2)], (index, hits)

@@ -256,6 +256,7 @@ def test_get_server_info_names_the_model_the_block_size_and_the_instance(server,
     assert info == {"model_id": MODEL, "model_path": MODEL, "kv_block_size": SETTINGS["block_size"]}
     model_info = httpx.get(server.url + "/get_model_info", timeout=DEADLINE_SECONDS).json()
     assert model_info == {"model_path": MODEL, "tokenizer_path": str(checkpoint), "is_generation": True}
+    assert httpx.get(server.url + "/kv_event_sources", timeout=DEADLINE_SECONDS).json() == {}  # no kv_events_config
 
 
 @pytest.mark.parametrize(
@@ -451,8 +452,8 @@ def sse_payloads(lines):
 
 def test_x_request_id_names_the_engine_request_and_comes_back_streamed_or_not(server, client, monkeypatch):
     """vLLM's request-id headers: the client's X-Request-Id is the request's id (the engine's, the response's `id`)
-    and comes back as the response's X-Request-Id; a body's request_id comes first; with neither, the server's own
-    id comes back."""
+    and comes back as the response's X-Request-Id; it comes before a body's request_id (vLLM's order); with neither,
+    the server's own id comes back."""
     given = engine_ids(server, monkeypatch)
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="The quick", max_tokens=4, extra_headers={"X-Request-Id": "client-1"}
@@ -470,7 +471,7 @@ def test_x_request_id_names_the_engine_request_and_comes_back_streamed_or_not(se
         json={"model": MODEL, "prompt": "The quick", "max_tokens": 4, "request_id": "body-3"},
         headers={"X-Request-Id": "client-3"},
     )
-    assert (named.headers["x-request-id"], named.json()["id"], given[-1]) == ("body-3", "body-3", "body-3")
+    assert (named.headers["x-request-id"], named.json()["id"], given[-1]) == ("client-3", "client-3", "client-3")
     own = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=4)
     assert own.headers["x-request-id"] == own.parse().id == given[-1] and given[-1].startswith("chatcmpl-")
     refused = httpx.post(

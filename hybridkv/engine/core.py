@@ -395,6 +395,12 @@ class EngineCore:
             self.disk_store.on_remove = lambda key: recorder.removed(*key, DISK)
         return ZmqEventPublisher(config)
 
+    @property
+    def kv_event_block_size(self) -> int:
+        """The block size of the KV events' group 0 (`LLMEngine.kv_event_block_size`)."""
+        events = self.coordinator.events
+        return events.block_size if events is not None else self.coordinator.block_size
+
     def publish_kv_events(self) -> None:
         """Send the KV events recorded since the last call as one batch (after each step, and after what changes the
         cache outside one)."""

@@ -224,6 +224,12 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
+    def kv_event_block_size(self) -> int:
+        """The tokens per block of the KV events' group 0, what an index of them chunks prompts by (vllm-router's
+        `--kv-event-block-size`); without events, of the prefix cache's hashes."""
+        return self.core.kv_event_block_size
+
+    @property
     def max_num_batched_tokens(self) -> int:
         return self.config.max_num_batched_tokens
 

@@ -122,6 +122,11 @@ class KVEventRecorder:
         self._known: dict[tuple[int, bytes], tuple[bytes | None, tuple[int, ...], tuple[int, str] | None, set]] = {}
         self._planned: dict[bytes, BlockChain] = {}  # checkpoints a step writes, announced once it ran
 
+    @property
+    def block_size(self) -> int:
+        """The tokens per block of published group 0 (what a single-group index chunks prompts by)."""
+        return self.shapes[self.order.index(0)].block_size
+
     def take(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events

@@ -5,16 +5,17 @@ events ending with `data: [DONE]`), `GET /health`, `GET /metrics` (Prometheus te
 `POST /tokenize` and `POST /detokenize`; `POST /v1/completions/render` and `POST /v1/chat/completions/render` (the
 token ids the endpoint would run, which vllm-router asks for to route by a prompt's cached prefix; a chat with images
 is a 400); `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain text answers; enable_lora is all
-they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). And SGLang's `GET /get_server_info` (the
-KV cache's block size and this instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`.
+they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); `GET /kv_event_sources` (where the KV
+events are published, with kv_events_config). And SGLang's `GET /get_server_info` (the KV events' block size and this
+instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`.
 
 Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status: a body that
 is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the schema does
 not know is ignored with one warning naming it, as vLLM does (`strict_fields`: a 400 instead).
 
-A completion's or chat's id (a render's too) is the body's `request_id`, else the client's `X-Request-Id` header, else
-the server's own; the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as vLLM's
---enable-request-id-headers does (hybridkv/serving/request_ids.py: two requests in flight may share one).
+A completion's or chat's id (a render's too) is the client's `X-Request-Id` header, else the body's `request_id`, else
+the server's own (vLLM's order); the response (a refusal too, a stream too) names it in its `X-Request-Id` header, as
+vLLM's --enable-request-id-headers does (hybridkv/serving/request_ids.py: two requests in flight may share one).
 
 With an API key, every route but `/health` asks for `Authorization: Bearer <key>` (compared in constant
 time); a request without it is a 401 with OpenAI's `invalid_api_key` body.
@@ -111,10 +112,13 @@ def build_app(
     def metrics() -> Response:
         return Response(serving.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    # A plain function, as /metrics: it waits for the engine's stats.
     @app.get("/get_server_info")
-    def server_info() -> dict[str, Any]:
+    async def server_info() -> dict[str, Any]:
         return serving.server_info()
+
+    @app.get("/kv_event_sources")
+    async def kv_event_sources() -> dict[str, Any]:
+        return serving.kv_event_sources()
 
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:

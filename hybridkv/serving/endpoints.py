@@ -94,6 +94,9 @@ class OpenAIServing:
             template if isinstance(template, str) else None
         )
         self.metrics = ServerMetrics(engine.stats)
+        # What a router that indexes its workers' caches reads: fixed once the model is patched.
+        self.kv_block_size = engine.llm.kv_event_block_size
+        self.kv_events_config = engine.llm.config.kv_events_config
         self.engine_ids = EngineIds()
         self._recorders: set[asyncio.Task[None]] = set()
 
@@ -126,14 +129,21 @@ class OpenAIServing:
 
     def server_info(self) -> dict[str, Any]:
         """`/get_server_info` (SGLang's), what vllm-router's kv_aware discovery reads (its `ServerInfo`): the served
-        model's name as model_id and model_path, the KV cache's block size in tokens and this process's instance id.
-        Waits for the engine thread (its stats): call it off the event loop."""
+        model's name as model_id and model_path, the block size in tokens of the KV events' group 0 (what its index
+        chunks prompts by) and this process's instance id."""
         return {
             "model_id": self.model_name,
             "model_path": self.model_name,
             "instance_id": INSTANCE_ID,
-            "kv_block_size": self.engine.stats()["block_size"],
+            "kv_block_size": self.kv_block_size,
         }
+
+    def kv_event_sources(self) -> dict[str, Any]:
+        """`/kv_event_sources` (vLLM's): per data-parallel rank (one here: "0"), the `KVEventsConfig` its events are
+        published with; empty when the engine publishes none. A router's discovery subscribes there (vllm-router puts
+        the worker's host in place of a `*`)."""
+        config = self.kv_events_config
+        return {"0": dataclasses.asdict(config)} if config is not None and config.publishes else {}
 
     def model_info(self) -> dict[str, Any]:
         """`/get_model_info` (SGLang's, which routers may ask): the served model, where its tokenizer was read from,

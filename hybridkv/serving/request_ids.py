@@ -1,10 +1,10 @@
 """Request ids: the one a client names, or a new one, and the engine's ids for it.
 
-A completion's or chat's id is the body's `request_id` (vLLM's field), else the client's `X-Request-Id` header (which
-vllm-router forwards), else a new `cmpl-<hex>` / `chatcmpl-<hex>`. The response's `id` and its `X-Request-Id` header
-are that id. Clients retry with the same header and routers pass it on, so two requests in flight may name one id,
-while the engine refuses a request whose id a running one holds: `EngineIds` gives the first the id itself as its
-engine id and a later one the id with a random suffix, as vLLM suffixes its internal ids.
+A completion's or chat's id is the client's `X-Request-Id` header (which vllm-router forwards), else the body's
+`request_id`, else a new `cmpl-<hex>` / `chatcmpl-<hex>`: vLLM's order (its `_base_request_id`). The response's `id`
+and its `X-Request-Id` header are that id. Clients retry with the same header and routers pass it on, so two requests
+in flight may name one id, while the engine refuses a request whose id a running one holds: `EngineIds` gives the
+first the id itself as its engine id and a later one the id with a random suffix, as vLLM suffixes its internal ids.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def new_request_id(prefix: str) -> str:
 
 
 def chosen_request_id(body_id: str | None, headers: Mapping[str, str], prefix: str) -> str:
-    """A request's id: the body's `request_id`, else the `X-Request-Id` header, else a new `prefix-<hex>`."""
-    return body_id or headers.get(REQUEST_ID_HEADER) or new_request_id(prefix)
+    """A request's id: the `X-Request-Id` header, else the body's `request_id`, else a new `prefix-<hex>` (vLLM's
+    order)."""
+    return headers.get(REQUEST_ID_HEADER) or body_id or new_request_id(prefix)
 
 
 def id_headers(request_id: str) -> dict[str, str]:
