@@ -28,9 +28,13 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py --against DIR --workloads mixed [--ready-logits] [--requests 1]
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 30 --argmax-apart
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 16 --async-scheduling
+    python benchmarks/host_overhead.py --against DIR --workloads mixed,shared --pairs 12 --kv-events
 
 `--async-scheduling` runs this checkout with the next step planned before the last one's tokens are read
 (hybridkv/engine/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
+
+`--kv-events` runs this checkout publishing vLLM's KV events (`kv_events_config`, to an ipc:// socket no one reads):
+against a copy of this same checkout (`--against DIR`), the ratio is what recording and sending the events costs.
 
 `--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
 prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.
@@ -78,7 +82,12 @@ def main() -> None:
     parser.add_argument(
         "--argmax-apart", action="store_true", help="with --against: also host per decode step without the argmax"
     )
+    parser.add_argument("--kv-events", action="store_true", help="this checkout publishes vLLM's KV events")
     args = parser.parse_args()
+    args.events_config = None
+    if args.kv_events:
+        folder = tempfile.mkdtemp(prefix="host_overhead_events_")
+        args.events_config = {"enable_kv_cache_events": True, "endpoint": f"ipc://{folder}/events"}
     torch.set_num_threads(args.threads)
     if args.model == "hybrid":
         model = hybrid_model()
@@ -100,6 +109,7 @@ def main() -> None:
                 max_model_len=8192,
                 enable_prefix_caching=args.prefix_caching,
                 async_scheduling=args.async_scheduling,
+                kv_events_config=args.events_config,
             )
             with ready_logits(model, args.ready_logits):
                 decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
@@ -148,11 +158,11 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
 
     def run(package, prompts, max_new) -> tuple[float, ...]:
         # --async-scheduling sets this checkout's (versions before issue 47 have no such setting).
-        ours = (
-            {}
-            if package is not hybridkv or args.async_scheduling is None
-            else {"async_scheduling": args.async_scheduling}
-        )
+        ours = {}
+        if package is hybridkv and args.async_scheduling is not None:
+            ours["async_scheduling"] = args.async_scheduling
+        if package is hybridkv and args.events_config is not None:
+            ours["kv_events_config"] = args.events_config
         llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching, **ours)
         with ready_logits(model, args.ready_logits), argmax_timed(package, args.argmax_apart) as argmax:
             decode_host, decode_steps = run_steps(

@@ -1,13 +1,16 @@
-"""hybridkv behind vllm-router, unchanged: two `hybridkv serve` workers of a tiny checkpoint behind
+"""hybridkv behind vllm-router and SGLang's router, unchanged: two `hybridkv serve` workers of a tiny checkpoint behind
 `vllm-router --policy cache_aware`, which asks each worker for a request's prompt tokens (/v1/completions/render and
-/v1/chat/completions/render) to route it by its cached prefix. Completions and chats, streamed or not, go through the
-router with the real `openai` client; each answer is the offline engine's for the token ids the worker ran.
+/v1/chat/completions/render) to route it by its cached prefix, or SGLang's (`python -m sglang_router.launch_router
+--policy cache_aware`), and behind vllm-router's kv_aware over the workers' KV events. Completions and chats, streamed
+or not, go through the router with the real `openai` client; each answer is the offline engine's for the token ids
+the worker ran.
 
-vllm-router is in the dev extra: without it the test fails naming the install, rather than skipping unseen."""
+Both routers are in the dev extra: without one the test fails naming the install, rather than skipping unseen."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import shutil
 import socket
@@ -25,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
+from hybridkv.engine.chat import chat_prompt
 from hybridkv.tiny import tiny_model
 
 from tiny_tokenizer import tiny_tokenizer
@@ -68,13 +72,20 @@ def offline(checkpoint):
     hybridkv.unpatch(model)
 
 
-def router_executable() -> str:
-    """vllm-router's command: on PATH, or beside this Python (a virtual environment's bin, not activated)."""
+def router_command(kind: str) -> list[str]:
+    """The command of a router: vllm-router (on PATH, or beside this Python: a virtual environment's bin, not
+    activated), or SGLang's (`python -m sglang_router.launch_router`); both in the dev extra."""
+    if kind == "sglang-router":
+        if importlib.util.find_spec("sglang_router") is None:
+            pytest.fail(
+                "sglang-router is not installed: pip install sglang-router (it is in hybridkv's dev extra)", False
+            )
+        return [sys.executable, "-m", "sglang_router.launch_router"]
     beside = Path(sys.executable).with_name("vllm-router")
     found = shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
     if found is None:
         pytest.fail("vllm-router is not installed: pip install vllm-router (it is in hybridkv's dev extra)", False)
-    return found
+    return [found]
 
 
 def free_ports(count: int) -> list[int]:
@@ -87,12 +98,12 @@ def free_ports(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def routed(checkpoint, policy: str, events: bool = False):
+def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-router"):
     """Two workers behind `vllm-router --policy POLICY`: the router's URL, its Prometheus URL and the workers' URLs;
     with `events`, each worker publishes its KV events on a loopback port the router subscribes to (kv_aware's
     `--kv-event-source`), and answers replays on another (`--kv-event-replay-source`: batches sent before the router's
     subscription reached the worker are read from there). Every process is stopped on exit."""
-    executable = router_executable()
+    command = router_command(kind)
     *worker_ports, router_port, metrics_port, event_a, event_b, replay_a, replay_b = free_ports(8)
     processes: list[subprocess.Popen] = []
 
@@ -122,9 +133,10 @@ def routed(checkpoint, policy: str, events: bool = False):
                                     "--kv-event-replay-source", f"{url}={replay}")]  # fmt: skip
             sources += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL]
         routing = start([
-            executable, "--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(router_port),
+            *command, "--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(router_port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--policy", policy,
-            "--worker-startup-timeout-secs", str(ROUTER_START_SECONDS), "--log-level", "warning", *sources,
+            "--worker-startup-timeout-secs", str(ROUTER_START_SECONDS),
+            "--log-level", "warn" if kind == "sglang-router" else "warning", *sources,
         ])  # fmt: skip
         wait_for_health(routing, router_port, ROUTER_START_SECONDS)
         if events:  # the router's subscribers connect (a batch sent before is replayed once a later one shows the gap)
@@ -141,11 +153,11 @@ def routed(checkpoint, policy: str, events: bool = False):
                 process.wait()
 
 
-@pytest.fixture
-def router(checkpoint):
-    """The router's URL and its Prometheus URL, in front of two workers (cache_aware)."""
-    with routed(checkpoint, "cache_aware") as (router_url, metrics_url, _):
-        yield router_url, metrics_url
+@pytest.fixture(params=["vllm-router", "sglang-router"])
+def router(checkpoint, request):
+    """The router's kind, URL and Prometheus URL, in front of two workers (cache_aware)."""
+    with routed(checkpoint, "cache_aware", kind=request.param) as (router_url, metrics_url, _):
+        yield request.param, router_url, metrics_url
 
 
 def offline_answer(offline, prompt_ids: list[int]) -> tuple[list[int], str]:
@@ -162,8 +174,8 @@ def routing_inputs(metrics_url: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_completions_and_chats_through_vllm_router_are_the_offline_engines(router, offline):
-    router_url, metrics_url = router
+def test_completions_and_chats_through_a_router_are_the_offline_engines(router, offline):
+    kind, router_url, metrics_url = router
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_SECONDS)
     for prompt in PROMPTS:
         (choice,) = client.completions.create(model=MODEL, prompt=prompt, **SETTINGS).choices
@@ -178,18 +190,24 @@ def test_completions_and_chats_through_vllm_router_are_the_offline_engines(route
         model=MODEL, messages=MESSAGES, extra_headers={"X-Request-Id": "routed-1"}, **SETTINGS
     )
     chat = raw.parse()
-    expected_ids, expected_text = offline_answer(offline, chat.prompt_token_ids)
-    assert (chat.choices[0].token_ids, chat.choices[0].message.content) == (expected_ids, expected_text)
+    # SGLang's router passes a chat's choices on but drops vLLM's top-level prompt_token_ids: rendered here instead.
+    prompt_ids = getattr(chat, "prompt_token_ids", None) or chat_prompt(offline.tokenizer, MESSAGES)[1]
+    expected_ids, expected_text = offline_answer(offline, prompt_ids)
+    assert chat.choices[0].message.content == expected_text
+    # SGLang's router rebuilds a chat's body from its own schema, without vLLM's token_ids; vllm-router passes them.
+    assert getattr(chat.choices[0], "token_ids", None) == (expected_ids if kind == "vllm-router" else None)
     assert (chat.id, raw.headers["x-request-id"]) == ("routed-1", "routed-1")  # the client's name reached the worker
     chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **SETTINGS))
     streamed = [c.choices[0] for c in chunks if c.choices]
-    assert [t for c in streamed for t in c.token_ids] == expected_ids
+    if kind == "vllm-router":
+        assert [t for c in streamed for t in c.token_ids] == expected_ids
     assert "".join(c.delta.content or "" for c in streamed) == expected_text
 
     # Each worker rendered each request's tokens for the router (a render that ran past the router's one-second
     # budget on a busy machine counts as preparation_unavailable); none was refused or unreadable.
-    inputs = routing_inputs(metrics_url)
-    assert inputs.get("render", 0) > 0 and set(inputs) <= {"render", "preparation_unavailable"}, inputs
+    if kind == "vllm-router":
+        inputs = routing_inputs(metrics_url)
+        assert inputs.get("render", 0) > 0 and set(inputs) <= {"render", "preparation_unavailable"}, inputs
 
 
 def prefix_hits(url: str) -> float:

@@ -348,7 +348,7 @@ class KVCacheCoordinator:
                     continue
                 pool.cache_restored(block, block_hash, manager.group_id)
                 if self.events is not None:
-                    self._announce(request, manager, index, index + 1)
+                    self.events.stored([manager.group_id], self._chain(request, manager, index, index + 1))
                 hit.blocks[manager.group_id][index] = block
                 self._restored.append(block)
                 size = manager.block_size
@@ -403,6 +403,7 @@ class KVCacheCoordinator:
         state_group = len(self.managers) if self.state_checkpoints is not None else None
         recorder = KVEventRecorder(shapes, order, state_group, STATE_GROUP)
         self.events = recorder
+        self._group_ids = list(range(len(self.managers)))
         self.pool.events = recorder
         self.pool.on_cache = self._cached
         if self.state_checkpoints is not None:
@@ -414,11 +415,19 @@ class KVCacheCoordinator:
 
     def _announce_cached(self, request: KVRequest) -> None:
         """`BlockStored` for the blocks the pool registered in the request's update: in each group, they are among
-        its last cached positions (a block whose hash another block holds already is not registered: a gap)."""
-        just = {id(block) for block in self._just_cached}
-        counts = Counter(block.hash_group for block in self._just_cached)
-        self._just_cached.clear()
+        its last cached positions (a block whose hash another block holds already is not registered: a gap). Groups
+        of one block size that registered the same positions (most updates of a hybrid model) share one chain."""
         request_id = request.request_id
+        cached, self._just_cached = self._just_cached, []
+        if self._one_block_size and len(cached) == len(self.managers):  # a block filled in every group, in order
+            index = self._first.num_cached(request_id) - 1
+            pairs = zip(self.managers, cached, strict=True)
+            if index >= 0 and all(manager.blocks_of(request_id)[index] is block for manager, block in pairs):
+                self.events.stored(self._group_ids, self._chain(request, self._first, index, index + 1))
+                return
+        just = {id(block) for block in cached}
+        counts = Counter(block.hash_group for block in cached)
+        chains: dict[tuple[int, int, int], list[int]] = {}
         for group_id, count in counts.items():
             manager = self.managers[group_id]
             blocks = manager.blocks_of(request_id)
@@ -431,18 +440,19 @@ class KVCacheCoordinator:
                 index -= 1
             indices.reverse()
             for run in _runs(indices):
-                self._announce(request, manager, run[0], run[-1] + 1)
+                chains.setdefault((manager.hash_stride, run[0], run[-1] + 1), []).append(group_id)
+        for (_, start, end), group_ids in chains.items():
+            self.events.stored(group_ids, self._chain(request, self.managers[group_ids[0]], start, end))
 
-    def _announce(self, request: KVRequest, manager: SingleTypeManager, start: int, end: int) -> None:
-        """`BlockStored` of the request's blocks start..end-1 in the manager's group, held by the pool."""
+    def _chain(self, request: KVRequest, manager: SingleTypeManager, start: int, end: int) -> BlockChain:
+        """The request's blocks start..end-1 in the manager's group, as the events announce them."""
         hashes, size = request.block_hashes, manager.block_size
-        chain = BlockChain(
+        return BlockChain(
             [manager.block_hash(hashes, index) for index in range(start, end)],
             manager.block_hash(hashes, start - 1) if start else None,
             request.token_ids[start * size : end * size],
             request.adapter_id,
         )
-        self.events.stored(manager.group_id, chain)
 
     def take_tier_copies(self) -> tuple[TierCopies, TierCopies]:
         """The copies between the pool and the tiers planned since the last call (the runner makes them before the

@@ -38,7 +38,7 @@ SPEC_KINDS = {
 STATE_KIND = "mamba"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockStored:
     """Full blocks, one chain (each block's parent is the one before it), now held in `medium`."""
 
@@ -54,7 +54,7 @@ class BlockStored:
     kv_cache_spec_sliding_window: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockRemoved:
     """Blocks no longer held in `medium`."""
 
@@ -63,7 +63,7 @@ class BlockRemoved:
     group_idx: int | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AllBlocksCleared:
     """Every block of every medium is gone (a reset of the prefix cache, or the pool put to sleep)."""
 
@@ -103,7 +103,9 @@ class KVEventRecorder:
     `shapes[g]` describes hybridkv's group g, published as group `order[g]`; `state_group` is the published number of
     the state checkpoints' group (None without state layers), which the memory manager calls `checkpoint_key` (its
     tiers' key: hybridkv/memory/state_slots.py's STATE_GROUP). What a lower tier stores, the recorder announces with
-    the parent and tokens it announced for the pool's copy (`_known`, kept while some medium holds the block).
+    the parent and tokens it announced for the pool's copy (`_known`: per block size and hash, those and the (group,
+    medium) pairs that hold the block, kept while one does). Groups of one block size that cache the same blocks (most
+    of a hybrid model's) share one chain's work: one `stored` call, an event each.
     """
 
     def __init__(
@@ -118,8 +120,8 @@ class KVEventRecorder:
         self.state_group = state_group
         self.checkpoint_key = checkpoint_key
         self.events: list[KVCacheEvent] = []
-        # (hybridkv group id or checkpoint_key, hash) -> (parent, tokens, lora, media holding it).
-        self._known: dict[tuple[int, bytes], tuple[bytes | None, tuple[int, ...], tuple[int, str] | None, set]] = {}
+        # (block size, hash) -> [parent, tokens, lora, {(hybridkv group id or checkpoint_key, medium), ...}].
+        self._known: dict[tuple[int, bytes], list] = {}
         self._planned: dict[bytes, BlockChain] = {}  # checkpoints a step writes, announced once it ran
 
     @property
@@ -131,77 +133,70 @@ class KVEventRecorder:
         events, self.events = self.events, []
         return events
 
-    def stored(self, group_id: int, chain: BlockChain, medium: str = GPU) -> None:
-        """The group's blocks of `chain` are held in `medium` now (its pool: "GPU")."""
-        shape = self.shapes[group_id]
-        size = shape.block_size
-        parent = chain.parent
-        for index, block_hash in enumerate(chain.hashes):
-            tokens = tuple(chain.token_ids[index * size : (index + 1) * size])
-            self._hold((group_id, block_hash), parent, tokens, chain.lora, medium)
-            parent = block_hash
+    def stored(self, group_ids: Sequence[int], chain: BlockChain, medium: str = GPU) -> None:
+        """The blocks of `chain` are held in `medium` now (the pool: "GPU") in each of the groups (all of one block
+        size)."""
+        size = self.shapes[group_ids[0]].block_size
+        self._hold(group_ids, size, chain, medium)
+        hashes = [external_hash(h) for h in chain.hashes]
+        parent = None if chain.parent is None else external_hash(chain.parent)
+        tokens = list(chain.token_ids)
+        lora_id, lora_name = chain.lora or (None, None)
+        for group_id in group_ids:
+            shape = self.shapes[group_id]
+            self.events.append(
+                BlockStored(
+                    hashes, parent, tokens, size, lora_id, medium, lora_name, self.order[group_id], shape.kind,
+                    shape.sliding_window,
+                )
+            )  # fmt: skip
+
+    def checkpoint_stored(self, block_hash: bytes, chain: BlockChain, medium: str = GPU) -> None:
+        """A state checkpoint after the block `block_hash` (`chain`: that one block) is held in `medium`."""
+        size = len(chain.token_ids)
+        self._hold((self.checkpoint_key,), size, chain, medium)
+        lora_id, lora_name = chain.lora or (None, None)
+        parent = None if chain.parent is None else external_hash(chain.parent)
         self.events.append(
             BlockStored(
-                block_hashes=[external_hash(h) for h in chain.hashes],
-                parent_block_hash=None if chain.parent is None else external_hash(chain.parent),
-                token_ids=list(chain.token_ids),
-                block_size=size,
-                lora_id=None if chain.lora is None else chain.lora[0],
-                medium=medium,
-                lora_name=None if chain.lora is None else chain.lora[1],
-                group_idx=self.order[group_id],
-                kv_cache_spec_kind=shape.kind,
-                kv_cache_spec_sliding_window=shape.sliding_window,
+                [external_hash(block_hash)], parent, list(chain.token_ids), size, lora_id, medium, lora_name,
+                self.state_group, STATE_KIND,
             )
-        )
+        )  # fmt: skip
 
     def removed(self, group_id: int, block_hash: bytes, medium: str = GPU) -> None:
-        """The group's block `block_hash` is no longer held in `medium`."""
-        key = (group_id, block_hash)
+        """The group's block `block_hash` is no longer held in `medium` (nothing for one never announced)."""
+        checkpoint = group_id == self.checkpoint_key
+        size = self._checkpoint_size if checkpoint else self.shapes[group_id].block_size
+        key = (size, block_hash)
         known = self._known.get(key)
-        if known is None or medium not in known[3]:
+        if known is None or (group_id, medium) not in known[3]:
             return
-        known[3].discard(medium)
+        known[3].discard((group_id, medium))
         if not known[3]:
             del self._known[key]
-        group_idx = self.state_group if group_id == self.checkpoint_key else self.order[group_id]
+        group_idx = self.state_group if checkpoint else self.order[group_id]
         self.events.append(BlockRemoved([external_hash(block_hash)], medium, group_idx))
 
     def copied(self, group_id: int, block_hash: bytes, medium: str) -> None:
         """A lower tier (`medium`) holds a copy of a block announced before: announced with the same parent and
         tokens; nothing for a block never announced (one a tier read from a file of another process)."""
-        known = self._known.get((group_id, block_hash))
-        if known is None or medium in known[3]:
+        checkpoint = group_id == self.checkpoint_key
+        size = self._checkpoint_size if checkpoint else self.shapes[group_id].block_size
+        known = self._known.get((size, block_hash))
+        if known is None or (group_id, medium) in known[3]:
             return
         parent, tokens, lora, _ = known
-        if group_id == self.checkpoint_key:
-            self.checkpoint_stored(block_hash, parent, tokens, lora, medium)
+        chain = BlockChain([block_hash], parent, tokens, lora)
+        if checkpoint:
+            self.checkpoint_stored(block_hash, chain, medium)
         else:
-            self.stored(group_id, BlockChain([block_hash], parent, tokens, lora), medium)
+            self.stored([group_id], chain, medium)
 
-    def checkpoint_stored(
-        self,
-        block_hash: bytes,
-        parent: bytes | None,
-        token_ids: Sequence[int],
-        lora: tuple[int, str] | None,
-        medium: str = GPU,
-    ) -> None:
-        """A state checkpoint after the block `block_hash` (whose tokens are `token_ids`) is held in `medium`."""
-        self._hold((self.checkpoint_key, block_hash), parent, tuple(token_ids), lora, medium)
-        self.events.append(
-            BlockStored(
-                block_hashes=[external_hash(block_hash)],
-                parent_block_hash=None if parent is None else external_hash(parent),
-                token_ids=list(token_ids),
-                block_size=len(token_ids),
-                lora_id=None if lora is None else lora[0],
-                medium=medium,
-                lora_name=None if lora is None else lora[1],
-                group_idx=self.state_group,
-                kv_cache_spec_kind=STATE_KIND,
-            )
-        )
+    @property
+    def _checkpoint_size(self) -> int:
+        """A checkpoint names the block (of the smallest group block size) it follows."""
+        return min(shape.block_size for shape in self.shapes)
 
     def checkpoint_planned(self, block_hash: bytes, chain: BlockChain) -> None:
         """A step will write a state checkpoint after the block `block_hash` (`chain`: that one block); announced
@@ -213,7 +208,7 @@ class KVEventRecorder:
         for block_hash in block_hashes:
             chain = self._planned.pop(block_hash, None)
             if chain is not None:
-                self.checkpoint_stored(block_hash, chain.parent, chain.token_ids, chain.lora)
+                self.checkpoint_stored(block_hash, chain)
         self._planned.clear()
 
     def checkpoints_discarded(self) -> None:
@@ -225,20 +220,15 @@ class KVEventRecorder:
         self._known.clear()
         self.events.append(AllBlocksCleared())
 
-    def holds(self, group_id: int, block_hash: bytes, medium: str = GPU) -> bool:
-        known = self._known.get((group_id, block_hash))
-        return known is not None and medium in known[3]
-
-    def _hold(
-        self,
-        key: tuple[int, bytes],
-        parent: bytes | None,
-        tokens: tuple[int, ...],
-        lora: tuple[int, str] | None,
-        medium: str,
-    ) -> None:
-        known = self._known.get(key)
-        if known is None:
-            self._known[key] = (parent, tokens, lora, {medium})
-        else:
-            known[3].add(medium)
+    def _hold(self, group_ids: Sequence[int], size: int, chain: BlockChain, medium: str) -> None:
+        """Remember each block of `chain` (its parent, tokens and adapter) as held by the groups in `medium`."""
+        known, parent, tokens = self._known, chain.parent, chain.token_ids
+        holders = [(group_id, medium) for group_id in group_ids]
+        for index, block_hash in enumerate(chain.hashes):
+            entry = known.get((size, block_hash))
+            if entry is None:
+                block_tokens = tuple(tokens[index * size : (index + 1) * size])
+                known[size, block_hash] = [parent, block_tokens, chain.lora, set(holders)]
+            else:
+                entry[3].update(holders)
+            parent = block_hash
