@@ -5,7 +5,7 @@ a byte-level BPE tokenizer and a chat template) and per policy, `--replicas` fre
 torch thread each, 127.0.0.1 only, each publishing vLLM's KV events on a loopback tcp:// port) run behind a fresh
 `vllm-router` (PyPI's vllm-router, the Rust binary), and `--sessions` chat sessions talk to the router at once: each
 session's first message is its own document of `--document-words` words, then `--turns` turns, each the conversation
-so far plus the answer (`--max-tokens`, greedy, streamed) and a new question. Policies:
+so far plus the answer (`--max-tokens`, greedy, streamed) and a new question of `--question-words` words. Policies:
 - round_robin: the baseline, each request to the next replica;
 - cache_aware: vllm-router's approximate radix tree of the token ids it routed (it asks a replica's
   /v1/chat/completions/render for them);
@@ -23,6 +23,7 @@ printed, and anything short of all fails the run.
 
     python benchmarks/replicas.py [--replicas 2] [--sessions 6] [--turns 5] [--families gemma3,qwen3_5]
                                   [--policies round_robin,cache_aware,kv_aware] [--max-tokens 16] [--document-words 600]
+                                  [--question-words 24] [--num-blocks 4096]
 """
 
 from __future__ import annotations
@@ -186,7 +187,10 @@ async def session(client: httpx.AsyncClient, index: int, args: argparse.Namespac
     for turn in range(args.turns):
         first, prompt_ids, token_ids, text = await ask(client, messages, args.max_tokens)
         turns.append(Turn(index, turn, first, prompt_ids, token_ids, text))
-        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": sentence(rng, 24)}]
+        messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": sentence(rng, args.question_words)},
+        ]
 
 
 async def run_sessions(router: str, args: argparse.Namespace) -> tuple[list[Turn], float]:
@@ -295,6 +299,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--document-words", type=int, default=600)
+    parser.add_argument("--question-words", type=int, default=24, help="each later turn's new message")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--families", default=",".join(MODELS))
     parser.add_argument(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -50,6 +51,8 @@ ROUTER_START_SECONDS = 60
 DEADLINE_SECONDS = 30
 STOP_SECONDS = 30
 SUBSCRIBE_SECONDS = 1.0
+# Each router's workers' ports, by the router's URL (what a test that watches the workers reads).
+WORKER_PORTS: dict[str, list[int]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +144,7 @@ def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-rout
         wait_for_health(routing, router_port, ROUTER_START_SECONDS)
         if events:  # the router's subscribers connect (a batch sent before is replayed once a later one shows the gap)
             time.sleep(SUBSCRIBE_SECONDS)
+        WORKER_PORTS[f"http://127.0.0.1:{router_port}"] = worker_ports
         yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{metrics_port}", urls
     finally:
         for process in processes:
@@ -249,3 +253,35 @@ def test_kv_aware_routes_each_session_to_the_worker_its_events_say_holds_it(chec
                 # Its worker found the last turn's prompt and answer but the answer's last token, in whole blocks.
                 expected = (len(prompt) + NEW_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE
                 assert hits == [expected if worker == index else 0 for worker in range(2)], (index, hits)
+
+
+def finished_by_reason(url: str) -> dict[str, float]:
+    """A worker's finished samples by finish reason (its /metrics)."""
+    text = httpx.get(url + "/metrics", timeout=DEADLINE_SECONDS).text
+    return {
+        sample.labels["finish_reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "hybridkv_request_finished_total"
+    }
+
+
+@pytest.mark.slow
+def test_a_stream_the_client_drops_at_the_router_is_aborted_on_its_worker(router):
+    """A client that goes away mid-stream: the router drops its connection to the worker, which aborts the request
+    (finish reason "abort", not "length") and gets back every block it held."""
+    _, router_url, _ = router
+    workers = [f"http://127.0.0.1:{port}" for port in WORKER_PORTS[router_url]]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then the client is gone
+    deadline = time.monotonic() + DEADLINE_SECONDS
+    while sum(finished_by_reason(url).get("abort", 0) for url in workers) < 1:
+        assert time.monotonic() < deadline, [finished_by_reason(url) for url in workers]
+        time.sleep(0.2)
+    assert sum(finished_by_reason(url).get("length", 0) for url in workers) == 0
+    for url in workers:
+        text = httpx.get(url + "/metrics", timeout=DEADLINE_SECONDS).text
+        assert re.search(r"^hybridkv_kv_blocks_in_use 0\.0$", text, re.MULTILINE), url
