@@ -21,15 +21,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
-from server_process import wait_for_health
+from server_process import save_chat_checkpoint, wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.engine.chat import ChatOptions, chat_prompt, render_chat
-from hybridkv.tiny import tiny_model
-
-from tiny_tokenizer import tiny_tokenizer
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 512
@@ -45,13 +42,7 @@ DEADLINE_SECONDS = 30
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("checkpoint")
-    tiny_tokenizer().save_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("checkpoint"), CHAT_TEMPLATE)
 
 
 def load(checkpoint):

@@ -18,15 +18,12 @@ import openai
 import pytest
 from lora_adapters import make_adapters
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import wait_for_health
+from server_process import save_chat_checkpoint, wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.serving import cli
-from hybridkv.tiny import tiny_model
-
-from tiny_tokenizer import tiny_tokenizer
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = (
@@ -48,13 +45,7 @@ DEADLINE_SECONDS = 30
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("checkpoint")
-    tiny_tokenizer().save_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)  # a copy: tiny_tokenizer() is shared by the process's tests
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
-    return path
+    return save_chat_checkpoint(tmp_path_factory.mktemp("checkpoint"), CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
