@@ -93,6 +93,7 @@ def test_a_hash_is_vllms_unsigned_64_bit_integer():
         ({"enable_kv_cache_events": True, "publisher": "kafka"}, "publisher must be one of"),
         ({"enable_kv_cache_events": True, "buffer_step": 10}, r"unknown field\(s\) \['buffer_step'\]"),
         ({"enable_kv_cache_events": "yes"}, "must be true or false"),
+        ({"enable_kv_cache_events": True, "hybrid_groups": 0}, "hybrid_groups must be true or false"),
         ({"enable_kv_cache_events": True, "hwm": 0}, "hwm must be a positive integer"),
         ("tcp://*:5557", "must be a dict"),
     ],
@@ -199,18 +200,25 @@ def events_config(tmp_path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("family", "settings"),
+    ("family", "settings", "hybrid_groups"),
     [
-        ("llama", {"num_blocks": 40}),
-        ("gemma3", {"num_blocks": 60}),
-        ("gemma3", {"num_blocks": 60, "kv_offloading_size": 0.0002}),
-        ("qwen3_5", {"num_blocks": 60, "kv_offloading_size": 0.002}),
+        ("llama", {"num_blocks": 40}, True),
+        ("gemma3", {"num_blocks": 60}, True),
+        ("gemma3", {"num_blocks": 60, "kv_offloading_size": 0.0002}, True),
+        ("qwen3_5", {"num_blocks": 60, "kv_offloading_size": 0.002}, True),
+        ("gemma3", {"num_blocks": 60, "kv_offloading_size": 0.0002}, False),
+        ("qwen3_5", {"num_blocks": 60, "kv_offloading_size": 0.002}, False),
     ],
-    ids=["llama", "gemma3-sliding", "gemma3-host-tier", "qwen3_5-checkpoints-host-tier"],
-)
-def test_a_subscriber_rebuilds_what_every_tier_holds(tmp_path, family, settings):
+    ids=[
+        "llama", "gemma3-sliding", "gemma3-host-tier", "qwen3_5-checkpoints-host-tier", "gemma3-group-0-only",
+        "qwen3_5-group-0-only",
+    ],
+)  # fmt: skip
+def test_a_subscriber_rebuilds_what_every_tier_holds(tmp_path, family, settings, hybrid_groups):
+    """With hybrid_groups False only group 0 (full attention) is published: exactly its blocks, in every tier."""
     model = tiny_model(family)
-    llm = hybridkv.patch(model, block_size=8, max_model_len=128, kv_events_config=events_config(tmp_path), **settings)
+    config = {**events_config(tmp_path), "hybrid_groups": hybrid_groups}
+    llm = hybridkv.patch(model, block_size=8, max_model_len=128, kv_events_config=config, **settings)
     try:
         sessions(llm, count=4, turns=3)
         assert llm.core.coordinator.pool.num_evictions > 0  # the pool was too small: blocks were removed too
@@ -219,15 +227,18 @@ def test_a_subscriber_rebuilds_what_every_tier_holds(tmp_path, family, settings)
         index = Index()
         for _, payload in batches:
             index.apply(payload)
-        assert index.held == held_now(llm)
+        held = held_now(llm)
+        assert index.held == (held if hybrid_groups else {key for key in held if key[0] == 0})
         media = {event["medium"] for event in index.stored}
         assert media == ({"GPU", "CPU"} if "kv_offloading_size" in settings else {"GPU"})
         groups = {event["group_idx"]: (event["kv_cache_spec_kind"], event.get("kv_cache_spec_sliding_window"))
                   for event in index.stored}  # fmt: skip
         assert groups[0] == ("full_attention", None)  # group 0 is the one a single-group index reads
-        if family == "gemma3":
+        if not hybrid_groups:
+            assert set(groups) == {0}
+        elif family == "gemma3":
             assert ("sliding_window", model.config.sliding_window) in groups.values()
-        if family == "qwen3_5":
+        elif family == "qwen3_5":
             assert ("mamba", None) in groups.values()
         llm.reset_prefix_cache()
         final = replay(f"ipc://{tmp_path}/replay", start=len(batches))

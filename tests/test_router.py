@@ -92,11 +92,12 @@ def free_ports(count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-router"):
+def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-router", discovery: bool = False):
     """Two workers behind `vllm-router --policy POLICY`: the router's URL, its Prometheus URL and the workers' URLs;
     with `events`, each worker publishes its KV events on a loopback port the router subscribes to (kv_aware's
     `--kv-event-source`), and answers replays on another (`--kv-event-replay-source`: batches sent before the router's
-    subscription reached the worker are read from there). Every process is stopped on exit."""
+    subscription reached the worker are read from there); with `discovery`, the router finds both itself (its
+    `/get_server_info` and `/kv_event_sources` queries). Every process is stopped on exit."""
     command = router_command(kind)
     *worker_ports, router_port, metrics_port, event_a, event_b, replay_a, replay_b = free_ports(8)
     processes: list[subprocess.Popen] = []
@@ -121,7 +122,7 @@ def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-rout
             wait_for_health(process, port, WORKER_START_SECONDS)
         urls = [f"http://127.0.0.1:{port}" for port in worker_ports]
         sources = []
-        if events:
+        if events and not discovery:
             sources = [flag for url, endpoint, replay in zip(urls, endpoints, replays, strict=True)
                        for flag in ("--kv-event-source", f"{url}={endpoint}",
                                     "--kv-event-replay-source", f"{url}={replay}")]  # fmt: skip
@@ -216,14 +217,16 @@ def prefix_hits(url: str) -> float:
 
 
 @pytest.mark.slow
-def test_kv_aware_routes_each_session_to_the_worker_its_events_say_holds_it(checkpoint, offline):
+@pytest.mark.parametrize("discovery", [False, True], ids=["kv-event-source", "discovered"])
+def test_kv_aware_routes_each_session_to_the_worker_its_events_say_holds_it(checkpoint, offline, discovery):
     """vllm-router's kv_aware policy over hybridkv's KV events: session A starts on worker 0 and session B on worker 1
     (sent to them directly, not through the router); each next turn through the router goes to the worker holding its
     prefix, which only the router's index of the events can know (a load-only choice sends both to one worker), so
-    every turn finds its whole computed prefix there; answers stay the offline engine's."""
+    every turn finds its whole computed prefix there; answers stay the offline engine's. The router learns where the
+    events are from its flags, or from each worker's /get_server_info and /kv_event_sources."""
     tokenizer = offline.tokenizer
     sessions = [tokenizer.encode(text) * 2 for text in ("The quick brown fox", "Once upon a time, a tiny model")]
-    with routed(checkpoint, "kv_aware", events=True) as (router_url, _, workers):
+    with routed(checkpoint, "kv_aware", events=True, discovery=discovery) as (router_url, _, workers):
         for prompt, url in zip(sessions, workers, strict=True):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
             assert httpx.post(url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS).status_code == 200

@@ -390,7 +390,7 @@ class EngineCore:
         config = self.config.kv_events_config
         if config is None or not config.publishes:
             return None
-        recorder = self.coordinator.record_events()
+        recorder = self.coordinator.record_events(config.hybrid_groups)
         if self.disk_store is not None:
             self.disk_store.on_remove = lambda key: recorder.removed(*key, DISK)
         return ZmqEventPublisher(config)

@@ -7,6 +7,11 @@ ipc:// and inproc://, else connected to; hybridkv binds a loopback tcp:// addres
 it), `replay_endpoint` (a ZMQ ROUTER socket, bound, that answers a subscriber asking for the batches from a sequence
 number on), `buffer_steps` (batches kept for replay), `hwm` (the socket's high-water mark), `max_queue_size` (batches
 waiting for the publisher thread) and `topic` (the first frame of every message).
+
+One field is hybridkv's: `hybrid_groups` (default true) publishes every KV cache group of a hybrid model and its state
+checkpoints (hybridkv/memory/kv_events.py); false publishes group 0 alone, the full-attention blocks, which is what an
+index that admits only full-attention events takes (vllm-router's discovery through `/kv_event_sources` refuses a whole
+batch that holds a sliding window's or a state's event).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    hybrid_groups: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise TypeError(f"enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+        for name in ("enable_kv_cache_events", "hybrid_groups"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"kv_events_config {name} must be true or false, got {getattr(self, name)!r}")
         if self.publisher is None:  # vLLM's default: zmq once enabled
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if self.publisher not in PUBLISHERS:

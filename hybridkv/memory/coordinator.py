@@ -391,17 +391,17 @@ class KVCacheCoordinator:
         if self.events is not None:
             self._just_cached.append(block)
 
-    def record_events(self) -> KVEventRecorder:
+    def record_events(self, hybrid_groups: bool = True) -> KVEventRecorder:
         """Record vLLM's KV events from now on (hybridkv/memory/kv_events.py): the pool's blocks as they are cached
         and evicted, the state checkpoints', and the tiers'. Groups are published prefix-closed ones first (group 0
-        is the one a single-group index reads), the state checkpoints last."""
+        is the one a single-group index reads), the state checkpoints last; `hybrid_groups` False: group 0 alone."""
         shapes = [
             GroupShape(m.block_size, SPEC_KINDS[m.kind], getattr(m, "sliding_window", None)) for m in self.managers
         ]
         published = sorted(range(len(self.managers)), key=lambda g: not self.managers[g].hits_are_prefix_closed)
         order = [published.index(group_id) for group_id in range(len(self.managers))]
         state_group = len(self.managers) if self.state_checkpoints is not None else None
-        recorder = KVEventRecorder(shapes, order, state_group, STATE_GROUP)
+        recorder = KVEventRecorder(shapes, order, state_group, STATE_GROUP, hybrid_groups)
         self.events = recorder
         self._group_ids = list(range(len(self.managers)))
         self.pool.events = recorder

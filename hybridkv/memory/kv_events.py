@@ -105,7 +105,9 @@ class KVEventRecorder:
     tiers' key: hybridkv/memory/state_slots.py's STATE_GROUP). What a lower tier stores, the recorder announces with
     the parent and tokens it announced for the pool's copy (`_known`: per block size and hash, those and the (group,
     medium) pairs that hold the block, kept while one does). Groups of one block size that cache the same blocks (most
-    of a hybrid model's) share one chain's work: one `stored` call, an event each.
+    of a hybrid model's) share one chain's work: one `stored` call, an event each. With `hybrid_groups` False only
+    published group 0 is recorded (no other group, no checkpoint): what an index that admits full-attention events
+    only takes.
     """
 
     def __init__(
@@ -114,11 +116,15 @@ class KVEventRecorder:
         order: Sequence[int],
         state_group: int | None = None,
         checkpoint_key: int = -1,
+        hybrid_groups: bool = True,
     ) -> None:
         self.shapes = list(shapes)
         self.order = list(order)
-        self.state_group = state_group
         self.checkpoint_key = checkpoint_key
+        self.hybrid_groups = hybrid_groups
+        # The published state checkpoints' group: None without state layers, or with group 0 alone.
+        self.state_group = state_group if hybrid_groups else None
+        self._first_group = self.order.index(0)
         self.events: list[KVCacheEvent] = []
         # (block size, hash) -> [parent, tokens, lora, {(hybridkv group id or checkpoint_key, medium), ...}].
         self._known: dict[tuple[int, bytes], list] = {}
@@ -136,6 +142,10 @@ class KVEventRecorder:
     def stored(self, group_ids: Sequence[int], chain: BlockChain, medium: str = GPU) -> None:
         """The blocks of `chain` are held in `medium` now (the pool: "GPU") in each of the groups (all of one block
         size)."""
+        if not self.hybrid_groups:
+            if self._first_group not in group_ids:
+                return
+            group_ids = (self._first_group,)
         size = self.shapes[group_ids[0]].block_size
         self._hold(group_ids, size, chain, medium)
         hashes = [external_hash(h) for h in chain.hashes]
@@ -153,6 +163,8 @@ class KVEventRecorder:
 
     def checkpoint_stored(self, block_hash: bytes, chain: BlockChain, medium: str = GPU) -> None:
         """A state checkpoint after the block `block_hash` (`chain`: that one block) is held in `medium`."""
+        if self.state_group is None:
+            return
         size = len(chain.token_ids)
         self._hold((self.checkpoint_key,), size, chain, medium)
         lora_id, lora_name = chain.lora or (None, None)
@@ -201,7 +213,8 @@ class KVEventRecorder:
     def checkpoint_planned(self, block_hash: bytes, chain: BlockChain) -> None:
         """A step will write a state checkpoint after the block `block_hash` (`chain`: that one block); announced
         once the step ran (`checkpoints_written`)."""
-        self._planned[block_hash] = chain
+        if self.state_group is not None:
+            self._planned[block_hash] = chain
 
     def checkpoints_written(self, block_hashes: Sequence[bytes]) -> None:
         """The step ran: its planned checkpoints hold their states."""

@@ -140,10 +140,13 @@ class OpenAIServing:
 
     def kv_event_sources(self) -> dict[str, Any]:
         """`/kv_event_sources` (vLLM's): per data-parallel rank (one here: "0"), the `KVEventsConfig` its events are
-        published with; empty when the engine publishes none. A router's discovery subscribes there (vllm-router puts
-        the worker's host in place of a `*`)."""
+        published with, and the wire format's name and version (`encoding` "msgpack", `schema_version` 1: vllm-router's
+        discovery subscribes only to a source that names them); empty when the engine publishes none. vllm-router puts
+        the worker's host in place of a `*`."""
         config = self.kv_events_config
-        return {"0": dataclasses.asdict(config)} if config is not None and config.publishes else {}
+        if config is None or not config.publishes:
+            return {}
+        return {"0": {**dataclasses.asdict(config), "encoding": "msgpack", "schema_version": 1}}
 
     def model_info(self) -> dict[str, Any]:
         """`/get_model_info` (SGLang's, which routers may ask): the served model, where its tokenizer was read from,
