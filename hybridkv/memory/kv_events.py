@@ -125,6 +125,8 @@ class KVEventRecorder:
         # The published state checkpoints' group: None without state layers, or with group 0 alone.
         self.state_group = state_group if hybrid_groups else None
         self._first_group = self.order.index(0)
+        # A checkpoint names the block (of the smallest group block size) it follows.
+        self._checkpoint_size = min(shape.block_size for shape in self.shapes)
         self.events: list[KVCacheEvent] = []
         # (block size, hash) -> [parent, tokens, lora, {(hybridkv group id or checkpoint_key, medium), ...}].
         self._known: dict[tuple[int, bytes], list] = {}
@@ -133,7 +135,7 @@ class KVEventRecorder:
     @property
     def block_size(self) -> int:
         """The tokens per block of published group 0 (what a single-group index chunks prompts by)."""
-        return self.shapes[self.order.index(0)].block_size
+        return self.shapes[self._first_group].block_size
 
     def take(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
@@ -204,11 +206,6 @@ class KVEventRecorder:
             self.checkpoint_stored(block_hash, chain, medium)
         else:
             self.stored([group_id], chain, medium)
-
-    @property
-    def _checkpoint_size(self) -> int:
-        """A checkpoint names the block (of the smallest group block size) it follows."""
-        return min(shape.block_size for shape in self.shapes)
 
     def checkpoint_planned(self, block_hash: bytes, chain: BlockChain) -> None:
         """A step will write a state checkpoint after the block `block_hash` (`chain`: that one block); announced
