@@ -113,9 +113,30 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
 
 
 @pytest.mark.slow
+def replayed_event_types(endpoint: str) -> set[str]:
+    """The types of every KV event a publisher's replay socket keeps (vLLM's replay: from sequence number 0)."""
+    import msgpack
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(endpoint)
+    socket.send_multipart([b"", (0).to_bytes(8, "big")])
+    types = set()
+    try:
+        while socket.poll(10_000):
+            _, _, seq, payload = socket.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return types
+            types.update(event["type"] for event in msgpack.unpackb(payload)[1])
+        raise AssertionError("no end of the replay")
+    finally:
+        socket.close(linger=0)
+
+
 def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
     """`torchrun --nproc_per_node 2 -m hybridkv serve --model PATH`: the checkpoint is sharded, rank 0
-    serves OpenAI's API, rank 1 runs the worker loop; Ctrl-C stops both."""
+    serves OpenAI's API and publishes the KV events (alone: rank 1 opens no socket), rank 1 runs the worker loop;
+    Ctrl-C stops both."""
     httpx = pytest.importorskip("httpx")
     tokenizer = tiny_tokenizer()
     model = tiny_model("gemma3", vocab_size=len(tokenizer), num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -128,6 +149,10 @@ def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
         "--master_port", str(free_port()), "-m", "hybridkv", "serve", "--model", str(tmp_path),
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128", "--threads", "1",
+        "--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/events",
+            "replay_endpoint": f"ipc://{tmp_path}/replay",
+        }),
     ]  # fmt: skip
     server = subprocess.Popen(command, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -136,6 +161,7 @@ def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
         body = {"model": str(tmp_path), "prompt": "The quick", "max_tokens": 8, "temperature": 0}
         response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert response["choices"][0]["text"] == expected.text
+        assert replayed_event_types(f"ipc://{tmp_path}/replay") >= {"BlockStored"}
     finally:
         os.killpg(server.pid, signal.SIGINT)
         try:

@@ -388,7 +388,7 @@ class EngineCore:
         """vLLM's KV events, where `kv_events_config` enables them: recorded by the memory manager (its pool, state
         checkpoints and tiers, the disk store's removals too), sent by a publisher thread."""
         config = self.config.kv_events_config
-        if config is None or not config.publishes:
+        if config is None or not config.publishes or self.worker_rank is not None:  # rank 0 alone schedules and caches
             return None
         recorder = self.coordinator.record_events(config.hybrid_groups)
         if self.disk_store is not None:
