@@ -48,8 +48,6 @@ ROUTER_START_SECONDS = 60
 DEADLINE_SECONDS = 30
 STOP_SECONDS = 30
 SUBSCRIBE_SECONDS = 1.0
-# Each router's workers' ports, by the router's URL (what a test that watches the workers reads).
-WORKER_PORTS: dict[str, list[int]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +134,6 @@ def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-rout
         wait_for_health(routing, router_port, ROUTER_START_SECONDS)
         if events:  # the router's subscribers connect (a batch sent before is replayed once a later one shows the gap)
             time.sleep(SUBSCRIBE_SECONDS)
-        WORKER_PORTS[f"http://127.0.0.1:{router_port}"] = worker_ports
         yield f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{metrics_port}", urls
     finally:
         for process in processes:
@@ -151,9 +148,9 @@ def routed(checkpoint, policy: str, events: bool = False, kind: str = "vllm-rout
 
 @pytest.fixture(params=["vllm-router", "sglang-router"])
 def router(checkpoint, request):
-    """The router's kind, URL and Prometheus URL, in front of two workers (cache_aware)."""
-    with routed(checkpoint, "cache_aware", kind=request.param) as (router_url, metrics_url, _):
-        yield request.param, router_url, metrics_url
+    """The router's kind, URL and Prometheus URL, and its two workers' URLs (cache_aware)."""
+    with routed(checkpoint, "cache_aware", kind=request.param) as (router_url, metrics_url, workers):
+        yield request.param, router_url, metrics_url, workers
 
 
 def offline_answer(offline, prompt_ids: list[int]) -> tuple[list[int], str]:
@@ -171,7 +168,7 @@ def routing_inputs(metrics_url: str) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_completions_and_chats_through_a_router_are_the_offline_engines(router, offline):
-    kind, router_url, metrics_url = router
+    kind, router_url, metrics_url, _ = router
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=DEADLINE_SECONDS)
     for prompt in PROMPTS:
         (choice,) = client.completions.create(model=MODEL, prompt=prompt, **SETTINGS).choices
@@ -264,8 +261,7 @@ def finished_by_reason(url: str) -> dict[str, float]:
 def test_a_stream_the_client_drops_at_the_router_is_aborted_on_its_worker(router):
     """A client that goes away mid-stream: the router drops its connection to the worker, which aborts the request
     (finish reason "abort", not "length") and gets back every block it held."""
-    _, router_url, _ = router
-    workers = [f"http://127.0.0.1:{port}" for port in WORKER_PORTS[router_url]]
+    _, router_url, _, workers = router
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", router_url + "/v1/completions", json=body, timeout=DEADLINE_SECONDS) as response:
         for line in response.iter_lines():

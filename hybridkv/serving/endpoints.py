@@ -301,9 +301,7 @@ class OpenAIServing:
         The chat endpoint and its render both take their tokens from here, so they cannot differ."""
         image_urls = [url for message in body.messages for url in message.image_urls()]
         try:
-            options = ChatOptions(
-                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-            )
+            options = body.chat_options()
             messages = [message.as_dict() for message in body.messages]
             if image_urls:
                 return self._image_prompt(messages, image_urls, body.tools, options)
@@ -362,9 +360,7 @@ class OpenAIServing:
                 raise APIError(
                     400, "/tokenize takes text messages only (images are expanded by the processor)", "messages"
                 )
-            options = ChatOptions(
-                body.chat_template, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
-            )
+            options = body.chat_options()
             try:
                 text = render_chat(tokenizer, [message.as_dict() for message in body.messages], body.tools, options)
             except (ValueError, TypeError) as error:

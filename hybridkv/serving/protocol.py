@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hybridkv.engine.chat import ChatOptions
 from hybridkv.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.structured_params import StructuredOutputsParams
@@ -231,7 +232,23 @@ def _with_argument_object(call: Any) -> Any:
     return call
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(OpenAIModel):
+    """What renders a chat's messages (vLLM's fields), the same for `/v1/chat/completions` and `/tokenize`: the
+    template and its settings, and the tools it shows."""
+
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def chat_options(self) -> ChatOptions:
+        return ChatOptions(
+            self.chat_template, self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs
+        )
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """`POST /v1/chat/completions`: `logprobs` is a flag and `top_logprobs` the top count (OpenAI's); `tools` and
     `tool_choice` ("none", "auto", "required" or {"type": "function", "function": {"name": ...}})."""
 
@@ -239,16 +256,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(ChatTemplateFields):
     """`POST /tokenize` (vLLM's): a prompt's token ids as `/v1/completions` makes them (`add_special_tokens`,
     default true), or a chat's as `/v1/chat/completions` renders it (`messages`, with the same template settings and
     `tools`); `return_token_strs` adds each token's text."""
@@ -257,11 +269,6 @@ class TokenizeRequest(OpenAIModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 
