@@ -11,12 +11,9 @@ what a prefix-cache hit restores. No torch here: the memory manager's side.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
+from hybridkv.memory.kv_events import GPU, KVEventRecorder
 from hybridkv.memory.tiers import BlockTiers
-
-if TYPE_CHECKING:
-    from hybridkv.memory.kv_events import KVEventRecorder
 
 SCRATCH_SLOT = 0
 # The group id of state checkpoints' keys in the tiers below the pool (blocks' groups count from 0).
@@ -108,7 +105,7 @@ class StateCheckpoints:
         self._kept[block_hash] = slot
         self._found.add(slot)
         if self.events is not None:
-            self.events.copied(STATE_GROUP, block_hash, "GPU")
+            self.events.copied(STATE_GROUP, block_hash, GPU)
         return slot
 
     def _slot_for_restore(self) -> int | None:

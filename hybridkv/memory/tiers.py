@@ -22,10 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from hybridkv.memory.kv_events import KVEventRecorder
+from hybridkv.memory.kv_events import CPU, DISK, KVEventRecorder
 
 TierKey = tuple[int, bytes]
 
@@ -140,7 +139,7 @@ class BlockTiers:
         self._copies.offload.append((block_id, slot))
         self.host.stored += 1
         if self.events is not None:
-            self.events.copied(*key, "CPU")
+            self.events.copied(*key, CPU)
 
     def hold(self, keys: list[TierKey]) -> None:
         """Keep the host slots of these blocks (those the host holds) until the step's copies are taken: a lookup
@@ -169,7 +168,7 @@ class BlockTiers:
             if self.host_keeps:
                 self._host[key] = slot
                 if self.events is not None:
-                    self.events.copied(*key, "CPU")
+                    self.events.copied(*key, CPU)
             else:  # a staging slot: free again once the step's copies are made
                 self._staged.append(slot)
         else:
@@ -183,7 +182,7 @@ class BlockTiers:
         """The pool registered `block_id`, computed, under `key`: the disk store writes it."""
         if self.disk_on:
             if self.events is not None:
-                self.events.copied(*key, "DISK")
+                self.events.copied(*key, DISK)
             self.disk.save(key, block_id)
 
     def take_copies(self) -> TierCopies:
@@ -216,7 +215,7 @@ class BlockTiers:
                 del self._host[key]
                 self.host.evicted += 1
                 if self.events is not None:
-                    self.events.removed(*key, "CPU")
+                    self.events.removed(*key, CPU)
                 if self.on_drop is not None:
                     self.on_drop(key)
                 return slot
