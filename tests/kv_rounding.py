@@ -33,6 +33,9 @@ def kv_rounded_like(model: torch.nn.Module, llm) -> Iterator[None]:
     originals = {key: config._attn_implementation or "eager" for key, config in configs.items()}
 
     latent = llm.core.runner.latent_layers
+    # The layer each attention module serves, as hybridkv found it (Zamba2's shared block has no index of its own).
+    named = dict(model.named_modules())
+    layer_of = {id(named[name]): layer_idx for layer_idx, name in llm.core.layout.module_names.items()}
 
     def rounded(layer_idx, key, value):
         k_scale, v_scale = scales[layer_idx]
@@ -41,7 +44,8 @@ def kv_rounded_like(model: torch.nn.Module, llm) -> Iterator[None]:
         return key, value
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        layer_idx = sources.get(module.layer_idx, module.layer_idx)
+        layer_idx = layer_of.get(id(module), module.layer_idx)
+        layer_idx = sources.get(layer_idx, layer_idx)
         if layer_idx not in latent:  # a latent layer's pages hold what it hands its cache: rounded there
             key, value = rounded(layer_idx, key, value)
         original = originals.get(id(module.config), "sdpa")

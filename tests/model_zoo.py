@@ -647,6 +647,68 @@ STATE = {
         router_hidden_size=16,
         initializer_range=0.5,  # below, its greedy tokens repeat one token (the test would be weak)
     ),
+    "jamba": lambda: _build(  # Mamba-1 (state), continued from its carried state: execution/state_continuations.py
+        hf.jamba.JambaForCausalLM,
+        hf.jamba.JambaConfig,
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        initializer_range=0.2,
+    ),
+    "zamba2": lambda: _build(  # two shared attention blocks, the first used at depths 0 and 4, each use its own K/V
+        hf.zamba2.Zamba2ForCausalLM,
+        hf.zamba2.Zamba2Config,
+        num_hidden_layers=5,
+        layers_block_type=["hybrid", "mamba", "hybrid", "mamba", "hybrid"],
+        num_mem_blocks=2,
+        use_shared_attention_adapter=True,  # per-use LoRA on the shared block's q, k and v
+        adapter_rank=8,
+        use_mem_rope=True,
+        num_key_value_heads=4,  # the adapters' outputs are added to K and V: as wide as the block's input, as published
+        mamba_d_state=8,
+        n_mamba_heads=8,
+        mamba_headdim=8,
+        mamba_expand=1,
+        chunk_size=32,
+        attention_head_dim=32,
+        initializer_range=0.2,
+    ),
+    "minimax": lambda: _build(  # lightning attention continued in its block form: execution/state_continuations.py
+        hf.minimax.MiniMaxForCausalLM,
+        hf.minimax.MiniMaxConfig,
+        num_hidden_layers=4,
+        head_dim=16,
+        layer_types=[LIN, LIN, LIN, F],
+        block_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+    ),
+    "recurrent_gemma": lambda: _tiny(  # its blocks keep their state on themselves: patches/own_state.py
+        hf.recurrent_gemma.RecurrentGemmaForCausalLM,
+        hf.recurrent_gemma.RecurrentGemmaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,  # recurrent, recurrent, local attention
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            lru_width=64,
+            attention_window_size=WINDOW,
+            w_init_variance_scale=0.5,  # its own init knobs, not initializer_range
+            final_w_init_variance_scale=1.0,
+            pad_token_id=0,  # _tiny clears it
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
     "falcon_h1": lambda: _build(
         hf.falcon_h1.FalconH1ForCausalLM,
         hf.falcon_h1.FalconH1Config,
@@ -759,19 +821,6 @@ def _paligemma():
 
 
 REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
-    "zamba2": lambda: _build(
-        hf.zamba2.Zamba2ForCausalLM,
-        hf.zamba2.Zamba2Config,
-        num_hidden_layers=4,
-        layers_block_type=["mamba", "mamba", "mamba", "hybrid"],
-        mamba_d_state=8,
-        n_mamba_heads=8,
-        mamba_headdim=8,
-        mamba_expand=1,
-        chunk_size=32,
-        attention_head_dim=32,
-        initializer_range=0.2,
-    ),
     "mamba2": lambda: _build(
         hf.mamba2.Mamba2ForCausalLM,
         hf.mamba2.Mamba2Config,
@@ -782,50 +831,6 @@ REFUSED: dict[str, Callable[[], PreTrainedModel]] = {
         n_groups=1,
         chunk_size=32,
         initializer_range=0.2,
-    ),
-    "jamba": lambda: _build(
-        hf.jamba.JambaForCausalLM,
-        hf.jamba.JambaConfig,
-        num_hidden_layers=4,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mamba_d_state=8,
-        mamba_dt_rank=8,
-        initializer_range=0.2,
-    ),
-    "minimax": lambda: _build(
-        hf.minimax.MiniMaxForCausalLM,
-        hf.minimax.MiniMaxConfig,
-        num_hidden_layers=4,
-        head_dim=16,
-        layer_types=[LIN, LIN, LIN, F],
-        block_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        initializer_range=0.2,
-    ),
-    "recurrent_gemma": lambda: _tiny(
-        hf.recurrent_gemma.RecurrentGemmaForCausalLM,
-        hf.recurrent_gemma.RecurrentGemmaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=3,  # recurrent, recurrent, local attention
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            lru_width=64,
-            attention_window_size=WINDOW,
-            w_init_variance_scale=0.5,  # its own init knobs, not initializer_range
-            final_w_init_variance_scale=1.0,
-            pad_token_id=0,  # _tiny clears it
-            bos_token_id=None,
-            eos_token_id=None,
-        ),
     ),
     "deepseek_v32": lambda: _build(
         hf.deepseek_v32.DeepseekV32ForCausalLM,
@@ -948,6 +953,11 @@ LAYER_KINDS: dict[str, str] = {
     "zaya": "full and sliding, each projecting q/k/v through a convolution and a delayed value of its own (state), MoE",
     "lfm2_moe": "alternating short conv (state) / full, MoE after the first 2",
     "olmo_hybrid": "3 Gated DeltaNet (linear attention, state) : 1 full",
+    "minimax": "3 lightning attention (linear attention in blocks of 16, state) : 1 full, MoE",
+    "recurrent_gemma": "RG-LRU recurrent block (state), RG-LRU recurrent block (state), local attention (sliding)",
+    "jamba": "alternating Mamba-1 (state) / full, MoE on every other layer",
+    "zamba2": "Mamba2 (state) on every layer; layers 0, 2 and 4 add a shared attention block (full, 2 blocks tied "
+    "in turn), with per-use adapters",
     # LATENT
     "deepseek_v2": "multi-head latent attention (latent 16 + rotary key 8 paged; K 24 / V 16 per head), MoE",
     "deepseek_v3": "multi-head latent attention (latent 16 + rotary key 8 paged; K 24 / V 16 per head), MoE",
@@ -955,11 +965,7 @@ LAYER_KINDS: dict[str, str] = {
     "kimi_linear": "3 Kimi Delta Attention (linear attention, state) : 1 multi-head latent attention (no RoPE)",
     "bailing_hybrid": "3 linear attention (state) : 1 multi-head latent attention with an output gate",
     # REFUSED
-    "zamba2": "3 Mamba2 : 1 Mamba2 with a shared attention block",
     "mamba2": "Mamba2 only (state), no attention",
-    "jamba": "alternating mamba / full",
-    "minimax": "3 linear attention (recurrent state) : 1 full",
-    "recurrent_gemma": "recurrent, recurrent, local attention",
     "deepseek_v32": "indexed sparse attention (top 8 keys) over latent attention",
     "deepseek_v4": "heavily compressed, compressed sparse",
     "bart": "full; learned position embeddings from the cache's length",

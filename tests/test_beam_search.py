@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
+from transformers.models.minimax.modeling_minimax import MiniMaxCache, MiniMaxForCausalLM
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.memory.integrity import check_coordinator
+from hybridkv.patches.own_state import keeps_own_state
 from hybridkv.tiny import tiny_model
 
 from model_zoo import ZOO, slow_except
@@ -24,8 +27,42 @@ SCORE_TOL = 1e-4
 TIE = 1e-5
 
 
+class _ReorderedMiniMaxCache(MiniMaxCache):
+    """MiniMax's own cache, with its lightning attention states reordered with the beams: transformers' beam search
+    calls `reorder_cache`, which `MiniMaxCache` leaves to `DynamicCache` (the attention layers' K/V only), so each
+    beam goes on from another beam's state and the beams differ from the 6th token on (the zoo's MiniMax)."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.linear_cache = [
+            state if isinstance(state, list) else state.index_select(0, beam_idx.to(state.device))
+            for state in self.linear_cache
+        ]
+
+
+class _ReorderedBlockStates(DynamicCache):
+    """transformers' cache, with the states RecurrentGemma's recurrent blocks keep on themselves reordered with the
+    beams: `reorder_cache` reorders the cache's K/V only, so each beam goes on from another beam's block states (the
+    zoo's RecurrentGemma: other beams from the 2nd on)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(config=model.config)
+        self.blocks = [module for module in model.modules() if keeps_own_state(module)]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        for block in self.blocks:
+            block.conv1d_state = block.conv1d_state.index_select(0, beam_idx)
+            block.rg_lru.recurrent_states = block.rg_lru.recurrent_states.index_select(0, beam_idx)
+
+
 def hf_beam_search(model, prompt, eos=None, max_new=MAX_NEW, **options):
-    """transformers' beam search: per sequence, best first, its generated ids (cut after EOS) and score."""
+    """transformers' beam search: per sequence, best first, its generated ids (cut after EOS) and score; for a
+    model whose states transformers' beam search leaves in the wrong beams, with them reordered."""
+    if isinstance(model, MiniMaxForCausalLM):
+        options = {"past_key_values": _ReorderedMiniMaxCache(), **options}
+    elif any(keeps_own_state(module) for module in model.modules()):
+        options = {"past_key_values": _ReorderedBlockStates(model), **options}
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]),

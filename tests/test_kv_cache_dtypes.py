@@ -54,8 +54,8 @@ def leading_agreement(tokens: list[int], reference: list[int]) -> int:
 
 @pytest.mark.slow
 def test_fp8_greedy_agreement_with_fp32_generate_on_the_zoo():
-    """Tokens equal to fp32 generate's before the first difference, over the zoo (64 models x 4 prompts x 16
-    tokens): 46% for e4m3 pages, the figure README.md and docs/design.md give. The zoo's tiny random models have
+    """Tokens equal to fp32 generate's before the first difference, over the zoo (68 models x 4 prompts x 16
+    tokens): 47% for e4m3 pages, the figure README.md and docs/design.md give. The zoo's tiny random models have
     small logit margins (median top-2 gap ~0.5), so a 3-4% attention error flips tokens that a trained model
     keeps."""
     agreed = total = 0
@@ -63,7 +63,7 @@ def test_fp8_greedy_agreement_with_fp32_generate_on_the_zoo():
         tokens, _, references, _ = fp8_run(name)
         agreed += sum(leading_agreement(t, r) for t, r in zip(tokens, references, strict=True))
         total += sum(map(len, references))
-    assert round(agreed / total, 2) == 0.46, agreed / total
+    assert round(agreed / total, 2) == 0.47, agreed / total
 
 
 def test_bf16_pages_for_an_fp32_model_give_generates_tokens_with_kv_rounded_to_bf16(patched):

@@ -32,7 +32,10 @@ from tiny_tokenizer import tiny_tokenizer
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # Full attention, sliding windows, KV-sharing layers, Gated DeltaNet, Mamba2 and short-convolution state layers.
-KINDS = ["llama", "gemma3_text", "gemma3n_text", "qwen3_next", "bamba", "lfm2", "deepseek_v3", "minicpm3"]
+KINDS = [
+    *("llama", "gemma3_text", "gemma3n_text", "qwen3_next", "bamba", "lfm2", "deepseek_v3", "minicpm3"),
+    *("jamba", "zamba2", "minimax"),  # Mamba-1, Mamba2 with a shared attention block, lightning attention
+]
 
 
 def use_oracle(llm, batch, references, k=4):

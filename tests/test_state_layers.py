@@ -9,12 +9,16 @@ tests/test_beam_search.py; this file is about the slots and the pool.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.memory.integrity import check_coordinator
+from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
+from hybridkv.scheduling.request import Request
 
 from greedy_reference import MAX_NEW, family
 from model_zoo import STATE, ZOO, slow_except
@@ -351,3 +355,54 @@ def test_a_state_layer_taking_its_cache_by_position_runs_per_segment():
     assert torch.allclose(pool.recurrent[0][0][1:4], torch.cat([expected, prompt[-1:]]))
     cache.plan = None
     assert torch.equal(layer(hidden, None, 1.0)[0], hidden.cumsum(dim=1))  # outside a step: the layer's own forward
+
+
+@pytest.mark.parametrize("name", ["jamba", "zamba2", "minimax", "recurrent_gemma"])
+def test_unpatch_leaves_the_last_hybrids_as_they_were(name):
+    """Served, these run code of hybridkv's beside their own (a scan continued from its state, a layer index for a
+    shared attention block, a forward keeping a block's state in the cache); unpatched, the model and its
+    transformers module are as they were, and generate gives what it gave."""
+    model = ZOO[name]()
+    namespace = vars(sys.modules[type(model).__module__])
+    functions = {key: value for key, value in namespace.items() if callable(value)}
+    missing = object()
+
+    def attributes():
+        return [(set(module.__dict__), getattr(module, "layer_idx", missing)) for module in model.modules()]
+
+    before = attributes()
+    prompt = prompts((40,), seed=3)[0]
+    expected = hf_greedy(model, prompt, 8)[0]
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids == expected
+    hybridkv.unpatch(model)
+    assert {key: value for key, value in namespace.items() if callable(value)} == functions
+    assert attributes() == before
+    assert hf_greedy(model, prompt, 8)[0] == expected
+
+
+@pytest.mark.parametrize("name", ["zamba2", "jamba", "minimax", "recurrent_gemma"])
+def test_a_prompts_one_token_piece_gives_its_prompt_forwards_logits(name):
+    """A prompt's last token computed alone, after its state (a chunk of one: chunked prefill, a checkpoint's
+    piece), is a prompt token: the layer computes it as generate's prompt forward does, not as a decode. Zamba2's
+    Mamba2 decode form skips the time step's floor that its prompt form applies (0.001): that token's logits were
+    4e-3 off."""
+    model, batch, _ = family(name)
+    prompt = batch[-1][:65]
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0, -1].float()
+    llm = hybridkv.patch(model, block_size=8, max_model_len=256)
+    try:
+        request = Request("piece", prompt, SamplingParams(), block_size=8)
+        coordinator, runner = llm.core.coordinator, llm.core.runner
+        for num_new in (64, 1):
+            assert coordinator.allocate_slots(request, num_new)
+            scheduled = [ScheduledRequest(request, num_new, samples=())]
+            plan = SchedulerOutput(scheduled, table_updates=coordinator.take_table_updates())
+            logits = runner.execute(plan, logits_rows=[num_new - 1])
+            request.num_computed_tokens += num_new
+            coordinator.update_computed(request)
+        coordinator.free("piece")
+    finally:
+        hybridkv.unpatch(model)
+    assert (logits[-1].float() - expected).abs().max() < 2e-5 * expected.abs().max()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from hybridkv.execution.kv_dtypes import LayerDtypes
 from hybridkv.execution.latent_layers import StepKVCache, cache_argument, latent_ups
 from hybridkv.execution.lora import LoRASlots
 from hybridkv.execution.multimodal import MultiModalInputs, image_embeddings_placed
+from hybridkv.execution.state_continuations import continue_states, continued_forward
 from hybridkv.execution.state_layers import StatePlan, StatePool, StepStateCache, segmented_forward
 from hybridkv.kernels import (
     PagedAttentionMetadata,
@@ -38,7 +39,11 @@ from hybridkv.patches.attention import LayerKV, StepContext, running_step
 from hybridkv.patches.devices import execution_device, input_device
 from hybridkv.patches.latent import LatentLayer
 from hybridkv.patches.layer_kinds import text_config
+from hybridkv.patches.own_state import cache_state_forward, keeps_own_state
 from hybridkv.scheduling.output import SchedulerOutput
+
+# A module attribute the runner set that the module did not have.
+_MISSING = object()
 
 
 class _Zeros:
@@ -127,6 +132,13 @@ class ModelRunner:
         # LoRA adapters' slots and hooks (hybridkv/execution/lora.py; the engine sets them with enable_lora).
         self.lora: LoRASlots | None = None
         self._wrapped: list[torch.nn.Module] = []
+        # Puts back the transformers functions whose states hybridkv continues (execution/state_continuations.py).
+        self._restore_continuations: Callable[[], None] = lambda: None
+        # Attention modules that serve a layer without its index of their own (Zamba2's shared block, which takes it
+        # as an argument): given it while the runner lives, for the attention function to find the layer's pages.
+        self._adopted: list[tuple[torch.nn.Module, Any]] = []
+        for layer_idx, name in module_names.items():
+            self._give_layer_idx(named[name], layer_idx)
         # What a step passes the model as its cache (`_forward`): one for state layers or latent attention layers.
         self.latent_layers = frozenset(latent or ())
         self.step_cache: dict[str, StepKVCache] = {}
@@ -175,6 +187,13 @@ class ModelRunner:
             for device in {*self.devices, self.input_device}
         }
 
+    def _give_layer_idx(self, module: torch.nn.Module, layer_idx: int) -> None:
+        """`module` answers to layer `layer_idx` until `close` (the attention function and a state layer's cache calls
+        find the layer by it)."""
+        if getattr(module, "layer_idx", None) != layer_idx:
+            self._adopted.append((module, module.__dict__.get("layer_idx", _MISSING)))
+            module.layer_idx = layer_idx
+
     def _wire_state_layers(self, named: dict[str, torch.nn.Module], num_state_slots: int) -> None:
         """State layers: their states' pool, the cache a step gives the model, and each layer's module run per
         request segment (hybridkv/execution/state_layers.py) until `close`."""
@@ -186,8 +205,14 @@ class ModelRunner:
         self.step_cache = {cache_argument(self.model): self.state_cache}
         for spec in self.states:
             module = named[spec.module_name]
-            module.forward = segmented_forward(module.forward, spec.layer_idx)
+            if keeps_own_state(module):  # RecurrentGemma's blocks: their state through the cache (patches/own_state.py)
+                self._give_layer_idx(module, spec.layer_idx)
+                forward = cache_state_forward(module)
+            else:
+                forward = continued_forward(module)
+            module.forward = segmented_forward(forward, spec.layer_idx)
             self._wrapped.append(module)
+        self._restore_continuations = continue_states(self._wrapped)
 
     def warm_up(self, capture: bool) -> None:
         """At patch time, not in a user's first step: find the compiled forward (`compile`: loaded from the
@@ -297,6 +322,13 @@ class ModelRunner:
         for module in self._wrapped:
             module.__dict__.pop("forward", None)
         self._wrapped = []
+        self._restore_continuations()
+        for module, layer_idx in self._adopted:
+            if layer_idx is _MISSING:
+                del module.layer_idx
+            else:
+                module.layer_idx = layer_idx
+        self._adopted = []
         self.layers.clear()
         self.context.metadata = []
         self.context.deferred.clear()
@@ -498,6 +530,8 @@ class ModelRunner:
                 _image_rows(inputs, request.multimodal, start, end, num_rows)
             if num_new == 1:
                 add_token(token_ids[start])
+                if 0 < start < request.num_prompt_tokens:
+                    inputs.prompt_singles.add(request.request_id)
             else:
                 input_ids.extend(token_ids[start:end])
             num_rows += num_new
@@ -607,6 +641,8 @@ class ModelRunner:
         run together, every other sequence alone, with the state checkpoints each writes."""
         slots = self.batch.state_slots[rows]
         decode = (query_lens == 1) & (seq_lens > 1)
+        if inputs.prompt_singles:  # a prompt's one token after earlier ones: computed as the prompt's forward does
+            decode &= np.array([request_id not in inputs.prompt_singles for request_id in inputs.request_ids])
         first_rows = np.cumsum(query_lens) - query_lens
         device = self.input_device
         decode_rows = decode_slots = None
@@ -796,6 +832,9 @@ class StepInputs:
     # State-slot copies (source, destination) to make first: forks of a model with state layers, and restored
     # checkpoints; per request, the state checkpoints its step writes (tokens into the step, checkpoint slot).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The requests whose step is one prompt token after earlier ones: their state layers run it as a piece of the
+    # prompt (hybridkv/execution/state_continuations.py), not among the decode rows.
+    prompt_singles: set[str] = field(default_factory=set)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # Before those copies: the forks' copies since the last step, then swapped states ((device slot, CPU slot)
     # out, (CPU slot, device slot) in): the order of `SchedulerOutput`'s fields.

@@ -11,6 +11,7 @@ import torch
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.kv_dtypes import LayerDtypes, resolve_layer_dtypes
 from hybridkv.kernels import num_blocks_for_budget, num_blocks_for_memory_utilization
+from hybridkv.memory.block_pool import cdiv
 from hybridkv.memory.coordinator import blocks_for_request
 from hybridkv.memory.grouping import KVCacheConfig, group_layers
 from hybridkv.patches.inspection import ModelLayout, inspect_model
@@ -118,7 +119,8 @@ def num_kv_blocks(
     else on CUDA `gpu_memory_utilization` of the device less the activations of the largest step and, when
     decode steps are captured as CUDA graphs up to `largest_graph` sequences, the graphs' memory pool (the
     activations of a forward of that many rows, which the pool keeps), else 1 GiB on the CPU capped at what
-    max_num_seqs requests at max_model_len can use. Never fewer than one request at max_model_len needs
+    max_num_seqs requests at max_model_len can use (with prefix caching, every block of them cached, windowed
+    groups' too). Never fewer than one request at max_model_len needs
     (else a ValueError naming the fix)."""
     bytes_per_block = kv_config.block_bytes
     min_blocks = blocks_for_requests(kv_config, max_model_len, 1)
@@ -144,6 +146,10 @@ def num_kv_blocks(
             config.gpu_memory_utilization, free_bytes - activation_peak, total_bytes, bytes_per_block, min_blocks
         )
     most = blocks_for_requests(kv_config, max_model_len, config.max_num_seqs)
+    if config.enable_prefix_caching:
+        # A windowed group's blocks past the window stay cached while the pool has room (`fill_middle`): a model of
+        # windows only (RecurrentGemma, Mistral) sized by its windows alone would have none, and no hit past one.
+        most = 1 + config.max_num_seqs * sum(cdiv(max_model_len, group.block_size) for group in kv_config.groups)
     budget = min(DEFAULT_CPU_KV_CACHE_BYTES, most * bytes_per_block)
     return num_blocks_for_budget(budget, bytes_per_block, min_blocks)
 

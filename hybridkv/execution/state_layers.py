@@ -109,11 +109,12 @@ GATED_DELTA_CHUNK = 64
 
 def scan_chunk(modules: Iterable[torch.nn.Module]) -> int:
     """The length along the sequence whose multiples a state layer's computation can be split at and continue
-    bit for bit: the least common multiple of every layer's scan chunk (a Mamba2 mixer's `chunk_size`;
-    `GATED_DELTA_CHUNK` for the others, which also suits a short convolution, exact at any split)."""
+    bit for bit: the least common multiple of every layer's scan chunk (a Mamba2 mixer's `chunk_size`, MiniMax's
+    lightning attention's `block_size`; `GATED_DELTA_CHUNK` for the others, which also suits a short convolution or
+    a Mamba-1 scan, exact at any split)."""
     chunk = 1
     for module in modules:
-        size = getattr(module, "chunk_size", None)
+        size = getattr(module, "chunk_size", None) or getattr(module, "block_size", None)
         chunk = math.lcm(chunk, size if isinstance(size, int) and size > 0 else GATED_DELTA_CHUNK)
     return chunk
 
@@ -138,8 +139,12 @@ class _SegmentView:
     """The state of one segment's slots in one layer, gathered on first read; what the layer leaves is written
     back to the pool after its call (`write_back`), in place changes of the gathered tensors included."""
 
-    def __init__(self, pool: StatePool, layer_idx: int, slots: torch.Tensor, has_state: bool) -> None:
+    def __init__(
+        self, pool: StatePool, layer_idx: int, slots: torch.Tensor, has_state: bool, decodes: bool = False
+    ) -> None:
         self.pool, self.layer_idx, self.slots, self.has_state = pool, layer_idx, slots, has_state
+        # The step's decode rows (tokens generate computes one at a time), not a sequence's piece.
+        self.decodes = decodes
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
 
@@ -197,6 +202,13 @@ class StepStateCache(StepKVCache):
         # LoRA's slots (hybridkv/execution/lora.py), told which of the step's rows a segment's layers see.
         self.lora: Any = None
 
+    def continues_prompt(self, layer_idx: int) -> bool:
+        """Whether the running segment of layer `layer_idx` continues a sequence's state over tokens that generate
+        computes in one forward (a prompt's later piece; hybridkv/execution/state_continuations.py), rather than
+        the step's decode rows."""
+        view = self._view(layer_idx)
+        return view.has_state and not view.decodes
+
     def _view(self, layer_idx: int) -> _SegmentView:
         view = self.view
         if view is None or view.layer_idx != layer_idx:
@@ -221,7 +233,7 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
     outside a step, as it is. Its arguments are bound by its own signature, so the hidden states and the cache may
     come by position or by name (Zaya's projection takes the cache second, by position); every other `[1, rows,
     ...]` tensor is cut to the segment's rows. It returns a tensor or a tuple of them (Zaya's q, k and v), each
-    `[1, rows, ...]` put back together from the segments'."""
+    `[1, rows, ...]` put back together from the segments' (an output that is not one row per row: None)."""
     signature = inspect.signature(original)
     first = next(iter(signature.parameters))
 
@@ -255,15 +267,16 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
                     lora.exit_rows()
             view.write_back()
             results = result if isinstance(result, tuple) else (result,)
-            if not results or not all(isinstance(r, torch.Tensor) for r in results):
+            if not results or not isinstance(results[0], torch.Tensor):
                 raise TypeError(f"state layer {layer_idx} returned {type(result).__name__}, not tensors")
             outputs.single = not isinstance(result, tuple)
             return results
 
         if plan.decode_rows is not None:
             rows = plan.decode_rows
-            results = run(rows, hidden_states[0].index_select(0, rows).unsqueeze(1), _decode_view(cache, layer_idx))
-            for out, result in zip(outputs.like(results), results, strict=True):
+            segment = hidden_states[0].index_select(0, rows).unsqueeze(1)
+            results = run(rows, segment, _decode_view(cache, layer_idx))
+            for out, result in outputs.rows(results, segment):
                 out[0].index_copy_(0, rows, result[:, 0])
         for start, end, slot, has_state, checkpoints, proposed in plan.segments:
             slots = torch.tensor([slot], device=hidden_states.device)
@@ -272,18 +285,19 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
             for offset, checkpoint in (*checkpoints, (end - proposed - start, None)):
                 stop = start + offset
                 if stop > first_row:
-                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start)
-                    results = run(slice(first_row, stop), hidden_states[:, first_row:stop], view)
-                    for out, result in zip(outputs.like(results), results, strict=True):
+                    # A speculating sequence's rows are all tokens generate decodes one at a time.
+                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start, proposed > 0)
+                    segment = hidden_states[:, first_row:stop]
+                    for out, result in outputs.rows(run(slice(first_row, stop), segment, view), segment):
                         out[:, first_row:stop] = result
                     first_row = stop
                 if checkpoint is not None:
                     cache.pool.copy_layer(layer_idx, slot, checkpoint)
             if proposed:  # speculative rows: from a copy of the state in the scratch slot, which they leave there
                 cache.pool.copy_layer(layer_idx, slot, SCRATCH_SLOT)
-                view = _SegmentView(cache.pool, layer_idx, _scratch(hidden_states.device), True)
-                results = run(slice(first_row, end), hidden_states[:, first_row:end], view)
-                for out, result in zip(outputs.like(results), results, strict=True):
+                view = _SegmentView(cache.pool, layer_idx, _scratch(hidden_states.device), True, decodes=True)
+                segment = hidden_states[:, first_row:end]
+                for out, result in outputs.rows(run(slice(first_row, end), segment, view), segment):
                     out[:, first_row:end] = result
         return outputs.result()
 
@@ -291,21 +305,36 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
 
 
 class _SegmentOutputs:
-    """A step's outputs of one state layer, `[1, rows, ...]` each, made on the first segment's results."""
+    """A step's outputs of one state layer, `[1, rows, ...]` each, made on the first segment's results. An output
+    that is not one row per input row (MiniMax's lightning attention returns its state beside its rows, which its
+    decoder layer drops) comes back as None."""
 
     def __init__(self, num_rows: int) -> None:
         self.num_rows = num_rows
-        self.tensors: list[torch.Tensor] | None = None
+        self.tensors: list[torch.Tensor | None] | None = None
         self.single = True
 
-    def like(self, results: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def rows(self, results: tuple[Any, ...], segment: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(step output, segment result) of each output that holds the segment's rows, to be copied in."""
         if self.tensors is None:
-            self.tensors = [r.new_empty((1, self.num_rows, *r.shape[2:])) for r in results]
-        return self.tensors
+            self.tensors = [
+                r.new_empty((1, self.num_rows, *r.shape[2:])) if _holds_rows(r, segment) else None for r in results
+            ]
+        pairs = []
+        for index, (out, result) in enumerate(zip(self.tensors, results, strict=True)):
+            if out is not None and _holds_rows(result, segment):
+                pairs.append((out, result))
+            else:
+                self.tensors[index] = None
+        return pairs
 
     def result(self) -> Any:
-        assert self.tensors is not None, "a step with state rows ran no segment"
+        assert self.tensors is not None and self.tensors[0] is not None, "a step with state rows ran no segment"
         return self.tensors[0] if self.single else tuple(self.tensors)
+
+
+def _holds_rows(result: Any, segment: torch.Tensor) -> bool:
+    return isinstance(result, torch.Tensor) and result.dim() >= 2 and result.shape[:2] == segment.shape[:2]
 
 
 # The pool's slot 0: no request's, written by whatever needs a state thrown away after the step.
@@ -317,7 +346,7 @@ def _scratch(device: torch.device) -> torch.Tensor:
 
 
 def _decode_view(cache: Any, layer_idx: int) -> _SegmentView:
-    return _SegmentView(cache.pool, layer_idx, cache.plan.decode_slots, True)
+    return _SegmentView(cache.pool, layer_idx, cache.plan.decode_slots, True, decodes=True)
 
 
 def _rows_of(signature: inspect.Signature, bound: inspect.BoundArguments, rows: Any, num_rows: int) -> Any:

@@ -16,7 +16,8 @@ original attention implementation, no step). A row whose largest logit differenc
 what that usually means.
 
 The comparison is in fp32: a 16-bit model is checked on an fp32 copy where one fits (half of the
-device's free memory, one device, no offload hooks, no tensor parallel), since 16-bit rounding, and the
+device's free memory, one device, no offload hooks, no tensor parallel; buffers a module derives from its config,
+derived again in fp32), since 16-bit rounding, and the
 expert choices it flips in MoE models, moves tiny models' logits by up to 0.72 of their scale (mixtral
 on the zoo in bf16). A model too large for a copy is checked in its own dtype for gross errors only: a
 step of it fails when the median of its rows' differences exceeds `GROSS`. Measured in bf16 on the zoo,
@@ -162,7 +163,24 @@ def _fp32_copy(model: torch.nn.Module) -> torch.nn.Module | None:
     copy_bytes = sum(p.numel() * (4 + p.element_size()) for p in parameters)
     if not copyable or copy_bytes > _free_bytes(devices.pop()) // 2:
         return None
-    return copy.deepcopy(model).float()
+    clone = copy.deepcopy(model).float()
+    _derive_buffers_in_fp32(clone)
+    return clone
+
+
+def _derive_buffers_in_fp32(clone: torch.nn.Module) -> None:
+    """Buffers a module derives from its config with its own methods, derived again in fp32, as the model loaded in
+    fp32 has them: MiniMax's lightning attention's decay factors (`get_slope_rate`, `decay_factors`). Cast from 16
+    bits instead, its prompt form (blocks) and decode form (token by token) disagree by a relative 4e-3 in one layer,
+    rounding the check could not tell from a wrong continuation."""
+    with torch.no_grad():
+        for module in clone.modules():
+            if not all(callable(getattr(module, name, None)) for name in ("get_slope_rate", "decay_factors")):
+                continue
+            slope_rate = module.get_slope_rate(device=module.slope_rate.device)
+            derived = (slope_rate, *module.decay_factors(slope_rate))
+            for name, value in zip(("slope_rate", "query_decay", "key_decay", "diagonal_decay"), derived, strict=True):
+                getattr(module, name).copy_(value)
 
 
 def _free_bytes(device: torch.device) -> int:
@@ -289,7 +307,7 @@ def _refusal(model: torch.nn.Module, result: StepCheck) -> str:
         cause = (
             "the first chunk of each prompt matches and the rows that continue a prompt from its carried state do "
             "not: a state layer of the model does not continue from the state it is given (a scan that ignores "
-            "its initial state over several tokens: Jamba's), so a prompt cannot be computed in chunks"
+            "its initial state over several tokens), so a prompt cannot be computed in chunks"
         )
     elif starts_ok:
         cause = (

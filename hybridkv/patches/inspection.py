@@ -99,6 +99,8 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     for call in recorded:
         layer_idx = getattr(call.module, "layer_idx", None)
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(declared):
+            layer_idx = _decoder_layer_of(model, call.module, len(declared))
+        if layer_idx is None:
             _add(problems, f"{type(call.module).__name__} calls the attention function without a decoder layer_idx")
             continue
         calls.setdefault(layer_idx, []).append(call)
@@ -179,6 +181,21 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     latent = {idx: found for idx, found in latent.items() if isinstance(found, LatentLayer)}
     kv_amax.update({idx: (max(found.latent_amax, found.rope_amax),) * 2 for idx, found in latent.items()})
     return ModelLayout(specs, module_names, position_limits(config), kv_amax=kv_amax, states=states, latent=latent)
+
+
+def _decoder_layer_of(model: torch.nn.Module, module: torch.nn.Module, num_layers: int) -> int | None:
+    """The index of the one decoder layer (an item of the model's list of `num_layers` layers) that holds `module`:
+    the layer an attention module without an index of its own serves (Zamba2's shared attention block, a copy per
+    hybrid layer with tied weights, takes its cache index as an argument). None where no layer, or more than one,
+    holds it (one module instance at several depths would need K/V of its own per use: refused)."""
+    found = [
+        index
+        for layers in model.modules()
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers
+        for index, layer in enumerate(layers)
+        if any(inner is module for inner in layer.modules())
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def _latent_layers(model: torch.nn.Module, probe: Probe, calls: dict[int, list[AttentionCall]]):

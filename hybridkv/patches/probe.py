@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from hybridkv.patches import attention
 from hybridkv.patches.devices import input_device
 from hybridkv.patches.layer_kinds import HYBRID_LAYER_TYPES, STATE_LAYER_TYPES, config_layers, text_config
+from hybridkv.patches.own_state import states_through_cache
 from hybridkv.patches.visibility import Visibility, visibility_of_function, visibility_of_tensor
 
 PROBE_TOKENS = 40
@@ -122,7 +123,7 @@ def record_probe_calls(model: torch.nn.Module) -> tuple[Probe, list[StateCall]]:
         try:
             probe, recorder = _recorded_forward(model)
             return probe, recorder.calls
-        except ValueError:  # a model that needs a cache of its own kind (MiniMax's): probed without one
+        except ValueError:  # a model that needs a cache of a kind the recorder does not answer: probed without one
             pass
     probe = Probe(horizon=_mask_horizon(config))
     with _recording_linears(model, probe):
@@ -175,6 +176,10 @@ class PassThroughCache(DynamicCache):
     `StateRecorder` and a step's state cache (hybridkv/execution/state_layers.py) answer its state calls; every other
     use of a cache by the model still works."""
 
+    # Its state calls are answered per request (the recorder's, a step's state slots): hybridkv/patches/own_state.py
+    # runs a block that keeps its state on itself through them.
+    holds_states_per_request = True
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return key_states, value_states
 
@@ -183,6 +188,14 @@ class PassThroughCache(DynamicCache):
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    # MiniMax's lightning attention keeps its state through its own cache's calls (`MiniMaxCache`): its recurrent
+    # state, answered as any other.
+    def get_linear_cache(self, layer_idx: int):
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
 
 
 class StateRecorder(PassThroughCache):
@@ -237,6 +250,7 @@ def _probe_forward(
     cache = {} if recorder is None else {"cache": recorder}
     with (
         attention_installed(model),
+        states_through_cache(model),
         attention.probing(probe),
         torch.inference_mode(),
         _tracking_layer_modules(model, recorder),
