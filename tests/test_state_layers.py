@@ -406,3 +406,15 @@ def test_a_prompts_one_token_piece_gives_its_prompt_forwards_logits(name):
     finally:
         hybridkv.unpatch(model)
     assert (logits[-1].float() - expected).abs().max() < 2e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("name", slow_except(sorted(STATE)))
+def test_n_greedy_samples_each_give_generates_tokens(name, patched):
+    """n > 1: the samples fork from the leader when it samples its first token (the state slot copied), and each
+    continues from its own copy: greedy, every sample is generate's."""
+    model, batch, references = family(name)
+    llm = patched(model, block_size=8, max_model_len=256, max_num_seqs=6)
+    outputs = llm.generate(batch[:2], SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    for output, (expected, _) in zip(outputs, references[:2], strict=True):
+        assert [sample.token_ids for sample in output.outputs] == [expected] * 3
+    _all_returned(llm)
