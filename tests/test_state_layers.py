@@ -16,6 +16,7 @@ import torch
 
 import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
+from hybridkv.execution import state_continuations
 from hybridkv.memory.integrity import check_coordinator
 from hybridkv.scheduling.output import ScheduledRequest, SchedulerOutput
 from hybridkv.scheduling.request import Request
@@ -418,3 +419,11 @@ def test_n_greedy_samples_each_give_generates_tokens(name, patched):
     for output, (expected, _) in zip(outputs, references[:2], strict=True):
         assert [sample.token_ids for sample in output.outputs] == [expected] * 3
     _all_returned(llm)
+
+
+def test_without_its_continuation_jambas_scan_is_refused_by_the_check(monkeypatch):
+    """transformers' Mamba-1 scan starts several tokens from zero whatever state it is given: without hybridkv's
+    continuation (hybridkv/execution/state_continuations.py) the end-to-end check refuses Jamba, naming why."""
+    monkeypatch.delitem(state_continuations._FIXES, "mamba_scan_forward")
+    with pytest.raises(ValueError, match="does not continue from the state it is given"):
+        hybridkv.patch(ZOO["jamba"](), block_size=8, max_model_len=256)

@@ -511,6 +511,7 @@ class ModelRunner:
             request_ids.append, input_ids.append, query_lens.append, seq_lens.append, sample_rows.append
         )  # fmt: skip
         num_rows = 0
+        has_states = bool(self.states)  # a prompt's one-token chunk is told apart for state layers alone
         proposals, stored = plan.spec_tokens, plan.spec_stored
         for request, num_new, samples in plan.scheduled:
             start = request.num_computed_tokens
@@ -530,7 +531,7 @@ class ModelRunner:
                 _image_rows(inputs, request.multimodal, start, end, num_rows)
             if num_new == 1:
                 add_token(token_ids[start])
-                if 0 < start < request.num_prompt_tokens:
+                if has_states and 0 < start < request.num_prompt_tokens:
                     inputs.prompt_singles.add(request.request_id)
             else:
                 input_ids.extend(token_ids[start:end])

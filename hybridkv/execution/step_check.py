@@ -31,6 +31,7 @@ the same model again costs nothing.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import weakref
 from collections.abc import Iterator
@@ -240,7 +241,14 @@ def _segments(model: torch.nn.Module, layout: ModelLayout) -> Iterator[Segment]:
 def _compare(
     model: torch.nn.Module, prompts: dict[str, list[int]], coordinator: KVCacheCoordinator, runner: ModelRunner
 ) -> Iterator[Segment]:
-    requests = [Request(name, tokens, SamplingParams(), None) for name, tokens in prompts.items()]
+    requests = []
+    for (name, tokens), chunks in zip(prompts.items(), zip(*STEPS, strict=True), strict=True):
+        # A sequence's one-token chunks after its first step are decode rows: tokens it generated, after its prompt
+        # (a prompt's one-token chunk is computed as its prompt forward does, not as a decode).
+        prompt_length = chunks[0] + sum(itertools.takewhile(lambda num_new: num_new > 1, chunks[1:]))
+        request = Request(name, tokens[:prompt_length], SamplingParams(), None)
+        request.append_token_ids(tokens[prompt_length:])
+        requests.append(request)
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in prompts}
     found: list[tuple[str, int, int, int, int]] = []
     with attention_installed(model):
