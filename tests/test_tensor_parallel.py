@@ -2,8 +2,9 @@
 `torchrun --nproc_per_node 2` (gloo), served by hybridkv (tests/tp_script.py runs on both ranks).
 
 Greedy tokens under TP equal the single-process engine's and `model.generate`'s, for a full-attention
-model, a Gemma-3-style hybrid and DeepSeek-V3 (latent attention; with transformers' plan, and with a plan
-that splits its heads across the ranks), with chunked prefill, prefix caching and tiny pools (preemption
+model, a Gemma-3-style hybrid, DeepSeek-V3 (latent attention; with transformers' plan, and with a plan
+that splits its heads across the ranks) and Jamba and MiniMax (state layers, whole on each rank: transformers' plans
+split their attention heads only), with chunked prefill, prefix caching and tiny pools (preemption
 by recompute and by swap); beam search too; each rank holds half the single-process KV bytes (the whole
 latent for DeepSeek, whose heads share it); a fault on rank 1 fails the step's requests on rank 0, which
 keeps serving; rank 1's public calls are refused; every process exits. And `hybridkv serve` under
@@ -27,7 +28,7 @@ import hybridkv
 from hybridkv import BeamSearchParams, SamplingParams
 from hybridkv.tiny import tiny_model
 
-from model_zoo import LATENT
+from model_zoo import LATENT, STATE
 from tiny_models import prompts
 from tiny_tokenizer import tiny_tokenizer
 
@@ -42,7 +43,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3", "deepseek_v3_heads_split"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "deepseek_v3", "deepseek_v3_heads_split", "jamba", "minimax"])
 def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     # 4 query heads and 2 KV heads: each of the 2 ranks holds 2 and 1 (the hybrid's window, 16, slides). DeepSeek-V3's
     # latent attention is not split by transformers 5.24's plan (its experts and MLPs are; 5.25's splits its heads):
@@ -51,6 +52,8 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     # every rank still pages the whole latent, which its heads share, and attends through its own up-projection rows.
     if family.startswith("deepseek_v3"):
         model = LATENT["deepseek_v3"]()
+    elif family in STATE:  # transformers' plan splits their attention heads; the state layers run whole on each rank
+        model = STATE[family]()
     else:
         model = tiny_model(family, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     batch = prompts((9, 40, 70), seed=4)
