@@ -689,3 +689,20 @@ def test_a_draft_in_training_mode_is_served_with_eval_semantics(patched):
     outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert outputs[0].outputs[0].token_ids == hf_greedy(model, prompt, MAX_NEW)[0]
     assert llm.stats()["spec_acceptance_rate"] == 1.0 and draft.training
+
+
+def test_proposals_of_a_mamba2_model_with_a_time_step_floor_are_decoded_as_generate_decodes(patched):
+    """Zamba2's Mamba2 decode form skips the time-step floor (`time_step_limit`) that its chunked scan applies: the
+    two forms compute different numbers wherever the floor binds. Proposals' rows are tokens generate decodes one at
+    a time, so they are computed in the decode form; with a floor that binds often (0.05 here), the chunked scan's
+    rows gave other tokens."""
+    model = ZOO["zamba2"]()
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.05, float("inf"))
+    batch = prompts((9, 40, 70), seed=4)
+    references = [hf_greedy(model, prompt, MAX_NEW) for prompt in batch]
+    llm = patched(model, block_size=8, max_model_len=256, speculative_config=NGRAM)
+    use_oracle(llm, batch, references)
+    assert_same_greedy(llm.generate(batch, GREEDY, use_tqdm=False), references)
+    assert llm.stats()["spec_num_accepted_tokens"] > 0

@@ -346,7 +346,7 @@ def test_a_state_layer_taking_its_cache_by_position_runs_per_segment():
     pool.recurrent[0][0][1:3] = before
     hidden = torch.randn(1, 5, 4, generator=generator)  # rows 0 and 1: decodes of slots 1, 2; rows 2-4: a prompt
     scale = torch.arange(1.0, 6.0).view(1, 5, 1)
-    cache.plan = StatePlan(torch.tensor([0, 1]), torch.tensor([1, 2]), [(2, 5, 3, False, (), 0)])
+    cache.plan = StatePlan(torch.tensor([0, 1]), torch.tensor([1, 2]), [(2, 5, 3, False, (), 0, 3)])
     layer.forward = segmented_forward(layer.forward, 0)
     sums, negated = layer(hidden, cache, scale, extra="kept")
     expected = torch.cat([before[0] + hidden[0, 0], before[1] + hidden[0, 1]]).view(2, 4)
@@ -427,3 +427,66 @@ def test_without_its_continuation_jambas_scan_is_refused_by_the_check(monkeypatc
     monkeypatch.delitem(state_continuations._FIXES, "mamba_scan_forward")
     with pytest.raises(ValueError, match="does not continue from the state it is given"):
         hybridkv.patch(ZOO["jamba"](), block_size=8, max_model_len=256)
+
+
+def _zamba2_with_a_binding_floor():
+    """The zoo's Zamba2 with a time-step floor its random weights reach often (0.05; published: 0.001): its Mamba2
+    decode form, which skips the floor, and its prompt form compute other numbers wherever the floor binds."""
+    model = ZOO["zamba2"]()
+    for module in model.modules():
+        if hasattr(module, "time_step_limit"):
+            module.time_step_limit = (0.05, float("inf"))
+    return model
+
+
+def test_a_state_layer_whose_decode_form_differs_gives_generates_tokens_in_every_mode(patched):
+    """Prompts are computed as generate computes them, generated tokens as it decoded them, in every mode; a state
+    checkpoint is kept within prompts only (a state reached through generated tokens is not a prompt's), so a
+    conversation's next turn, whose prompt holds the last answer, hits only where generate's prompt form gives the
+    same state (restoring the one the answer's decoding left, at 160, gave other tokens)."""
+    model = _zamba2_with_a_binding_floor()
+    batch = prompts((9, 40, 70, 150), seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    references = [hf_greedy(model, prompt, MAX_NEW) for prompt in batch]
+    for extra in ({}, {"max_num_batched_tokens": 24}):
+        llm = patched(model, block_size=8, max_model_len=256, **extra)
+        for _ in range(2):  # the second time from the prefix cache
+            outputs = llm.generate(batch, greedy, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
+        assert llm.stats()["prefix_cache_hits"] > 0
+        # 150 + 16 + 9 tokens: the first turn passed checkpoint 160 in its answer, which the next may not restore
+        next_turn = batch[3] + references[3][0] + batch[0]
+        (output,) = llm.generate([next_turn], greedy, use_tqdm=False)
+        assert output.outputs[0].token_ids == hf_greedy(model, next_turn, MAX_NEW)[0]
+        assert 0 < output.metrics.num_cached_tokens <= len(batch[3])
+        hybridkv.unpatch(model)
+    settings = dict(block_size=8, max_model_len=176, max_num_batched_tokens=32)
+    tight = hybridkv.min_num_blocks(model, **settings) + 1
+    for preemption in ({}, {"preemption_mode": "swap", "swap_space": 0.05}):
+        llm = patched(model, **settings, num_blocks=tight, **preemption)
+        outputs = llm.generate(batch, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [tokens for tokens, _ in references]
+        assert llm.stats()["num_preemptions"] > 0
+        _all_returned(llm)
+        hybridkv.unpatch(model)
+
+
+def test_a_recomputed_requests_generated_tokens_run_as_generate_decoded_them(patched):
+    """Preempted by recompute after 10 tokens, a request computes its prompt and those tokens again in one chunk:
+    its state layers run the generated ones in the decode form, as generate did (in the prompt form, with Zamba2's
+    floor binding, the state that comes out differs and the tokens after it change)."""
+    model = _zamba2_with_a_binding_floor()
+    prompt = prompts((40,), seed=4)[0]
+    expected = hf_greedy(model, prompt, MAX_NEW)[0]
+    llm = patched(model, block_size=8, max_model_len=256, enable_prefix_caching=False)
+    request_id = llm.add_request(new_request_id(), prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW))
+    scheduler = llm.core.scheduler
+    while not scheduler.running or scheduler.running[0].num_output_tokens < 10:
+        llm.step()
+    (request,) = scheduler.running
+    scheduler._preempt(request, SchedulerOutput([]), recompute=True)
+    finished = {}
+    while llm.has_unfinished_requests():
+        finished.update({output.request_id: output for output in llm.step() if output.finished})
+    assert request.num_preemptions == 1
+    assert finished[request_id].outputs[0].token_ids == expected

@@ -42,6 +42,7 @@ from hybridkv.execution.lora import LoRASlots
 from hybridkv.execution.model_runner import ModelRunner, RunnerLimits
 from hybridkv.execution.model_watch import ModelChange, ModelWatch
 from hybridkv.execution.sizing import kv_layout, num_kv_blocks
+from hybridkv.execution.state_continuations import decode_form_differs
 from hybridkv.execution.state_layers import scan_chunk
 from hybridkv.execution.step_check import check_step_exactness
 from hybridkv.kernels.quant import is_fp8
@@ -274,6 +275,7 @@ class EngineCore:
             num_state_slots=memory.num_state_slots,
             num_state_checkpoints=memory.num_checkpoints,
             state_checkpoint_interval=memory.checkpoint_interval,
+            checkpoints_in_prompts_only=decode_form_differs(self.model, self.layout.states),
         )
         self.scheduler = Scheduler(self.scheduler_config, self.coordinator)
 

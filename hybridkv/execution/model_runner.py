@@ -535,6 +535,8 @@ class ModelRunner:
                     inputs.prompt_singles.add(request.request_id)
             else:
                 input_ids.extend(token_ids[start:end])
+                if has_states and end > request.num_prompt_tokens:  # a recomputed sequence's generated tokens
+                    inputs.generated_from[request.request_id] = max(0, request.num_prompt_tokens - start)
             num_rows += num_new
             proposed = proposals.get(request.request_id) if proposals else None
             if proposed:  # its last row and each proposal's give logits; the proposals' rows store nothing unless
@@ -661,7 +663,16 @@ class ModelRunner:
                 after.extend((int(slot), checkpoint) for _, checkpoint in checkpoints)
             else:
                 spec = proposed.get(request_id, 0) if proposed else 0
-                segment = (int(first), int(first + length), int(slot), bool(total > length), checkpoints, spec)
+                decode_from = inputs.generated_from.get(request_id, int(length))
+                segment = (
+                    int(first),
+                    int(first + length),
+                    int(slot),
+                    bool(total > length),
+                    checkpoints,
+                    spec,
+                    decode_from,
+                )
                 segments.append(segment)
         return StatePlan(decode_rows, decode_slots, segments, after)
 
@@ -836,6 +847,9 @@ class StepInputs:
     # The requests whose step is one prompt token after earlier ones: their state layers run it as a piece of the
     # prompt (hybridkv/execution/state_continuations.py), not among the decode rows.
     prompt_singles: set[str] = field(default_factory=set)
+    # Per request whose step recomputes tokens it generated: rows into its step where they begin (its state layers
+    # run them as generate decoded them).
+    generated_from: dict[str, int] = field(default_factory=dict)
     state_checkpoints: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     # Before those copies: the forks' copies since the last step, then swapped states ((device slot, CPU slot)
     # out, (CPU slot, device slot) in): the order of `SchedulerOutput`'s fields.

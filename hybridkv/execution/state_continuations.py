@@ -16,7 +16,8 @@ scan chunk gives generate's numbers to the last bit (and within fp32 rounding el
 - **Mamba2's scan** (`mamba2_scan_forward`: Zamba2, Bamba, Granite 4, Nemotron-H, Falcon-H1). Over several tokens its
   chunked scan takes the state; one token takes the decode form, which skips the time step's floor
   (`time_step_limit`: Zamba2's is 0.001) that the chunked scan applies. A prompt's one-token piece runs the chunked
-  scan from the state (`mamba2_chunk_scan`, as the prompt forward runs it).
+  scan from the state (`mamba2_chunk_scan`, as the prompt forward runs it); and where a floor makes the two forms
+  differ, a speculating sequence's rows, which generate decodes, run the decode form one token at a time.
 - **MiniMax's lightning attention** (its module's forward). With a state in its cache it runs token by token, the
   decode form, over any number of tokens; the prompt form computes blocks of `block_size` tokens (within a block
   `(Q K^T * decay) V`, across blocks through the state `K^T V`). A prompt's piece runs the blocks from the carried
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.execution.state_layers import StepStateCache
+from hybridkv.memory.kv_spec import StateSpec
 
 # The functions continued, by name in a model's transformers module, and what makes the replacement.
 _FIXES: dict[str, Callable[[Callable[..., Any], dict[str, Any]], Callable[..., Any]]] = {}
@@ -149,14 +151,34 @@ def _mamba_scan_from_state(original: Callable[..., Any], namespace: dict[str, An
     return mamba_scan_forward
 
 
+# A Mamba2 mixer's time-step limits where none applies: its decode form and its chunked scan compute the same.
+_NO_LIMIT = (0.0, float("inf"))
+
+
+def decode_form_differs(model: torch.nn.Module, states: Iterable[StateSpec]) -> bool:
+    """Whether a state layer of the model computes other numbers in its decode form than in its prompt form, beyond
+    rounding: a Mamba2 mixer with a time-step floor (Zamba2's 0.001), which transformers' decode form skips. Such a
+    model keeps state checkpoints within prompts only (a state reached through generated tokens is not the one a
+    prompt of the same tokens has)."""
+    named = dict(model.named_modules())
+    return any(tuple(getattr(named[spec.module_name], "time_step_limit", _NO_LIMIT)) != _NO_LIMIT for spec in states)
+
+
 def _mamba2_piece_from_state(original: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
     chunk_scan = namespace.get("mamba2_chunk_scan")
 
     def mamba2_scan_forward(module, hidden_states, B, C, dt, cache, **kwargs):
         batch_size, seq_len, _ = hidden_states.shape
-        if chunk_scan is None or seq_len != 1 or not isinstance(cache, StepStateCache):
+        if not isinstance(cache, StepStateCache):
             return original(module, hidden_states, B, C, dt, cache, **kwargs)
-        if not cache.continues_prompt(module.layer_idx):
+        if seq_len > 1 and tuple(module.time_step_limit) != _NO_LIMIT and cache.decodes(module.layer_idx):
+            # Speculative rows: tokens generate decodes one at a time, in the decode form, which skips the floor
+            # the chunked scan applies; one token at a time here too.
+            rows = [slice(index, index + 1) for index in range(seq_len)]
+            return torch.cat(
+                [original(module, hidden_states[:, r], B[:, r], C[:, r], dt[:, r], cache, **kwargs) for r in rows], 1
+            )
+        if chunk_scan is None or seq_len != 1 or not cache.continues_prompt(module.layer_idx):
             return original(module, hidden_states, B, C, dt, cache, **kwargs)
         state = cache.get_recurrent_state(module.layer_idx, state_idx=0)
         groups, state_size = module.n_groups, module.ssm_state_size

@@ -124,14 +124,15 @@ class StatePlan:
     """A step's request segments for the state layers: `decode_rows` (rows of the flattened batch that are a
     sequence's one new token after earlier ones) and their `decode_slots`, then `segments`, (first row, end
     row, slot, whether the slot holds the sequence's state so far, (rows into the segment, checkpoint slot) of
-    the checkpoints it writes, how many of its last rows are speculative proposals) of every other sequence, and
+    the checkpoints it writes, how many of its last rows are speculative proposals, rows into the segment where its
+    generated tokens begin: a recomputed sequence's, else its row count) of every other sequence, and
     `after` (slot, checkpoint slot), the decode rows' checkpoints, copied after the step. A segment's proposals run
     after its other rows, from a copy of the state they left, in the scratch slot: the request's own slot holds
     only the state of tokens it keeps."""
 
     decode_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None
-    segments: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...], int]] = field(default_factory=list)
+    segments: list[tuple[int, int, int, bool, tuple[tuple[int, int], ...], int, int]] = field(default_factory=list)
     after: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -201,6 +202,11 @@ class StepStateCache(StepKVCache):
         self.view: _SegmentView | None = None
         # LoRA's slots (hybridkv/execution/lora.py), told which of the step's rows a segment's layers see.
         self.lora: Any = None
+
+    def decodes(self, layer_idx: int) -> bool:
+        """Whether the running segment of layer `layer_idx` holds tokens generate decodes one at a time (the step's
+        decode rows, a speculating sequence's rows)."""
+        return self._view(layer_idx).decodes
 
     def continues_prompt(self, layer_idx: int) -> bool:
         """Whether the running segment of layer `layer_idx` continues a sequence's state over tokens that generate
@@ -278,15 +284,21 @@ def segmented_forward(original: Callable[..., Any], layer_idx: int) -> Callable[
             results = run(rows, segment, _decode_view(cache, layer_idx))
             for out, result in outputs.rows(results, segment):
                 out[0].index_copy_(0, rows, result[:, 0])
-        for start, end, slot, has_state, checkpoints, proposed in plan.segments:
+        for start, end, slot, has_state, checkpoints, proposed, decode_from in plan.segments:
             slots = torch.tensor([slot], device=hidden_states.device)
             first_row = start
-            # Pieces that end at each checkpoint (the layer copies its state there), then the rest.
-            for offset, checkpoint in (*checkpoints, (end - proposed - start, None)):
+            kept = end - proposed - start
+            # Pieces that end at each checkpoint (the layer copies its state there) and where the generated tokens
+            # of a recomputed sequence begin, then the rest.
+            extra = [(decode_from, None)] if 0 < decode_from < kept else []
+            cuts = sorted([*checkpoints, *extra, (kept, None)], key=lambda cut: cut[0])
+            for offset, checkpoint in cuts:
                 stop = start + offset
                 if stop > first_row:
-                    # A speculating sequence's rows are all tokens generate decodes one at a time.
-                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start, proposed > 0)
+                    # Generated tokens (a speculating sequence's rows, a recomputed sequence's after its prompt) are
+                    # tokens generate decodes one at a time.
+                    decodes = proposed > 0 or first_row - start >= decode_from
+                    view = _SegmentView(cache.pool, layer_idx, slots, has_state or first_row > start, decodes)
                     segment = hidden_states[:, first_row:stop]
                     for out, result in outputs.rows(run(slice(first_row, stop), segment, view), segment):
                         out[:, first_row:stop] = result

@@ -154,8 +154,13 @@ class KVCacheCoordinator:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         state_checkpoint_interval: int = 0,
+        checkpoints_in_prompts_only: bool = False,
     ) -> None:
         self.config = config
+        # A model whose state layers' decode form computes other numbers than their prompt form (beyond rounding):
+        # a state reached through generated tokens is not the one a prompt of those tokens has, so only prompts'
+        # states are kept for hits.
+        self.checkpoints_in_prompts_only = checkpoints_in_prompts_only
         # A model with state layers: one state slot per request that holds blocks, and with prefix caching the
         # states at block boundaries that hits restore, in the slots after those (hybridkv/memory/state_slots.py).
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
@@ -495,6 +500,8 @@ class KVCacheCoordinator:
         for request, num_new, _ in scheduled:
             start = request.num_computed_tokens
             end = min(start + num_new, len(request.block_hashes) * size)
+            if self.checkpoints_in_prompts_only:
+                end = min(end, request.num_prompt_tokens)
             first = (start // interval + 1) * interval
             if first > end:
                 continue
