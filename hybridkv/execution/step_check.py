@@ -273,19 +273,21 @@ def _compare(
         with torch.inference_mode():
             # Positions from 0, as generate and every step give them (a model may number them otherwise when
             # given none: RoBERTa-style embeddings from its pad id).
-            expected = {
-                name: model(
-                    input_ids=torch.tensor([tokens], device=device),
-                    position_ids=torch.arange(len(tokens), device=device)[None],
-                )
-                .logits[0]
-                .float()
-                for name, tokens in prompts.items()
-            }
             if runner.states:  # decode rows as generate computes them: a state layer's decode form may differ
-                for name, tokens in prompts.items():
-                    length = prompt_lengths[name]
-                    expected[name][length:] = _decoded_logits(model, tokens, length, device)
+                expected = {
+                    name: _generated_logits(model, tokens, prompt_lengths[name], device)
+                    for name, tokens in prompts.items()
+                }
+            else:
+                expected = {
+                    name: model(
+                        input_ids=torch.tensor([tokens], device=device),
+                        position_ids=torch.arange(len(tokens), device=device)[None],
+                    )
+                    .logits[0]
+                    .float()
+                    for name, tokens in prompts.items()
+                }
     for name, first_position, num_rows, first_row, step in found:
         reference = expected[name][first_position : first_position + num_rows]
         got = rows[name][step - 1].to(reference.device)
@@ -301,26 +303,27 @@ def _compare(
         )
 
 
-def _decoded_logits(
+def _generated_logits(
     model: torch.nn.Module, tokens: list[int], prompt_length: int, device: torch.device
 ) -> torch.Tensor:
-    """The logits of `tokens[prompt_length:]` as generate computes them: the prompt in one forward with the model's own
-    cache, then each later token alone. A state layer's decode form is other code than its prompt form, and may
-    compute other numbers (Zamba2's skips the time step's floor), so a decode row is judged against the decode form."""
+    """Every position's logits as generate computes them: the prompt in one forward with the model's own cache, then
+    each later token alone. A state layer's decode form is other code than its prompt form, and may compute other
+    numbers (Zamba2's skips the time step's floor), so a decode row is judged against the decode form."""
     ids = torch.tensor([tokens], device=device)
     positions = torch.arange(len(tokens), device=device)[None]
     name = cache_argument(model)
     prompt = slice(0, prompt_length)
-    cache = getattr(model(input_ids=ids[:, prompt], position_ids=positions[:, prompt], use_cache=True), name, None)
+    output = model(input_ids=ids[:, prompt], position_ids=positions[:, prompt], use_cache=True)
+    cache = getattr(output, name, None)
     if cache is None:  # a model that fills the cache it is given and returns none (RecurrentGemma)
         cache = DynamicCache(config=text_config(model.config))
-        model(input_ids=ids[:, prompt], position_ids=positions[:, prompt], use_cache=True, **{name: cache})
-    rows = []
+        output = model(input_ids=ids[:, prompt], position_ids=positions[:, prompt], use_cache=True, **{name: cache})
+    rows = [output.logits[0].float()]
     for position in range(prompt_length, len(tokens)):
         step = slice(position, position + 1)
         output = model(input_ids=ids[:, step], position_ids=positions[:, step], use_cache=True, **{name: cache})
-        rows.append(output.logits[0, -1].float())
-    return torch.stack(rows)
+        rows.append(output.logits[0, -1:].float())
+    return torch.cat(rows)
 
 
 def _refusal(model: torch.nn.Module, result: StepCheck) -> str:
