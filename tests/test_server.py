@@ -190,6 +190,9 @@ def test_streamed_logprobs_are_the_non_streamed_ones_in_pieces(client):
     """Completions (n=2, seeded) and chat: the chunks' logprobs, joined, equal the whole response's, text
     offsets included; a token whose text is held back brings its logprobs with the chunk that shows it."""
     settings = dict(model=MODEL, prompt="The quick", max_tokens=10, n=2, seed=3, temperature=1.0, logprobs=3)
+    # Each pair compared takes its prompt from the prefix cache alike: a prompt computed whole and one whose last
+    # token is computed after a hit round apart (1e-6 in a logprob with torch's two CPU threads).
+    client.completions.create(**settings)
     whole = client.completions.create(**settings)
     pieces: dict[int, dict[str, list]] = {}
     for chunk in client.completions.create(**settings, stream=True):
@@ -208,6 +211,7 @@ def test_streamed_logprobs_are_the_non_streamed_ones_in_pieces(client):
         assert joined["offsets"] == choice.logprobs.text_offset
 
     chat = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    client.chat.completions.create(**chat)
     expected = client.chat.completions.create(**chat).choices[0].logprobs.content
     streamed = [
         entry
