@@ -40,6 +40,7 @@ import hybridkv
 from hybridkv.execution.sizing import blocks_for_requests
 from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.memory.kv_request import KVRequest
+from hybridkv.patches.own_state import keeps_own_state
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 SMALL = dict(hidden_size=256, intermediate_size=512, vocab_size=1024, max_position_embeddings=32768)
@@ -144,7 +145,7 @@ def transformers_cache_bytes(model: torch.nn.Module, length: int) -> int:
             visit(getattr(layer, name, None))
     visit(getattr(cache, "linear_cache", None))  # MiniMax's lightning attention states
     for module in model.modules():  # RecurrentGemma's blocks keep theirs on themselves
-        if hasattr(module, "conv1d_state") and hasattr(module, "rg_lru"):
+        if keeps_own_state(module):
             visit(module.conv1d_state)
             visit(module.rg_lru.recurrent_states)
     return sum(seen.values())

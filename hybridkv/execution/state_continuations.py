@@ -161,7 +161,12 @@ def decode_form_differs(model: torch.nn.Module, states: Iterable[StateSpec]) -> 
     model keeps state checkpoints within prompts only (a state reached through generated tokens is not the one a
     prompt of the same tokens has)."""
     named = dict(model.named_modules())
-    return any(tuple(getattr(named[spec.module_name], "time_step_limit", _NO_LIMIT)) != _NO_LIMIT for spec in states)
+    return any(_has_time_step_floor(named[spec.module_name]) for spec in states)
+
+
+def _has_time_step_floor(module: torch.nn.Module) -> bool:
+    """Whether a Mamba2 mixer limits its time step (`time_step_limit`), which its decode form skips."""
+    return tuple(getattr(module, "time_step_limit", _NO_LIMIT)) != _NO_LIMIT
 
 
 def _mamba2_piece_from_state(original: Callable[..., Any], namespace: dict[str, Any]) -> Callable[..., Any]:
@@ -171,7 +176,7 @@ def _mamba2_piece_from_state(original: Callable[..., Any], namespace: dict[str, 
         batch_size, seq_len, _ = hidden_states.shape
         if not isinstance(cache, StepStateCache):
             return original(module, hidden_states, B, C, dt, cache, **kwargs)
-        if seq_len > 1 and tuple(module.time_step_limit) != _NO_LIMIT and cache.decodes(module.layer_idx):
+        if seq_len > 1 and _has_time_step_floor(module) and cache.decodes(module.layer_idx):
             # Speculative rows: tokens generate decodes one at a time, in the decode form, which skips the floor
             # the chunked scan applies; one token at a time here too.
             rows = [slice(index, index + 1) for index in range(seq_len)]

@@ -33,6 +33,7 @@ from hybridkv.patches.layer_kinds import (
     STATELESS_LAYER_TYPES,
     ConfigLayer,
     config_layers,
+    decoder_layers,
     text_config,
 )
 from hybridkv.patches.position_limit import PositionLimit, position_limits
@@ -99,7 +100,7 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     for call in recorded:
         layer_idx = getattr(call.module, "layer_idx", None)
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(declared):
-            layer_idx = _decoder_layer_of(model, call.module, len(declared))
+            layer_idx = _decoder_layer_of(model, call.module)
         if layer_idx is None:
             _add(problems, f"{type(call.module).__name__} calls the attention function without a decoder layer_idx")
             continue
@@ -183,18 +184,12 @@ def inspect_model(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelLayout:
     return ModelLayout(specs, module_names, position_limits(config), kv_amax=kv_amax, states=states, latent=latent)
 
 
-def _decoder_layer_of(model: torch.nn.Module, module: torch.nn.Module, num_layers: int) -> int | None:
-    """The index of the one decoder layer (an item of the model's list of `num_layers` layers) that holds `module`:
+def _decoder_layer_of(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
+    """The index of the one decoder layer (`decoder_layers`) that holds `module`:
     the layer an attention module without an index of its own serves (Zamba2's shared attention block, a copy per
     hybrid layer with tied weights, takes its cache index as an argument). None where no layer, or more than one,
     holds it (one module instance at several depths would need K/V of its own per use: refused)."""
-    found = [
-        index
-        for layers in model.modules()
-        if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers
-        for index, layer in enumerate(layers)
-        if any(inner is module for inner in layer.modules())
-    ]
+    found = [index for index, layer in decoder_layers(model) if any(inner is module for inner in layer.modules())]
     return found[0] if len(found) == 1 else None
 
 

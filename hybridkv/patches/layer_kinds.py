@@ -12,6 +12,7 @@ its attention module really does before anything is served.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,14 @@ class ConfigLayer:
 def text_config(config: Any) -> Any:
     """The decoder's config: the text part of a multimodal config, the config itself otherwise."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def decoder_layers(model: torch.nn.Module) -> Iterator[tuple[int, torch.nn.Module]]:
+    """(index, module) of each decoder layer: the items of every list of `num_hidden_layers` modules in the model."""
+    num_layers = text_config(model.config).num_hidden_layers
+    for layers in model.modules():
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers:
+            yield from enumerate(layers)
 
 
 def config_layers(config: Any) -> list[ConfigLayer]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.patches.layer_kinds import text_config
+from hybridkv.patches.layer_kinds import decoder_layers
 
 # What a block keeps on itself and computes with: RecurrentGemma's (Griffin's) recurrent block.
 _RECURRENT_BLOCK_PARTS = ("conv1d_state", "conv_1d", "rg_lru", "linear_x", "linear_y", "linear_out", "act_fn")
@@ -98,16 +98,12 @@ def install_cache_state_forwards(model: torch.nn.Module) -> Callable[[], None]:
     """Install `cache_state_forward` on every block that keeps its state on itself, each given its decoder layer's
     index; returns what takes them out (the model as it was)."""
     installed: list[tuple[torch.nn.Module, Any]] = []
-    num_layers = text_config(model.config).num_hidden_layers
-    for layers in model.modules():
-        if not (isinstance(layers, torch.nn.ModuleList) and len(layers) == num_layers):
-            continue
-        for layer_idx, layer in enumerate(layers):
-            for module in layer.modules():
-                if keeps_own_state(module) and "forward" not in module.__dict__:
-                    installed.append((module, module.__dict__.get("layer_idx", _MISSING)))
-                    module.layer_idx = layer_idx
-                    module.forward = cache_state_forward(module)
+    for layer_idx, layer in decoder_layers(model):
+        for module in layer.modules():
+            if keeps_own_state(module) and "forward" not in module.__dict__:
+                installed.append((module, module.__dict__.get("layer_idx", _MISSING)))
+                module.layer_idx = layer_idx
+                module.forward = cache_state_forward(module)
 
     def restore() -> None:
         for module, layer_idx in installed:
