@@ -63,9 +63,13 @@ def aggregate(path: Path, top: int, every_step: bool = False) -> None:
     total = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if "LLMEngine._step " not in stack or not (every_step or "decode_step_marker" in stack):
+        if not (every_step or "decode_step_marker" in stack):
             continue
         names = [frame.partition(" (")[0] for frame in stack.split(";")]
+        # The engine's step: `LLMEngine.step` since issue 62's front and core, `LLMEngine._step` before.
+        step = next((name for name in names if name in ("LLMEngine.step", "LLMEngine._step")), None)
+        if step is None:
+            continue
         if not every_step and any(
             name in ("ModelRunner._forward", "ModelRunner._forward_with_images") for name in names
         ):
@@ -73,7 +77,7 @@ def aggregate(path: Path, top: int, every_step: bool = False) -> None:
         samples = int(count)
         total += samples
         own[names[-1]] += samples
-        for name in dict.fromkeys(names[names.index("LLMEngine._step") :]):
+        for name in dict.fromkeys(names[names.index(step) :]):
             inclusive[name] += samples
     if not total:
         raise SystemExit(f"no step samples in {path}: record this script under py-spy (see the docstring)")

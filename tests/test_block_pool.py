@@ -45,7 +45,7 @@ def test_free_queue_keeps_blocks_of_little_worth_between_the_unhashed_and_the_ca
     queue.release([blocks[7]])
     assert ids(queue) == [1, 2, 5, 6, 7, 3, 4, 8]
     assert queue.run_sizes == [2, 3, 3] and queue.num_spare_blocks == 5
-    queue.keep(blocks[5])  # a prefix's end: now the most recently used
+    queue.keep([blocks[5], blocks[2]])  # a prefix's end (3 is cached: stays): now the most recently used
     assert ids(queue) == [1, 2, 5, 7, 3, 4, 8, 6] and queue.run_sizes == [2, 2, 4]
     queue.remove(blocks[4])
     assert ids(queue.popleft_n(3)) == [1, 2, 7]  # the sentinels between runs are passed over and stay

@@ -141,3 +141,13 @@ def test_free_returns_blocks_deepest_first():
     assert [b.block_id for b in pool.free_queue] == [4, 3, 2, 1]
     assert [b.block_id for b in blocks] == [1, 2, 3, 4]
     assert manager.blocks_of("r") == []
+
+
+@pytest.mark.parametrize("hash_stride", [1, 2, 3])
+def test_block_hashes_between_are_block_hash_of_each_block(hash_stride):
+    manager = FullAttentionManager(0, BlockPool(num_blocks=4, num_groups=1), 16 * hash_stride, hash_stride)
+    hashes = [bytes([i]) for i in range(12)]
+    for start in range(0, 12 // hash_stride + 1):
+        for end in range(start, 12 // hash_stride + 1):
+            expected = [manager.block_hash(hashes, index) for index in range(start, end)]
+            assert list(manager.block_hashes_between(hashes, start, end)) == expected

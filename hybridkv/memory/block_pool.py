@@ -136,11 +136,13 @@ class FreeBlockQueue:
         self.run_sizes[2] += 1
         self.num_free_blocks += 1
 
-    def keep(self, block: KVBlock) -> None:
-        """Move a free block of little worth to the tail (now the most recently used of the cached ones)."""
-        if block.prev_free is not None and block.free_run == 1:
-            self._unlink(block)
-            self.append(block)
+    def keep(self, blocks: Iterable[KVBlock]) -> None:
+        """Move the free blocks of little worth among `blocks` to the tail, in order (now the most recently used of
+        the cached ones); the others stay where they are."""
+        for block in blocks:
+            if block.prev_free is not None and block.free_run == 1:
+                self._unlink(block)
+                self.append(block)
 
     @property
     def num_spare_blocks(self) -> int:

@@ -453,7 +453,7 @@ class KVCacheCoordinator:
         """The request's blocks start..end-1 in the manager's group, as the events announce them."""
         hashes, size = request.block_hashes, manager.block_size
         return BlockChain(
-            [manager.block_hash(hashes, index) for index in range(start, end)],
+            list(manager.block_hashes_between(hashes, start, end)),
             manager.block_hash(hashes, start - 1) if start else None,
             request.token_ids[start * size : end * size],
             request.adapter_id,
@@ -904,13 +904,11 @@ class KVCacheCoordinator:
             return
         hashes = request.block_hashes
         end = min(request.num_computed_tokens, len(hashes) * self.block_size) // self.hit_alignment * self.hit_alignment
-        queue = self.pool.free_queue
+        keep, cached = self.pool.free_queue.keep, self.pool.cached
         for manager in self._windowed:
-            cached = self.pool.cached[manager.group_id]
-            for index in range(manager.first_needed_block(end), end // manager.block_size):
-                block = cached.get(manager.block_hash(hashes, index))
-                if block is not None:
-                    queue.keep(block)
+            found = cached[manager.group_id].get
+            read = manager.block_hashes_between(hashes, manager.first_needed_block(end), end // manager.block_size)
+            keep([block for block in map(found, read) if block is not None])
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""

@@ -71,6 +71,11 @@ class SingleTypeManager(ABC):
         """This group's hash of its block `index`."""
         return block_hashes[(index + 1) * self.hash_stride - 1]
 
+    def block_hashes_between(self, block_hashes: Sequence[bytes], start: int, end: int) -> Sequence[bytes]:
+        """This group's hashes of its blocks `start` to `end - 1` (`block_hash` of each, as one slice)."""
+        stride = self.hash_stride
+        return block_hashes[(start + 1) * stride - 1 : end * stride : stride]
+
     def num_hashed_blocks(self, block_hashes: Sequence[bytes]) -> int:
         return len(block_hashes) // self.hash_stride
 
