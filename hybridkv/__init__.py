@@ -1,13 +1,16 @@
 """hybridkv: a paged, hybrid-attention-aware KV-cache manager for Hugging Face transformers models."""
 
+from hybridkv.async_engine import AsyncLLM, AsyncLLMEngine
+from hybridkv.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.entrypoints.llm import LLM
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.sizing import min_num_blocks
 from hybridkv.lora.request import LoRARequest
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.scheduling.structured_params import StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -23,14 +26,20 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EngineArgs",
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "StreamDelta",
     "StructuredOutputsParams",

@@ -4,13 +4,17 @@ One background thread owns the engine and runs its step loop while there is work
 the engine: `submit` checks a request in the caller's thread (bad input raises there, at once) and puts
 it in the thread's inbox; results come back through a `RequestHandle`: a future for the final output
 (`handle.result()` from a thread, `await handle` from any running event loop, Jupyter's included),
-the request's `StreamDelta`s (`async for delta in handle.deltas()`) and its cumulative `RequestOutput`s
-(`async for output in handle.outputs()`, what vLLM's `AsyncLLM.generate` yields: `engine.generate` is that).
+the request's `StreamDelta`s (`async for delta in handle.deltas()`) and its `RequestOutput`s (`async for output in
+handle.outputs()`, what vLLM's `AsyncLLM.generate` yields: `engine.generate` is that), each holding what the request's
+`output_kind` says: everything so far, only what is new, or only the final one.
 Abandoning a stream (closing it, cancelling its task, dropping it) or `handle.abort()` aborts the request and
 returns its blocks; a handle aborts only its own request, never another that holds the same id (a refused
 duplicate, or a later request that took a finished one's id). A failing step fails only its requests (the
 engine's rule); an unexpected error in the loop fails the requests in flight and the loop keeps serving.
 `shutdown()` aborts what runs and stops the thread.
+
+`AsyncLLM` is the same engine under vLLM v1's name, made from `AsyncEngineArgs` (`AsyncLLM.from_engine_args`), with
+vLLM's coroutine `abort`.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ import queue
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.outputs import RequestOutput, StreamDelta
+from hybridkv.engine.binding import unbind_engine
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
 from hybridkv.sampling.beam_search import BeamSearchParams
-from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from hybridkv.engine.llm_engine import LLMEngine
+    from hybridkv.engine.arg_utils import EngineArgs
     from hybridkv.engine.output_processor import RequestState
     from hybridkv.execution.inputs import Prompt
 
@@ -40,8 +46,11 @@ if TYPE_CHECKING:
 class RequestHandle:
     """One submitted request: its id, its final output (a future), its deltas and its outputs as they come."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, request_id: str, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    ) -> None:
         self.request_id = request_id
+        self.output_kind = output_kind
         self._engine = engine
         self._future: concurrent.futures.Future[RequestOutput] = concurrent.futures.Future()
         self._deltas: deque[StreamDelta] = deque()
@@ -80,10 +89,16 @@ class RequestHandle:
                 event.clear()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's output after each step that changed it, cumulative (each holds everything so far: a reader
-        slower than the engine gets the latest), the last one finished: what vLLM's `AsyncLLM.generate` yields.
-        Leaving the loop early aborts the request; a failed submission raises here."""
-        self._wants_outputs = True
+        """The request's output after each step that changed it, the last one finished: what vLLM's `AsyncLLM.generate`
+        yields. As its `output_kind` says: cumulative (each holds everything so far: a reader slower than the engine
+        gets the latest), deltas (each holds only the tokens, text and logprobs new since the last, of the samples
+        that have some; the last holds every sample with its finish reason), or the final output alone. Leaving the
+        loop early aborts the request; a failed submission raises here."""
+        if self.output_kind is RequestOutputKind.DELTA:
+            async for output in self._delta_outputs():
+                yield output
+            return
+        self._wants_outputs = self.output_kind is RequestOutputKind.CUMULATIVE
         seen = 0
         async with self._waiting() as event:
             while not self._done:
@@ -95,6 +110,55 @@ class RequestHandle:
                 await event.wait()
                 event.clear()
             yield await asyncio.wrap_future(self._future)
+
+    async def _delta_outputs(self) -> AsyncIterator[RequestOutput]:
+        """`outputs()` for `RequestOutputKind.DELTA`: the deltas that came since the last output, as one."""
+        first = True
+        async with self._waiting() as event:
+            while True:
+                done = self._done  # read first: a request's last deltas are queued before it is done
+                deltas = [self._deltas.popleft() for _ in range(len(self._deltas))]
+                if done:
+                    yield self._delta_output(deltas, await asyncio.wrap_future(self._future), first)
+                    return
+                if deltas:
+                    yield self._delta_output(deltas, None, first)
+                    first = False
+                await event.wait()
+                event.clear()
+
+    def _delta_output(self, deltas: list[StreamDelta], final: RequestOutput | None, first: bool) -> RequestOutput:
+        """One output of the `deltas` (the request's `final` output, finished, when it ended); the prompt's logprobs
+        come with the first output only."""
+        samples: dict[int, CompletionOutput] = {}
+        for delta in deltas:
+            sample = samples.get(delta.index)
+            if sample is None:
+                sample = samples[delta.index] = CompletionOutput(delta.index, "", [])
+            sample.text += delta.text
+            sample.token_ids += delta.token_ids
+            if delta.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + delta.logprobs
+            sample.finish_reason = delta.finish_reason or sample.finish_reason
+        # The live record's prompt fields are set once, before any delta; the engine thread updates the rest.
+        source = final if final is not None else self.state.output if self.state is not None else None
+        assert source is not None, "a delta comes only for a queued request"
+        if final is not None:  # every sample, with its finish, and what was new of it
+            for done in final.outputs:
+                sample = samples.setdefault(done.index, CompletionOutput(done.index, "", []))
+                sample.cumulative_logprob = done.cumulative_logprob
+                sample.finish_reason, sample.stop_reason = done.finish_reason, done.stop_reason
+            samples = {done.index: samples[done.index] for done in final.outputs}
+        return RequestOutput(
+            source.request_id,
+            source.prompt,
+            list(source.prompt_token_ids),
+            copy.deepcopy(source.prompt_logprobs) if first else None,
+            list(samples.values()),
+            final is not None,
+            copy.deepcopy(source.metrics),
+            final.error if final is not None else None,
+        )
 
     @contextlib.asynccontextmanager
     async def _waiting(self) -> AsyncIterator[asyncio.Event]:
@@ -169,7 +233,15 @@ class AsyncLLMEngine:
         checked = self.llm.check_request(
             prompt, sampling_params, request_id, follow_model=False, lora_request=lora_request
         )
-        handle = RequestHandle(self, request_id)
+        output_kind = RequestOutputKind.CUMULATIVE
+        if isinstance(sampling_params, SamplingParams):
+            output_kind = sampling_params.output_kind
+            if output_kind is RequestOutputKind.DELTA and sampling_params.num_samples > sampling_params.n:
+                raise ValueError(
+                    f"best_of={sampling_params.best_of} > n={sampling_params.n} has no deltas: the best samples are "
+                    "known only at the end; use output_kind=RequestOutputKind.FINAL_ONLY, or best_of=n"
+                )
+        handle = RequestHandle(self, request_id, output_kind)
         self._post(("add", handle, checked))
         return handle
 
@@ -339,3 +411,44 @@ class AsyncLLMEngine:
             handle = self._handles.pop(request_id, None)
             if handle is not None:
                 handle._fail(error)
+
+
+class AsyncLLM(AsyncLLMEngine):
+    """vLLM v1's `AsyncLLM` (`vllm.v1.engine.async_llm`): an `AsyncLLMEngine` made from `AsyncEngineArgs`, whose
+    `abort` is a coroutine taking one id or several, as vLLM's is."""
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None, **_: Any
+    ) -> AsyncLLM:
+        """Load the checkpoint `engine_args` names, bind an engine to it and serve it (vLLM's other arguments change
+        nothing here). `shutdown()` stops the engine; `hybridkv.unpatch(engine.llm.model)` frees the model's KV."""
+        return cls(LLMEngine.from_engine_args(engine_args), owns_model=True)
+
+    def __init__(self, llm: LLMEngine, owns_model: bool = False) -> None:
+        super().__init__(llm)
+        self.owns_model = owns_model  # made from engine args: `shutdown` frees the model it loaded too
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread (`AsyncLLMEngine.shutdown`); an engine made from engine args also frees its model's
+        KV cache and engine (`hybridkv.unpatch`)."""
+        super().shutdown(timeout)
+        if self.owns_model:
+            unbind_engine(self.llm.model)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:  # type: ignore[override]
+        """Abort a request, or several, by id (nothing for an id that finished)."""
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            super().abort(one)
+
+    async def get_tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopping and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine thread ended without being shut down (a step's failure fails its requests alone)."""
+        return not self._stopping and not self._thread.is_alive()

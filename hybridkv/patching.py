@@ -6,14 +6,9 @@ from typing import Any
 
 import torch
 
+from hybridkv.engine.binding import bind_engine, bound_engine, unbind_engine
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.execution.config import EngineConfig
-from hybridkv.execution.eval_semantics import evaluating
-from hybridkv.patches import attention
-
-# The engine lives in the model's __dict__ while patched: a plain reference cycle, collected with the
-# model, and removed by unpatch (a global registry would keep every patched model alive).
-_ENGINE_ATTR = "_hybridkv_engine"
 
 
 def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = None, **config: Any) -> LLMEngine:
@@ -34,7 +29,7 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
         processor, tokenizer = tokenizer, tokenizer.tokenizer
     elif tokenizer is None and processor is not None:
         tokenizer = getattr(processor, "tokenizer", None)
-    engine = model.__dict__.get(_ENGINE_ATTR)
+    engine = bound_engine(model)
     if engine is not None:
         same = engine.config == engine_config and engine.tokenizer is tokenizer and engine.processor is processor
         outdated = engine.outdated()
@@ -48,20 +43,13 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, *, processor: Any = Non
                 "first"
             )
         unpatch(model)
-    with evaluating(model):  # a model in training mode is probed and checked without dropout, and left in its mode
-        engine = LLMEngine(model, tokenizer, engine_config, processor)
-    attention.install(model)
-    model.__dict__[_ENGINE_ATTR] = engine
-    return engine
+    return bind_engine(model, tokenizer, engine_config, processor)
 
 
 def unpatch(model: torch.nn.Module) -> None:
     """Restore the model's own attention implementation and drop the engine and its KV cache."""
-    engine = model.__dict__.pop(_ENGINE_ATTR, None)
-    if engine is not None:
-        attention.uninstall(model)
-        engine.close()
+    unbind_engine(model)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return _ENGINE_ATTR in model.__dict__
+    return bound_engine(model) is not None

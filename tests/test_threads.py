@@ -120,7 +120,7 @@ def test_proc_stat_readings_grow_with_time():
 
 
 def test_serve_takes_cpu_threads_as_auto_or_a_count():
-    from hybridkv.serving.cli import cpu_threads_flag
+    from hybridkv.engine.arg_utils import cpu_threads_flag
 
     assert cpu_threads_flag("auto") == "auto"
     assert cpu_threads_flag("3") == 3

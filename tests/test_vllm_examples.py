@@ -340,7 +340,7 @@ def test_serve_and_generate_load_the_checkpoints_dtype_by_default(checkpoint):
 
     for command in (["serve", str(checkpoint)], ["generate", "--model", str(checkpoint), "--prompt", "x"]):
         assert cli.build_parser().parse_args(command).dtype == "auto"
-    model, _ = cli.load_checkpoint(str(checkpoint), "auto")
+    model = cli.load_checkpoint(str(checkpoint), "auto").model
     assert next(model.parameters()).dtype == torch.bfloat16
     assert cli.build_parser().parse_args(["serve", "--model", str(checkpoint)]).model == str(checkpoint)
 

@@ -42,6 +42,7 @@ from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
 from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
 from hybridkv.engine.generation_settings import GenerationSettings
+from hybridkv.engine.metrics import Metric, engine_metrics
 from hybridkv.engine.output_processor import OutputProcessor, RequestState, SampleState, sampling_rows
 from hybridkv.engine.speculation import check_draft
 from hybridkv.engine.stats import engine_stats
@@ -68,7 +69,7 @@ from hybridkv.sampling.sampler import SampledLogprobs
 from hybridkv.sampling.structured_outputs import GrammarCompiler
 from hybridkv.scheduling.output import SchedulerOutput
 from hybridkv.scheduling.request import Request, RequestStatus, SampleGroup
-from hybridkv.scheduling.sampling_params import SamplingParams
+from hybridkv.scheduling.sampling_params import RequestOutputKind, SamplingParams
 from hybridkv.scheduling.stopping import StopRules
 from hybridkv.scheduling.validation import check_bool
 
@@ -106,6 +107,8 @@ class LLMEngine:
         # Finished outputs no caller claimed yet (those of `abort_request`, of a loop's step that other requests
         # finished in, of an async step finished early): the next `step()` returns them first.
         self.unclaimed: list[RequestOutput] = []
+        # Requests added with output_kind FINAL_ONLY: step() reports them once, finished (vLLM's rule).
+        self.final_only: set[str] = set()
         # Streams dropped while an engine call was under way: aborted when the next call begins.
         self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
@@ -124,6 +127,14 @@ class LLMEngine:
         if ahead is None:
             ahead = self.core.on_one_gpu and not speculates
         self.async_steps = AsyncSteps(self.core, self.outputs, self) if ahead else None
+
+    @classmethod
+    def from_engine_args(
+        cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None, enable_multiprocessing: bool = False
+    ) -> LLMEngine:
+        """vLLM's `LLMEngine.from_engine_args`: load the checkpoint an `EngineArgs` names and bind an engine to it
+        (`EngineArgs.create_engine`, hybridkv/engine/arg_utils.py). vLLM's other arguments change nothing here."""
+        return engine_args.create_engine()
 
     def _build_requests(self, samples: dict[Request, SampleState]) -> None:
         """What a request goes through besides the step: its prompt checked into ids, its images encoded, its
@@ -279,7 +290,17 @@ class LLMEngine:
                 f"add_request takes (request_id, prompt, params), vLLM's order: request_id must be a str, got "
                 f"{type(request_id).__name__} {request_id!r}, and prompt a prompt, got {type(prompt).__name__}"
             )
-        return self.enqueue(self.check_request(prompt, params, request_id, lora_request=lora_request))
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
+        if kind is RequestOutputKind.DELTA:
+            raise ValueError(
+                "output_kind=RequestOutputKind.DELTA: step() reports each request's live record (everything so far); "
+                "for deltas, stream it (llm.stream(prompt, params)) or serve it with hybridkv.AsyncLLM, whose "
+                "generate() yields deltas"
+            )
+        request_id = self.enqueue(self.check_request(prompt, params, request_id, lora_request=lora_request))
+        if kind is RequestOutputKind.FINAL_ONLY:
+            self.final_only.add(request_id)
+        return request_id
 
     @exclusive
     def add_lora(self, lora_request: Any) -> bool:
@@ -453,6 +474,7 @@ class LLMEngine:
         return [self._abort(request_id) for request_id in list(self.outputs.states)]
 
     def _abort(self, request_id: str) -> RequestOutput | None:
+        self.final_only.discard(request_id)
         state = self.outputs.states.get(request_id)
         if state is None:
             return None
@@ -649,13 +671,18 @@ class LLMEngine:
             self.core, self.grammars, self.images, self.async_steps, self.step_seconds, self.update_seconds
         )
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's `get_metrics()`: the engine's counters and gauges as `vllm.v1.metrics.reader`'s objects, under vLLM's
+        names where vLLM has the series (hybridkv/engine/metrics.py)."""
+        return engine_metrics(self.stats())
+
     # ---- the step -----------------------------------------------------------------------------
 
     @exclusive
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step. Returns the state of every request that produced tokens or
         finished in it (finished ones for the last time): each request's live record, updated in place
-        by later steps."""
+        by later steps; a request added with output_kind FINAL_ONLY only when it finished."""
         with self.core.step_threads.for_step():
             start = time.perf_counter()
             if not self._layout_checked:
@@ -672,7 +699,11 @@ class LLMEngine:
                 self.core.disk_store.flush()  # idle: the last step's blocks to disk now, not at the next request
             self.core.publish_kv_events()
         unclaimed, self.unclaimed = self.unclaimed, []
-        return unclaimed + reports
+        reports = unclaimed + reports
+        if self.final_only:  # reported once, finished
+            reports = [output for output in reports if output.finished or output.request_id not in self.final_only]
+            self.final_only.difference_update(output.request_id for output in reports if output.finished)
+        return reports
 
     def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Run a plan synchronously (one that async scheduling cannot launch ahead): its reports."""

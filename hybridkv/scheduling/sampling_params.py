@@ -4,6 +4,7 @@ units, mutable as vLLM's is)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -34,6 +35,16 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
+class RequestOutputKind(enum.Enum):
+    """What each output of a streamed request holds (vLLM's): everything so far (CUMULATIVE), only what is new since the
+    last one (DELTA), or nothing until the request ends (FINAL_ONLY). `AsyncLLM.generate` (hybridkv/async_engine.py)
+    yields them so; `generate()` returns finished outputs whatever the kind."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings: vLLM's `SamplingParams`, field for field where hybridkv has the feature.
@@ -55,6 +66,9 @@ class SamplingParams:
     hybridkv's extras: best_of >= n samples best_of completions and returns the n with the highest cumulative
     logprob; cache_salt keeps a request's prefix-cache blocks apart from those of other salts; speculative=False turns
     speculative decoding off for the request (on an engine patched with `speculative_config`).
+
+    output_kind (`RequestOutputKind`) says what each output of a streamed request holds: everything so far, only what
+    is new, or only the final one.
 
     Everything is checked on construction and again when a request is added (a request takes its own copy: changing
     the object afterwards changes no request): counts must be ints (not bools), the rest finite numbers, stop a
@@ -86,6 +100,7 @@ class SamplingParams:
     best_of: int | None = None
     cache_salt: str | None = None
     speculative: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.logprobs is True:
@@ -106,6 +121,11 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise TypeError(
                 f"cache_salt must be a string or None, got {self.cache_salt!r} ({type(self.cache_salt).__name__})"
+            )
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(
+                f"output_kind must be a hybridkv.sampling_params.RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), "
+                f"got {self.output_kind!r}"
             )
         if isinstance(self.structured_outputs, Mapping):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

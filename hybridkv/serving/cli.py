@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 import hybridkv
+from hybridkv.engine.arg_utils import DTYPES, PATCH_FLAGS, add_patch_flags, load_checkpoint
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.serving.tool_calls import PARSER_NAMES as TOOL_CALL_PARSERS
 from hybridkv.tiny import tiny_model
@@ -20,64 +21,6 @@ from hybridkv.tiny import tiny_model
 SYSTEM_PROMPT = "You are a tiny model with sliding windows and one full attention layer. Answer briefly and kindly. "
 
 
-# The flag of every `patch` setting `hybridkv serve` takes: its type, or its choices.
-def cpu_threads_flag(text: str) -> int | str:
-    """`--cpu-threads`: "auto" or a thread count."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count, got {text!r}") from None
-
-
-def json_object_flag(text: str) -> dict[str, Any]:
-    """A flag holding vLLM's JSON object: `--speculative-config` ('{"method": "ngram", "num_speculative_tokens": 4}'; a
-    draft model's "model" is a local checkpoint folder, loaded with the served model's dtype) and `--kv-events-config`
-    ('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}')."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
-
-
-PATCH_FLAGS: dict[str, Any] = {
-    "block_size": int,
-    "num_blocks": int,
-    "kv_cache_memory": int,
-    "gpu_memory_utilization": float,
-    "kv_cache_dtype": ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "long_prefill_token_threshold": int,
-    "enable_prefix_caching": bool,
-    "preemption_mode": ["recompute", "swap"],
-    "swap_space": float,
-    "generation_config": ["auto", "vllm"],
-    "attention_backend": ["torch", "triton"],
-    "cpu_threads": cpu_threads_flag,
-    "enforce_eager": bool,
-    "compile": bool,
-    "use_tqdm": bool,
-    "async_scheduling": bool,
-    "num_state_checkpoints": int,
-    "state_checkpoint_interval": int,
-    "encoder_cache_bytes": int,
-    "speculative_config": json_object_flag,
-    "kv_offloading_size": float,
-    "kv_offloading_backend": ["native", "lmcache"],
-    "prefix_cache_dir": str,
-    "prefix_cache_dir_size": float,
-    "enable_lora": bool,
-    "max_loras": int,
-    "max_lora_rank": int,
-    "max_cpu_loras": int,
-    "kv_events_config": json_object_flag,
-}
 DEMO_PROMPTS = [
     "Once upon a time",
     "The quick brown fox",
@@ -152,7 +95,7 @@ def generate(args: argparse.Namespace) -> None:
     """Load a local checkpoint, patch it, stream the completion of each prompt, print the stats."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_checkpoint(args.model, args.dtype)
+    model, tokenizer, _ = load_checkpoint(args.model, args.dtype)
     llm = hybridkv.patch(model, tokenizer=tokenizer, max_model_len=args.max_model_len)
     if worked_as_rank(model, llm):
         return
@@ -169,23 +112,6 @@ def generate(args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
-
-
-# vLLM's `--dtype` values: "auto" keeps the checkpoint's dtype.
-DTYPES = {"auto": "auto", "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPES.update(float=torch.float32, float32=torch.float32)
-
-
-def load_checkpoint(path: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    """A local transformers checkpoint and its tokenizer, in `dtype` ("auto": the checkpoint's own, vLLM's default);
-    under torchrun with several processes, sharded across them with transformers' tensor parallelism
-    (`tp_plan="auto"`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tensor_parallel = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **tensor_parallel).eval()
-    return model, tokenizer
 
 
 def chat_template_text(value: str) -> str:
@@ -249,25 +175,13 @@ def worked_as_rank(model: torch.nn.Module, llm: hybridkv.LLMEngine) -> bool:
     return True
 
 
-def add_patch_flags(parser: argparse.ArgumentParser) -> None:
-    """`--block-size`, `--max-model-len`, ...: one flag per `patch` setting, unset by default."""
-    for name, kind in PATCH_FLAGS.items():
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        elif isinstance(kind, list):
-            parser.add_argument(flag, choices=kind, default=None)
-        else:
-            parser.add_argument(flag, type=kind, default=None)
-
-
 def patch_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The patch settings given on the command line (the rest keep `EngineConfig`'s defaults); a speculative draft
     model given as a folder is loaded here, in `--dtype`."""
     settings = {name: getattr(args, name) for name in PATCH_FLAGS if getattr(args, name) is not None}
     speculative = settings.get("speculative_config")
     if speculative is not None and isinstance(speculative.get("model"), str):
-        draft, _ = load_checkpoint(speculative["model"], getattr(args, "dtype", "auto"))
+        draft = load_checkpoint(speculative["model"], getattr(args, "dtype", "auto")).model
         settings["speculative_config"] = {**speculative, "model": draft}
     return settings
 
@@ -282,10 +196,10 @@ def serve(args: argparse.Namespace) -> None:
     # The HTTP loop and the engine thread need a core of their own: torch's threads spinning on every
     # core served fewer requests/s on 2 cores (measured: benchmarks/RESULTS.md, 'Choices in the code').
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
-    model, tokenizer = load_checkpoint(args.model, args.dtype)
+    model, tokenizer, processor = load_checkpoint(args.model, args.dtype)
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template
-    llm = hybridkv.patch(model, tokenizer=tokenizer, **patch_settings(args))
+    llm = hybridkv.patch(model, tokenizer=tokenizer, processor=processor, **patch_settings(args))
     if worked_as_rank(model, llm):
         return
     engine = AsyncLLMEngine(llm)

@@ -16,32 +16,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridkv.engine.metrics import ENGINE_METRICS, kv_cache_usage
 from hybridkv.outputs import RequestOutput
 
 TTFT_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_TOKEN_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
-# (hybridkv's name, vLLM's name or None, type, stats() key, help)
-ENGINE_METRICS = (
-    ("hybridkv_num_requests_running", "vllm:num_requests_running", "gauge", "num_running",
-     "Requests (samples) being computed."),
-    ("hybridkv_num_requests_waiting", "vllm:num_requests_waiting", "gauge", "num_waiting",
-     "Requests waiting to be scheduled."),
-    ("hybridkv_num_requests_swapped", "vllm:num_requests_swapped", "gauge", "num_swapped",
-     "Requests swapped out to CPU memory."),
-    ("hybridkv_kv_blocks_total", None, "gauge", "num_blocks", "KV blocks in the pool, the null block included."),
-    ("hybridkv_kv_blocks_in_use", None, "gauge", "blocks_in_use", "KV blocks held by requests."),
-    ("hybridkv_prefix_cache_queries", "vllm:prefix_cache_queries", "counter", "prefix_cache_queries",
-     "Prompt tokens looked up."),
-    ("hybridkv_prefix_cache_hits", "vllm:prefix_cache_hits", "counter", "prefix_cache_hits",
-     "Prompt tokens found in the cache."),
-    ("hybridkv_num_preemptions", "vllm:num_preemptions", "counter", "num_preemptions", "Requests preempted."),
-    ("hybridkv_generation_tokens", "vllm:generation_tokens", "counter", "num_generated_tokens", "Tokens generated."),
-    ("hybridkv_structured_output_masks", None, "counter", "structured_output_masks",
-     "Next-token grammar masks computed for structured outputs (one per constrained sample per step)."),
-    ("hybridkv_structured_output_mask_seconds", None, "counter", "structured_output_mask_seconds",
-     "Seconds spent computing and applying structured outputs' grammar masks."),
-)  # fmt: skip
 
 
 class EngineCollector(Collector):
@@ -81,11 +60,8 @@ class EngineCollector(Collector):
                     tier_blocks.add_metric([tier, event], counters[event])
         yield tier_hits
         yield tier_blocks
-        usable = max(stats["num_blocks"] - 1, 1)
         yield GaugeMetricFamily(
-            "vllm:kv_cache_usage_perc",
-            "Share of the KV blocks in use (1 = all).",
-            value=stats["blocks_in_use"] / usable,
+            "vllm:kv_cache_usage_perc", "Share of the KV blocks in use (1 = all).", value=kv_cache_usage(stats)
         )
 
 

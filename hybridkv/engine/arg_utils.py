@@ -1,0 +1,355 @@
+"""vLLM's engine arguments (`vllm.engine.arg_utils`): `EngineArgs` and `AsyncEngineArgs`, their command-line flags
+(`add_cli_args`, `from_cli_args`, `FlexibleArgumentParser`), and the checkpoint loading behind `LLM(model=path)`,
+`LLMEngine.from_engine_args` and `hybridkv serve`.
+
+An `EngineArgs` holds three kinds of argument, under vLLM's names:
+- where to load the model from (`model`, `tokenizer`, `dtype`, `trust_remote_code`, `revision`, `load_format`, ...),
+  read by `load_checkpoint`;
+- every `EngineConfig` setting (`max_model_len`, `enable_prefix_caching`, `kv_cache_dtype`, ...), passed to the engine;
+- vLLM's arguments that hybridkv does not use. Those that change no result are accepted at any value and ignored
+  (`IGNORED`: `disable_log_stats`, `enable_sleep_mode`, ...); those that would are accepted only at the value that
+  changes nothing, and any other value is a ValueError giving the reason (`ONLY_AT`: `tensor_parallel_size=1`, ...).
+Any other name is a TypeError naming the closest valid ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from hybridkv.engine.binding import bind_engine
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.execution.config import EngineConfig
+
+
+def cpu_threads_flag(text: str) -> int | str:
+    """`--cpu-threads`: "auto" or a thread count."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a thread count, got {text!r}") from None
+
+
+def json_object_flag(text: str) -> dict[str, Any]:
+    """A flag holding vLLM's JSON object: `--speculative-config` ('{"method": "ngram", "num_speculative_tokens": 4}'; a
+    draft model's "model" is a local checkpoint folder, loaded with the served model's dtype) and `--kv-events-config`
+    (vLLM's KV events dict)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+# The flag of every `EngineConfig` setting: its type, or its choices.
+PATCH_FLAGS: dict[str, Any] = {
+    "block_size": int,
+    "num_blocks": int,
+    "kv_cache_memory": int,
+    "gpu_memory_utilization": float,
+    "kv_cache_dtype": ["auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "long_prefill_token_threshold": int,
+    "enable_prefix_caching": bool,
+    "preemption_mode": ["recompute", "swap"],
+    "swap_space": float,
+    "generation_config": ["auto", "vllm"],
+    "attention_backend": ["torch", "triton"],
+    "cpu_threads": cpu_threads_flag,
+    "enforce_eager": bool,
+    "compile": bool,
+    "use_tqdm": bool,
+    "async_scheduling": bool,
+    "num_state_checkpoints": int,
+    "state_checkpoint_interval": int,
+    "encoder_cache_bytes": int,
+    "speculative_config": json_object_flag,
+    "kv_offloading_size": float,
+    "kv_offloading_backend": ["native", "lmcache"],
+    "prefix_cache_dir": str,
+    "prefix_cache_dir_size": float,
+    "enable_lora": bool,
+    "max_loras": int,
+    "max_lora_rank": int,
+    "max_cpu_loras": int,
+    "kv_events_config": json_object_flag,
+}
+
+# vLLM's `--dtype` values: "auto" keeps the checkpoint's dtype.
+DTYPES = {"auto": "auto", "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES.update(float=torch.float32, float32=torch.float32)
+
+# vLLM's engine arguments that change no result here, accepted at any value and ignored, with why.
+IGNORED = {
+    "disable_log_stats": "hybridkv logs no periodic stats (llm.stats() and get_metrics() are always there)",
+    "disable_log_requests": "hybridkv logs no requests",
+    "enable_log_requests": "hybridkv logs no requests",
+    "enable_sleep_mode": "sleep() and wake_up() always work",
+    "distributed_executor_backend": "one process serves here (tensor parallel runs under torchrun)",
+    "disable_custom_all_reduce": "tensor parallel uses torch.distributed's all-reduce",
+    "compilation_config": "hybridkv compiles its own steps (compile=, enforce_eager=)",
+    "max_seq_len_to_capture": "CUDA graphs are captured for every decode batch size hybridkv plans",
+    "max_logprobs": "hybridkv returns as many logprobs as a request asks for",
+    "served_model_name": "the name a server answers to is `hybridkv serve --served-model-name`",
+    "enable_chunked_prefill": "hybridkv always splits long prompts into chunks of max_num_batched_tokens",
+    "limit_mm_per_prompt": "a prompt may hold any number of images",
+    "mm_processor_kwargs": "images are processed by the model's own processor with its defaults",
+    "disable_async_output_proc": "outputs are made in the engine's step",
+    "worker_cls": "one process serves here",
+    "usage_context": "hybridkv reports no usage",
+}
+
+# vLLM's engine arguments that would change results or placement at another value: (the value accepted, why others
+# are refused, naming what to do instead).
+ONLY_AT: dict[str, tuple[Any, str]] = {
+    "tensor_parallel_size": (
+        1,
+        "LLM() runs in one process here (under torchrun, tensor_parallel_size is its number of processes); for tensor "
+        "parallel, load the model with transformers' tp_plan='auto' under "
+        "`torchrun --nproc-per-node N` and call hybridkv.patch(model) on every rank (README, 'More than one "
+        "GPU or machine'), or run `torchrun --nproc_per_node N -m hybridkv serve --model PATH`",
+    ),
+    "pipeline_parallel_size": (1, "hybridkv has no pipeline parallelism; use tensor parallel (torchrun)"),
+    "data_parallel_size": (
+        1,
+        "run one `hybridkv serve` replica per device behind a router (README, 'More than one GPU or machine')",
+    ),
+    "quantization": (None, "hybridkv serves the checkpoint's own weights; load a quantized model with transformers "
+                     "and pass it to LLM(model=...) or hybridkv.patch"),
+    "cpu_offload_gb": (0, "weights stay where the model is; offload them with transformers (device_map) before "
+                       "hybridkv.patch"),
+    "tokenizer_mode": ("auto", "the tokenizer is transformers' AutoTokenizer"),
+    "skip_tokenizer_init": (False, "prompts may be text, which needs the tokenizer"),
+    "kv_transfer_config": (None, "hybridkv has no disaggregated prefill"),
+}  # fmt: skip
+
+# The arguments that say where the model comes from and how it loads (read by `load_checkpoint`), with their defaults.
+LOAD_ARGUMENTS: dict[str, Any] = {
+    "model": None,
+    "tokenizer": None,
+    "trust_remote_code": False,
+    "revision": None,
+    "tokenizer_revision": None,
+    "dtype": "auto",
+    "seed": None,
+    "load_format": "auto",
+    "download_dir": None,
+}
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+class Checkpoint(NamedTuple):
+    """A loaded checkpoint: the model (eval mode, on the GPU when there is one), its tokenizer, and its processor when
+    it takes images (None otherwise)."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    processor: Any = None
+
+
+def load_checkpoint(
+    path: str,
+    dtype: str = "auto",
+    *,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    tokenizer_revision: str | None = None,
+    load_format: str = "auto",
+    download_dir: str | None = None,
+) -> Checkpoint:
+    """A transformers checkpoint (a folder, or a hub name transformers can reach) and its tokenizer, in `dtype`
+    ("auto": the checkpoint's own, vLLM's default). A config with a vision tower loads the image-text model and its
+    processor. `load_format="dummy"` makes the model from its config with random weights (vLLM's, for trying a
+    layout). Under torchrun with several processes the model is sharded across them with transformers' tensor
+    parallelism (`tp_plan="auto"`); otherwise it goes to the GPU when there is one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} (vLLM's), got {dtype!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
+    hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
+    config = AutoConfig.from_pretrained(path, revision=revision, **hub)
+    takes_images = getattr(config, "vision_config", None) is not None
+    auto_model = AutoModelForImageTextToText if takes_images else AutoModelForCausalLM
+    tensor_parallel = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
+    if load_format == "dummy":
+        model = auto_model.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    else:
+        model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub, **tensor_parallel)
+    if not tensor_parallel and torch.cuda.is_available():
+        model = model.to("cuda")
+    source = tokenizer or path
+    revision = tokenizer_revision or (revision if tokenizer is None else None)
+    processor = None
+    if takes_images:
+        try:
+            processor = AutoProcessor.from_pretrained(source, revision=revision, **hub)
+        except (OSError, ValueError, TypeError) as error:  # a checkpoint saved without its image processor
+            warnings.warn(
+                f"{source}: no image processor could be loaded ({type(error).__name__}: {error}); prompts with images "
+                "are refused, text is served",
+                stacklevel=2,
+            )
+    text_tokenizer = getattr(processor, "tokenizer", None) or AutoTokenizer.from_pretrained(
+        source, revision=revision, **hub
+    )
+    return Checkpoint(model.eval(), text_tokenizer, processor)
+
+
+class EngineArgs:
+    """vLLM's `EngineArgs`: what `LLM(...)` and `LLMEngine.from_engine_args` take (see the module docstring).
+
+    `EngineArgs(model="path/or/name", max_model_len=4096, ...)`; each argument is an attribute. `settings` are the
+    `EngineConfig` settings given (the rest keep hybridkv's defaults); `load()` loads the checkpoint and
+    `create_engine()` makes the engine over it."""
+
+    def __init__(self, model: str | None = None, **arguments: Any) -> None:
+        check_arguments(arguments)
+        for name, default in LOAD_ARGUMENTS.items():
+            setattr(self, name, arguments.pop(name, default))
+        self.model = model
+        for name, value in arguments.items():
+            setattr(self, name, value)
+        # A None setting is an unset flag (the command line's default): hybridkv's default applies.
+        self.settings = {name: value for name, value in arguments.items() if name in _SETTINGS and value is not None}
+        EngineConfig.from_kwargs(**self.settings)  # every setting checked now, where it was given
+
+    def __repr__(self) -> str:
+        given = {name: getattr(self, name) for name in LOAD_ARGUMENTS} | self.settings
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in given.items())})"
+
+    @classmethod
+    def add_cli_args(cls, parser: Any) -> Any:
+        """Add a flag per argument to `parser` (an `argparse` parser or argument group), each unset by default, and
+        return it: `--model`, `--dtype`, ..., every setting's, and the ignored ones vLLM's scripts pass."""
+        parser.add_argument("--model", type=str, default=None, help="a transformers checkpoint: a folder or hub name")
+        parser.add_argument("--tokenizer", type=str, default=None, help="the tokenizer's folder (default: --model)")
+        parser.add_argument("--trust-remote-code", action="store_true", default=False)
+        parser.add_argument("--revision", type=str, default=None)
+        parser.add_argument("--tokenizer-revision", type=str, default=None)
+        parser.add_argument("--dtype", choices=list(DTYPES), default="auto", help="auto: the checkpoint's dtype")
+        parser.add_argument("--seed", type=int, default=None, help="seeds torch's generator once, at start")
+        parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights")
+        parser.add_argument("--download-dir", type=str, default=None)
+        add_patch_flags(parser)
+        for name, (value, _) in ONLY_AT.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                parser.add_argument(flag, action="store_true", default=value)
+            else:
+                parser.add_argument(flag, type=type(value) if value is not None else str, default=value)
+        for name in ("disable_log_stats", "enable_sleep_mode", "disable_log_requests"):
+            parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=False, help=IGNORED[name])
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+        parser.add_argument("--max-logprobs", type=int, default=None, help=IGNORED["max_logprobs"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The arguments a parsed command line holds (those `add_cli_args` added)."""
+        given = vars(args)
+        names = [*LOAD_ARGUMENTS, *_SETTINGS, *ONLY_AT, *IGNORED]
+        return cls(**{name: given[name] for name in names if name in given})
+
+    def load(self) -> Checkpoint:
+        """The checkpoint these arguments name (`load_checkpoint`); with a seed, torch's generator is seeded first."""
+        if self.model is None:
+            raise ValueError("no model: give model= (a transformers checkpoint folder or hub name)")
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
+        return load_checkpoint(
+            self.model,
+            self.dtype,
+            tokenizer=self.tokenizer,
+            trust_remote_code=self.trust_remote_code,
+            revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision,
+            load_format=self.load_format,
+            download_dir=self.download_dir,
+        )
+
+    def create_engine(self) -> LLMEngine:
+        """Load the checkpoint and bind an engine to it (as `hybridkv.patch` does; `hybridkv.unpatch(engine.model)`
+        frees it)."""
+        checkpoint = self.load()
+        config = EngineConfig.from_kwargs(**self.settings)
+        return bind_engine(checkpoint.model, checkpoint.tokenizer, config, checkpoint.processor)
+
+
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's `AsyncEngineArgs`: the same arguments, for `AsyncLLM.from_engine_args`."""
+
+
+def check_arguments(arguments: dict[str, Any]) -> None:
+    """Refuse an argument hybridkv does not know (TypeError naming the closest) and one of vLLM's at a value that
+    would change results here (`ONLY_AT`: ValueError giving the reason)."""
+    known = [*LOAD_ARGUMENTS, *_SETTINGS, *IGNORED, *ONLY_AT]
+    unknown = [name for name in arguments if name not in known]
+    if unknown:
+        guesses = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known)
+            guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
+        raise TypeError(
+            f"unknown engine argument{'s' if len(unknown) > 1 else ''} {', '.join(guesses)}; hybridkv takes vLLM's "
+            f"{', '.join(known)}"
+        )
+    for name, (accepted, why) in ONLY_AT.items():
+        value = arguments.get(name)  # None: unset
+        if name == "tensor_parallel_size":  # under torchrun, the model loads sharded over its processes
+            accepted = int(os.environ.get("WORLD_SIZE", "1"))
+        if value is not None and value != accepted:
+            raise ValueError(f"{name}={value!r} is not served here, only {accepted!r}: {why}")
+
+
+def add_patch_flags(parser: Any) -> None:
+    """`--block-size`, `--max-model-len`, ...: one flag per `EngineConfig` setting, unset by default."""
+    for name, kind in PATCH_FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif isinstance(kind, list):
+            parser.add_argument(flag, choices=kind, default=None)
+        else:
+            parser.add_argument(flag, type=kind, default=None)
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    """vLLM's `FlexibleArgumentParser`: an `argparse.ArgumentParser` that also takes a flag spelled with underscores
+    (`--max_model_len 4096` is `--max-model-len 4096`)."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_args([_dashed(arg) for arg in args], namespace)
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashed(arg) for arg in args], namespace)
+
+
+def _dashed(arg: str) -> str:
+    """`--max_model_len=8` as `--max-model-len=8`; anything else unchanged."""
+    if not arg.startswith("--"):
+        return arg
+    flag, equals, value = arg.partition("=")
+    return flag.replace("_", "-") + equals + value
+
+
+_SETTINGS = [field.name for field in dataclasses.fields(EngineConfig)]

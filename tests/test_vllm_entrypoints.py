@@ -1,0 +1,192 @@
+"""vLLM's entry points under vLLM's names (issue 63): `LLM`, `EngineArgs` and its flags, `RequestOutputKind` on the
+async engine and on `step()`, `get_metrics()` and the mirrored module paths. tests/test_vllm_scripts.py runs vLLM's own
+scripts over them; these tests pin each piece's rules."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+
+import pytest
+import torch
+
+import hybridkv
+from hybridkv import LLM, AsyncEngineArgs, EngineArgs, RequestOutputKind, SamplingParams
+from hybridkv.async_engine import AsyncLLM
+from hybridkv.tiny import tiny_model
+from hybridkv.utils import FlexibleArgumentParser
+from hybridkv.v1.metrics.reader import Counter, Gauge, Vector
+
+from tiny_models import hf_greedy, prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    model = tiny_model("gemma3")
+    batch = prompts((9, 30, 41))
+    return model, batch, [hf_greedy(model, p, 8)[0] for p in batch]
+
+
+def test_vllms_module_paths_import_the_same_objects():
+    paths = {
+        "hybridkv.sampling_params": ["SamplingParams", "RequestOutputKind", "BeamSearchParams"],
+        "hybridkv.engine.arg_utils": ["EngineArgs", "AsyncEngineArgs"],
+        "hybridkv.utils": ["FlexibleArgumentParser"],
+        "hybridkv.utils.argparse_utils": ["FlexibleArgumentParser"],
+        "hybridkv.v1.engine.async_llm": ["AsyncLLM"],
+        "hybridkv.v1.metrics.reader": ["Counter", "Gauge", "Histogram", "Vector"],
+        "hybridkv.distributed": ["cleanup_dist_env_and_memory"],
+        "hybridkv.entrypoints.llm": ["LLM"],
+        "hybridkv.lora.request": ["LoRARequest"],
+        "hybridkv.outputs": ["RequestOutput", "CompletionOutput"],
+    }
+    for path, names in paths.items():
+        module = importlib.import_module(path)
+        for name in names:
+            assert getattr(module, name) is getattr(hybridkv, name, getattr(module, name)), f"{path}.{name}"
+    assert hybridkv.sampling_params.SamplingParams is hybridkv.SamplingParams
+
+
+def test_engine_args_flags_take_vllms_spellings_and_refuse_what_would_change_results():
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    flags = ["--model", "m", "--max_model_len=64", "--disable-log-stats", "--tensor-parallel-size", "1"]
+    args = parser.parse_args(flags)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.model == "m" and engine_args.settings == {"max_model_len": 64}
+    assert engine_args.disable_log_stats is True  # ignored: it changes no result
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is not served here.*torchrun"):
+        EngineArgs(model="m", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization='awq'"):
+        AsyncEngineArgs(model="m", quantization="awq")
+    with pytest.raises(TypeError, match="did you mean max_model_len"):
+        EngineArgs(model="m", max_modle_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):  # a setting is checked where it is given
+        EngineArgs(model="m", max_model_len=0)
+
+
+def test_llm_over_a_model_in_hand_is_the_patched_engine(gemma3, patched):
+    model, batch, expected = gemma3
+    llm = LLM(model, max_model_len=128, disable_log_stats=True, enable_sleep_mode=True, seed=None)
+    try:
+        assert llm.llm_engine is hybridkv.patch(model, max_model_len=128)  # the same settings: the same engine
+        outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert "generate" in dir(llm) and llm.max_model_len == 128
+        with pytest.raises(TypeError, match="already loaded"):
+            LLM(model, dtype="bfloat16")
+    finally:
+        llm.shutdown()
+    assert not hybridkv.is_patched(model)
+
+
+def test_llm_loads_a_checkpoint_with_random_weights_from_load_format_dummy(tmp_path):
+    from tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    tiny_model("llama", vocab_size=len(tokenizer)).config.save_pretrained(tmp_path)  # the config alone
+    llm = LLM(model=str(tmp_path), load_format="dummy", dtype="float32", max_model_len=64)
+    try:
+        assert llm.model.dtype == torch.float32 and type(llm.model).__name__ == "LlamaForCausalLM"
+        assert len(llm.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    finally:
+        llm.shutdown()
+
+
+def test_async_outputs_follow_each_requests_output_kind(gemma3, patched):
+    model, batch, expected = gemma3
+    llm = patched(model, max_model_len=128)
+    step = llm.step
+
+    def slow_step():  # a reader sees every step's news (a tiny model's steps outrun the event loop)
+        time.sleep(0.02)
+        return step()
+
+    llm.step = slow_step
+    engine = AsyncLLM(llm)
+
+    async def collect(prompt, kind, n=1):
+        params = SamplingParams(temperature=0, max_tokens=8, n=n, output_kind=kind)
+        return [output async for output in engine.generate(prompt, params)]
+
+    async def main():
+        return await asyncio.gather(
+            collect(batch[0], RequestOutputKind.DELTA),
+            collect(batch[1], RequestOutputKind.CUMULATIVE),
+            collect(batch[2], RequestOutputKind.FINAL_ONLY),
+            collect(batch[0], RequestOutputKind.DELTA, n=2),
+        )
+
+    try:
+        delta, cumulative, final_only, delta_n2 = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    # DELTA: each output holds only its new tokens; together they are the whole completion, the last one finished.
+    assert len(delta) > 1 and [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
+    assert [t for o in delta for t in o.outputs[0].token_ids] == expected[0]
+    assert delta[-1].outputs[0].finish_reason == "length"
+    assert delta[0].prompt_token_ids == batch[0] and all(o.prompt_logprobs is None for o in delta)
+    # CUMULATIVE: each holds everything so far.
+    assert cumulative[-1].outputs[0].token_ids == expected[1]
+    assert all(expected[1][: len(o.outputs[0].token_ids)] == o.outputs[0].token_ids for o in cumulative)
+    # FINAL_ONLY: the finished output alone.
+    assert len(final_only) == 1 and final_only[0].finished and final_only[0].outputs[0].token_ids == expected[2]
+    # n=2: each sample's deltas by its index.
+    for index in (0, 1):
+        tokens = [t for o in delta_n2 for c in o.outputs if c.index == index for t in c.token_ids]
+        assert tokens == expected[0]
+    assert asyncio.run(engine.abort(["a", "b"])) is None  # vLLM's coroutine, one id or several
+
+
+def test_deltas_of_best_of_above_n_are_refused(gemma3, patched):
+    model, batch, _ = gemma3
+    engine = AsyncLLM(patched(model, max_model_len=128))
+    try:
+        params = SamplingParams(n=1, best_of=2, output_kind=RequestOutputKind.DELTA)
+        with pytest.raises(ValueError, match="best_of=2 > n=1 has no deltas"):
+            engine.submit(batch[0], params)
+    finally:
+        engine.shutdown()
+
+
+def test_step_reports_a_final_only_request_once_finished_and_refuses_delta(gemma3, patched):
+    model, batch, _ = gemma3
+    llm = patched(model, max_model_len=128)
+    with pytest.raises(ValueError, match="stream it"):
+        llm.add_request("d", batch[0], SamplingParams(output_kind=RequestOutputKind.DELTA))
+    assert not llm.has_unfinished_requests()
+    final = SamplingParams(temperature=0, max_tokens=8, output_kind=RequestOutputKind.FINAL_ONLY)
+    llm.add_request("f", batch[0], final)
+    llm.add_request("c", batch[1], GREEDY)
+    reports = []
+    while llm.has_unfinished_requests():
+        reports.append([(o.request_id, o.finished) for o in llm.step()])
+    assert [r for step in reports for r in step if r[0] == "f"] == [("f", True)]
+    assert sum(1 for step in reports for r in step if r[0] == "c") > 1  # cumulative: reported every step
+    assert not llm.final_only
+    with pytest.raises(TypeError, match="RequestOutputKind"):
+        SamplingParams(output_kind="delta")
+
+
+def test_get_metrics_reads_the_engines_counters_under_vllms_names(gemma3, patched):
+    model, batch, _ = gemma3
+    llm = patched(model, max_model_len=128)
+    llm.generate(batch, GREEDY, use_tqdm=False)
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    stats = llm.stats()
+    assert isinstance(metrics["vllm:num_requests_running"], Gauge) and metrics["vllm:num_requests_running"].value == 0
+    assert isinstance(metrics["vllm:generation_tokens"], Counter)
+    assert metrics["vllm:generation_tokens"].value == stats["num_generated_tokens"] == 24
+    assert metrics["vllm:prefix_cache_queries"].value == stats["prefix_cache_queries"]
+    assert metrics["vllm:kv_cache_usage_perc"].value == 0.0
+    assert isinstance(metrics["hybridkv_kv_blocks_in_use_per_group"], Vector)
+
+
+def test_cleanup_dist_env_and_memory_runs_without_a_process_group():
+    from hybridkv.distributed import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory(shutdown_ray=True)

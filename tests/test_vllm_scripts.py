@@ -1,0 +1,143 @@
+"""vLLM's own example scripts run on hybridkv with the import line changed and nothing else (issue 63): copies in
+tests/vllm_scripts/ (their README names vLLM's commit of each), each run in a subprocess as vLLM's docs run it, the
+model name pointed at a tiny local Gemma 3 checkpoint. What a script prints is checked against the model's own
+computation where the script's sampling allows it (greedy, or seeded)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hybridkv
+from hybridkv import SamplingParams
+from hybridkv.tiny import tiny_model
+
+from tiny_tokenizer import tiny_tokenizer
+
+SCRIPTS = Path(__file__).parent / "vllm_scripts"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 (5 sliding-window layers, 1 full) saved in fp32 with its tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("vllm_scripts_checkpoint")
+    tiny_tokenizer().save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(path)
+    return path
+
+
+def run_script(name: str, *args: str, model: str | None = None, tmp_path: Path | None = None) -> str:
+    """Run a copied script as `python SCRIPT ARGS`; with `model`, a copy of it whose model-name string (vLLM's own,
+    `model="..."`) names the checkpoint instead. Its stdout; a failure shows its stderr."""
+    script = SCRIPTS / name
+    if model is not None:
+        assert tmp_path is not None
+        text = script.read_text(encoding="utf-8")
+        text, count = re.subn(r'model="[^"]+"', f"model={model!r}", text)
+        assert count == 1, f"{name}: expected one model name to point at the checkpoint, found {count}"
+        script = tmp_path / name
+        script.write_text(text, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, encoding="utf-8", env=env, timeout=300
+    )
+    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+def hf_greedy_texts(checkpoint: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """transformers' own greedy completion of each prompt, decoded as vLLM's outputs are (special tokens left out)."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return texts
+
+
+def test_generate_py_takes_vllms_engine_flags_and_matches_transformers_greedy(checkpoint):
+    # examples/offline_inference/basic/generate.py: EngineArgs.add_cli_args on an argument group, LLM(**vars(args))
+    # with every flag it added, get_default_sampling_params; --max_model_len spelled with underscores
+    # (FlexibleArgumentParser).
+    stdout = run_script(
+        "generate.py", "--model", str(checkpoint), "--max_model_len", "256", "--temperature", "0", "--max-tokens", "8"
+    )
+    prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is"]
+    prompts.append("The future of AI is")
+    expected = [
+        f"Prompt: {prompt!r}, Generated text: {text!r}"
+        for prompt, text in zip(prompts, hf_greedy_texts(checkpoint, prompts, 8), strict=True)
+    ]
+    assert stdout.splitlines() == expected
+
+
+@pytest.mark.slow
+def test_basic_py_runs_with_llm_of_a_checkpoint_path(checkpoint, tmp_path):
+    # examples/offline_inference/basic/basic.py: LLM(model=name), sampled (temperature 0.8, top_p 0.95).
+    stdout = run_script("basic.py", model=str(checkpoint), tmp_path=tmp_path)
+    assert stdout.count("Prompt:    ") == 4 and stdout.count("Output:    ") == 4
+
+
+@pytest.mark.slow
+def test_chat_py_runs_one_conversation_and_a_batch_of_ten(checkpoint):
+    # examples/offline_inference/basic/chat.py: LLM(**vars(args)) with the sampling flags deleted, llm.chat.
+    stdout = run_script("chat.py", "--model", str(checkpoint), "--max-tokens", "6")
+    assert stdout.count("Generated text: ") == 11
+
+
+@pytest.mark.slow
+def test_llm_engine_example_py_steps_the_engine_from_engine_args(checkpoint):
+    # examples/offline_inference/llm_engine_example.py: EngineArgs.from_cli_args, LLMEngine.from_engine_args,
+    # add_request / step with logprobs, prompt_logprobs, n=2 of best_of=5.
+    stdout = run_script("llm_engine_example.py", "--model", str(checkpoint), "--max-model-len", "256")
+    finished = [line for line in stdout.splitlines() if line.startswith("RequestOutput(")]
+    assert [re.search(r"request_id='(\d+)'", line).group(1) for line in sorted(finished)] == ["0", "1", "2"]
+    assert all("finished=True" in line for line in finished)
+    best_of = next(line for line in finished if "request_id='2'" in line)
+    assert best_of.count("CompletionOutput(") == 2  # n=2 of best_of=5
+
+
+@pytest.mark.slow
+def test_metrics_py_prints_vllms_metric_names(checkpoint, tmp_path):
+    # examples/offline_inference/metrics.py: llm.get_metrics() with vllm.v1.metrics.reader's types.
+    stdout = run_script("metrics.py", model=str(checkpoint), tmp_path=tmp_path)
+    assert "vllm:num_requests_running (gauge) = 0" in stdout
+    generated = int(re.search(r"vllm:generation_tokens \(counter\) = (\d+)", stdout).group(1))
+    assert 4 <= generated <= 64  # 4 prompts, at most 16 tokens each (an EOS may end one earlier)
+    assert re.search(r"vllm:kv_cache_usage_perc \(gauge\) = 0\.0\b", stdout)  # every block back in the pool
+
+
+@pytest.mark.slow
+def test_async_llm_streaming_py_streams_deltas_equal_to_generate(checkpoint, tmp_path):
+    # examples/offline_inference/async_llm_streaming.py: AsyncEngineArgs, AsyncLLM.from_engine_args,
+    # generate(request_id=, prompt=, sampling_params=) with output_kind=DELTA, shutdown(). Seeded, so the streamed
+    # text is reproducible: printed delta by delta, it must equal generate()'s whole text (cumulative outputs would
+    # print each text again and again).
+    stdout = run_script("async_llm_streaming.py", model=str(checkpoint), tmp_path=tmp_path)
+    streamed = re.findall(r"💬 Response: (.*?)\n✅ Generation complete!", stdout, flags=re.S)
+    prompts = ["The future of artificial intelligence is", "In a galaxy far, far away", "The key to happiness is"]
+    llm = hybridkv.LLM(model=str(checkpoint), enforce_eager=True)
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0.8, top_p=0.95, seed=42)
+        expected = [output.outputs[0].text for output in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert streamed == expected
+    assert "All streaming examples completed!" in stdout
