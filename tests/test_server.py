@@ -905,9 +905,24 @@ def test_required_and_named_tool_choices_return_valid_calls_streamed_or_not(tool
         calls, content, finish = streamed_calls(chunks)
         expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in answer.message.tool_calls]
         assert (calls, content, finish) == (expected, "", "tool_calls")
-        if choice is WEATHER:  # a named call's arguments stream as they come, as OpenAI sends them
-            pieces = [c for chunk in chunks for choice_ in chunk.choices for c in choice_.delta.tool_calls or []]
-            assert sum(1 for c in pieces if c.function.arguments) > 1 and pieces[0].function.name == "get_weather"
+        # Each call's arguments stream as they come, as OpenAI and vLLM send them: its id and name once, first.
+        pieces = [c for chunk in chunks for choice_ in chunk.choices for c in choice_.delta.tool_calls or []]
+        for index in range(len(expected)):
+            own = [c for c in pieces if c.index == index]
+            assert sum(1 for c in own if c.function.arguments) > 1
+            assert own[0].function.name == expected[index]["name"] and own[0].id.startswith("call_")
+            assert all(c.function.name is None and c.id is None for c in own[1:])
+        # A call cut by max_tokens comes back as a call, as far as it went, never as content.
+        cut = {**settings, "max_tokens": 12}
+        (answer,) = client.chat.completions.create(**cut).choices
+        assert (answer.finish_reason, answer.message.content) == ("length", None)
+        calls, content, finish = streamed_calls(client.chat.completions.create(**cut, stream=True))
+        assert (content, finish) == ("", "length")
+        assert calls == [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in answer.message.tool_calls
+        ]
+        if choice is WEATHER:
+            assert calls and calls[0]["name"] == "get_weather"
     wait_until_idle(server)
 
 
@@ -941,9 +956,9 @@ def test_auto_parses_the_templates_format_from_the_text(tool_server):
     assert calls == [{"name": name, "arguments": answer.message.tool_calls[0].function.arguments}]
     # Without a call in the text, the answer is content; tool_choice "none" never parses.
     (plain,) = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=8).choices
-    assert plain.message.tool_calls is None and plain.finish_reason in ("stop", "length")
+    assert plain.message.tool_calls == [] and plain.finish_reason in ("stop", "length")  # vLLM's empty list
     (none,) = client.chat.completions.create(**settings, tool_choice="none").choices
-    assert none.message.tool_calls is None and none.message.content.startswith("Checking.<tool_call>")
+    assert none.message.tool_calls == [] and none.message.content.startswith("Checking.<tool_call>")
 
 
 def test_a_conversation_with_tool_results_renders_and_bad_tool_requests_are_400s(tool_server, server, client):

@@ -72,6 +72,21 @@ def test_the_parser_is_found_in_the_template_or_named():
         tool_calls.check_parser("json")
 
 
+def test_required_calls_so_far_name_each_call_once_and_grow_its_arguments():
+    text = '[{"name": "get_weather", "parameters": {"city": "O\\"slo", "days": [1, 2]}}, '
+    text += '{"name": "get_time", "parameters": {}}]'
+    seen = []
+    for end in range(len(text) + 1):
+        calls = tool_calls.required_calls_so_far(text[:end])
+        assert [name for name, _, _ in calls] == ["get_weather", "get_time"][: len(calls)]
+        for index, (_, arguments, complete) in enumerate(calls):  # each call's arguments only grow
+            if index < len(seen):
+                assert arguments.startswith(seen[index][0]) and (complete or not seen[index][1])
+        seen = [(arguments, complete) for _, arguments, complete in calls]
+    assert seen == [('{"city": "O\\"slo", "days": [1, 2]}', True), ("{}", True)]
+    assert json.loads(seen[0][0]) == {"city": 'O"slo', "days": [1, 2]}
+
+
 def test_required_and_named_choices_force_valid_calls():
     tools = tool_calls.check_tools([WEATHER, TIME])
     schema, named = tool_calls.forced_schema(tools, "required")
@@ -87,7 +102,15 @@ def test_required_and_named_choices_force_valid_calls():
     schema, named = tool_calls.forced_schema(tools, {"type": "function", "function": {"name": "get_weather"}})
     assert (named, schema) == ("get_weather", WEATHER["function"]["parameters"])
     assert tool_calls.forced_calls('{"city": "Oslo"}', named)[0].arguments == '{"city": "Oslo"}'
-    assert tool_calls.forced_calls('{"city": "Os', named) == []  # cut short by max_tokens
+    # Cut short by max_tokens: the call as far as it went (issue 63: never the raw JSON as content).
+    assert [(c.name, c.arguments) for c in tool_calls.forced_calls('{"city": "Os', named)] == [
+        ("get_weather", '{"city": "Os')
+    ]
+    cut = json.dumps(output)[:-3]  # get_time's arguments begun: "{"
+    assert [(c.name, c.arguments) for c in tool_calls.forced_calls(cut, None)] == [
+        ("get_weather", '{"city": "Oslo"}'),
+        ("get_time", "{"),
+    ]
     with pytest.raises(ValueError, match="not in tools"):
         tool_calls.forced_schema(tools, {"type": "function", "function": {"name": "nope"}})
     with pytest.raises(ValueError, match="a second function"):

@@ -277,9 +277,9 @@ class OpenAIServing:
         choices = []
         for sample in output.outputs:
             content, calls = tools.split(sample.text, self._raw_text(sample.token_ids))
+            # vLLM's message always has the list, empty without calls (its tools client iterates it).
             message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [call.as_openai() for call in calls]
+            message["tool_calls"] = [call.as_openai() for call in calls]
             finish_reason = "tool_calls" if calls and sample.finish_reason == "stop" else sample.finish_reason
             logprobs = self.token_text.chat_logprobs(sample, num_top)
             choice = {"index": sample.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -650,6 +650,8 @@ class OpenAIServing:
         not parse."""
         if tools.named is not None:
             return self._named_call_chunk(delta, first, held, tools.named, num_top)
+        if tools.forced_schema is not None:
+            return self._required_calls_chunk(delta, first, held, num_top)
         text, finish_reason, calls = delta.text, delta.finish_reason, []
         if tools.parses:
             held.text += delta.text
@@ -689,6 +691,31 @@ class OpenAIServing:
             call.update(id=tool_calls.ToolCall(name, "").id, type="function")
             call["function"]["name"] = name
             message = {"role": "assistant", "content": None, **message}
+        finish_reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
+        logprobs = self.token_text.chat_logprobs_of(*held.take(), num_top) if delta.logprobs is not None else None
+        return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _required_calls_chunk(self, delta: StreamDelta, first: bool, held: _Pending, num_top: int) -> dict[str, Any]:
+        """A chunk of tool_choice "required"'s stream (the output a list of calls, held to its schema): each call's id
+        and name once written, then its arguments' new text, as OpenAI and vLLM stream them; a call cut by max_tokens
+        ends with finish_reason "length", as far as it went."""
+        held.text += delta.text
+        pieces = []
+        for index, (name, arguments, _) in enumerate(tool_calls.required_calls_so_far(held.text)):
+            piece: dict[str, Any] = {"index": index}
+            function: dict[str, Any] = {}
+            if index == len(held.arguments_sent):  # a new call: its id and name first
+                held.arguments_sent.append(0)
+                piece.update(id=tool_calls.ToolCall(name, "").id, type="function")
+                function["name"] = name
+            new = arguments[held.arguments_sent[index] :]
+            if new or function:
+                function["arguments"] = new
+                held.arguments_sent[index] = len(arguments)
+                pieces.append({**piece, "function": function})
+        message: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+        if pieces:
+            message["tool_calls"] = pieces
         finish_reason = "tool_calls" if delta.finish_reason == "stop" else delta.finish_reason
         logprobs = self.token_text.chat_logprobs_of(*held.take(), num_top) if delta.logprobs is not None else None
         return {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -740,6 +767,7 @@ class _Pending:
     num_sent: int = 0
     in_calls: bool = False
     content_end: int = 0  # where the content ends once the calls have begun
+    arguments_sent: list[int] = field(default_factory=list)  # tool_choice "required": each call's arguments sent
 
     def take(self) -> tuple[list[int], list[dict[int, Logprob]]]:
         """The tokens and logprobs not yet sent, now sent."""
@@ -782,9 +810,8 @@ class ToolPlan:
 
     def split(self, text: str, raw: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """The content and the calls of a finished sample's text (`raw`: with special tokens)."""
-        if self.forced_schema is not None:
-            calls = tool_calls.forced_calls(text, self.named)
-            return (None, calls) if calls else (text, [])
+        if self.forced_schema is not None:  # the whole output is calls: never content, even cut short
+            return None, tool_calls.forced_calls(text, self.named)
         if self.parser is None:
             return text, []
         content, calls = tool_calls.parse(self.parser, raw)

@@ -211,14 +211,58 @@ def forced_schema(tools: dict[str, dict[str, Any]], choice: str | dict[str, Any]
 
 
 def forced_calls(text: str, named: str | None) -> list[ToolCall]:
-    """The calls of an output held to `forced_schema`'s schema (empty if it was cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    if named is not None:  # the output is the arguments, as the model wrote them (what a stream sends)
+    """The calls of an output held to `forced_schema`'s schema, each with its arguments as the model wrote them (what a
+    stream sends, piece by piece); an output cut short (max_tokens) gives its calls as far as they go: a named
+    function's arguments so far, a list's calls whose name was written, their arguments so far."""
+    if named is not None:  # the output is the arguments
         return [ToolCall(named, text.strip())]
-    return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in value]
+    return [ToolCall(name, arguments) for name, arguments, _ in required_calls_so_far(text)]
+
+
+def required_calls_so_far(text: str) -> list[tuple[str, str, bool]]:
+    """(name, arguments text, complete) of each call in the text so far of an output held to tool_choice "required"'s
+    schema: `[{"name": "f", "parameters": {...}}, ...]`, its properties in the schema's order (the grammar writes them
+    so). A call is listed once its name is written; its arguments are the `parameters` value's text up to the end of
+    `text`, complete once the value closes. A stream sends each call's name once and its arguments' new text."""
+    calls: list[tuple[str, str, bool]] = []
+    depth, in_string, escaped = 0, False, False
+    key: str | None = None  # the last key read in a call's object (depth 2)
+    named = False  # the current call's object has its name (its arguments are that call's)
+    string_start = value_start = -1
+    for index, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 2:
+                    string = json.loads(text[string_start : index + 1])
+                    if key is None:
+                        key = string
+                    elif key == "name":
+                        calls.append((string, "", False))
+                        key, named = None, True
+            continue
+        if char == '"':
+            in_string, string_start = True, index
+        elif char in "{[":
+            depth += 1
+            if depth == 2:
+                key, named = None, False
+            elif depth == 3 and key == "parameters" and named:
+                value_start = index
+        elif char in "}]":
+            depth -= 1
+            if depth == 2 and value_start >= 0:
+                calls[-1] = (calls[-1][0], text[value_start : index + 1], True)
+                key, value_start = None, -1
+        elif char == "," and depth == 2:
+            key = None
+    if value_start >= 0:  # the last call's arguments, cut or still coming
+        calls[-1] = (calls[-1][0], text[value_start:], False)
+    return calls
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
