@@ -777,6 +777,20 @@ def test_parse_with_a_pydantic_model_returns_the_offline_engines_object(client, 
         assert isinstance(json.loads(json_object.message.content), dict)
 
 
+def test_a_structural_tag_response_format_is_the_offline_engines_structural_tag(client, offline):
+    # vLLM's response_format {"type": "structural_tag", "structures": [...], "triggers": [...]}: a 400 before.
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}
+    tag = {"structures": [{"begin": "e=", "schema": schema, "end": ";"}], "triggers": ["e"]}
+    response = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=1.0, seed=3,
+        response_format={"type": "structural_tag", **tag},
+    )  # fmt: skip
+    prompt = render_chat(offline.tokenizer, MESSAGES)
+    prompt_ids = offline.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, structured_outputs={"structural_tag": tag})
+    assert response.choices[0].message.content == offline.generate([prompt_ids], params)[0].outputs[0].text
+
+
 def test_regex_and_choice_constraints_hold_on_every_sample_of_n_4(client):
     regex = r"[0-9]{3}-[a-z]{2,4}"
     response = client.completions.create(

@@ -91,6 +91,41 @@ def test_json_object_regex_choice_and_grammar_hold_on_every_sample(llm):
                 assert isinstance(json.loads(completion.text), dict)
 
 
+def test_structural_tags_hold_each_structure_after_its_trigger_in_free_text(llm):
+    # vLLM's structural_tag: free text, in which every trigger ("e") starts begin + JSON of the schema + end.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2, 3]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    tag = {"structures": [{"begin": "e=", "schema": schema, "end": ";"}], "triggers": ["e"]}
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=48, structured_outputs=StructuredOutputsParams(structural_tag=tag)
+        )
+        for seed in range(8)
+    ]
+    structures = 0
+    for text in texts(llm.generate(PROMPTS * 2, params, use_tqdm=False)):
+        at = text.find("e")
+        while at >= 0:
+            assert text[at : at + 2] == "e=", text
+            try:
+                value, end = json.JSONDecoder().raw_decode(text, at + 2)
+            except json.JSONDecodeError:  # cut by max_tokens inside the structure
+                break
+            jsonschema.validate(value, schema)
+            assert text[end : end + 1] in (";", ""), text
+            structures += 1
+            at = text.find("e", end + 1)
+    assert structures >= 1  # the triggers came up: the structures were checked, not vacuously passed
+    free = llm.generate(PROMPTS * 2, [SamplingParams(temperature=1.0, seed=s, max_tokens=48) for s in range(8)])
+    assert any("e" in text and "e=" not in text for text in texts(free))  # unconstrained text differs
+    with pytest.raises(ValueError, match="starts with no trigger"):
+        StructuredOutputsParams(structural_tag={"structures": [{"begin": "x", "end": ""}], "triggers": ["e"]})
+
+
 def test_constrained_and_free_requests_in_one_step_keep_their_own_tokens(llm):
     free = SamplingParams(temperature=0, max_tokens=20)
     alone_free = texts(llm.generate(PROMPTS, free, use_tqdm=False))

@@ -190,3 +190,19 @@ def test_cleanup_dist_env_and_memory_runs_without_a_process_group():
     from hybridkv.distributed import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory(shutdown_ray=True)
+
+
+def test_sleep_says_once_that_the_weights_stay(gemma3, patched):
+    import warnings
+
+    model, batch, expected = gemma3
+    llm = patched(model, max_model_len=128)
+    with pytest.warns(UserWarning, match="the weights stay where they are"):
+        llm.sleep(level=2)
+    llm.wake_up()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.sleep(level=1)  # said once per engine
+    llm.wake_up(tags=["weights"])
+    llm.wake_up(tags=["kv_cache"])
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected

@@ -31,6 +31,7 @@ import functools
 import itertools
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
@@ -109,6 +110,7 @@ class LLMEngine:
         self.unclaimed: list[RequestOutput] = []
         # Requests added with output_kind FINAL_ONLY: step() reports them once, finished (vLLM's rule).
         self.final_only: set[str] = set()
+        self._said_weights_stay = False  # sleep() says once that the weights stay
         # Streams dropped while an engine call was under way: aborted when the next call begins.
         self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
@@ -627,6 +629,14 @@ class LLMEngine:
             self.unclaimed.extend(self.async_steps.drain())
         if self.images is not None:
             self.images.clear()
+        if not self._said_weights_stay:  # vLLM's level 1 offloads the weights and level 2 drops them: said once
+            self._said_weights_stay = True
+            warnings.warn(
+                f"sleep(level={level}) gives back the KV pages, state slots and graphs; the weights stay where they "
+                "are: they are the model's own tensors, which hybridkv never copies (move or free them yourself, and "
+                "wake_up() after they are back)",
+                stacklevel=3,
+            )
         self.core.sleep()
 
     @exclusive

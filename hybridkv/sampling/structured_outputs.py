@@ -15,6 +15,7 @@ preempted by recompute keeps its output tokens, so its matcher needs no rewind.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -224,6 +225,19 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         return matcher_cls.grammar_from_regex(text)
     if kind == "choice":
         return matcher_cls.grammar_from_regex("|".join(_regex_literal(c) for c in params.choice or ()))
+    if kind == "structural_tag":  # vLLM's guidance backend's reading: each structure a tag of its first trigger
+        struct_tag = _import_llguidance().StructTag
+        tag = json.loads(text)
+        tags = [
+            struct_tag(
+                trigger=next(t for t in tag["triggers"] if structure["begin"].startswith(t)),
+                begin=structure["begin"],
+                grammar=structure.get("schema") or {"type": "object"},
+                end=structure["end"],
+            )
+            for structure in tag["structures"]
+        ]
+        return struct_tag.to_grammar(tags)
     if _EBNF_RULE.search(text):  # vLLM's examples' EBNF (GBNF: `name ::= ...`), which llguidance converts to Lark
         from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -10,14 +10,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a request's output must match, vLLM's fields: exactly one of `json` (a JSON schema, as a dict or its
     text), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF as vLLM's examples write it,
-    `root ::= ...`, or a Lark grammar, llguidance's dialect) or `json_object=True` (any JSON object). For JSON:
+    `root ::= ...`, or a Lark grammar, llguidance's dialect), `json_object=True` (any JSON object) or `structural_tag`
+    (free text in which each trigger starts a structure: `{"structures": [{"begin": "<function=f>", "schema": {...},
+    "end": "</function>"}], "triggers": ["<function="]}`, as a dict or its text, vLLM's shape). For JSON:
     `disable_any_whitespace` True writes it compactly and False lets any whitespace sit between its tokens (vLLM's
     default); left None, hybridkv writes it compactly (a model free to add whitespace can fill max_tokens with it);
     `whitespace_pattern` is the regex whitespace must match instead; `disable_additional_properties` forbids
@@ -31,11 +33,14 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
+        if self.structural_tag is not None:
+            object.__setattr__(self, "structural_tag", json.dumps(_structural_tag(self.structural_tag)))
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise TypeError(f"structured_outputs json must be a JSON schema (a dict or its text), got {self.json!r}")
         for name in ("regex", "grammar"):
@@ -78,6 +83,8 @@ class StructuredOutputsParams:
             return "regex", self.regex
         if self.choice is not None:
             return "choice", json.dumps(list(self.choice))
+        if self.structural_tag is not None:
+            return "structural_tag", self.structural_tag
         return "grammar", self.grammar or ""
 
     def json_schema(self) -> dict[str, Any]:
@@ -110,3 +117,33 @@ def _closed(schema: Any) -> Any:
     if (closed.get("type") == "object" or "properties" in closed) and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     return closed
+
+
+def _structural_tag(value: Any) -> dict[str, Any]:
+    """vLLM's structural tag, checked: `structures` (each a `begin` string, a JSON `schema` and an `end` string; `begin`
+    starts with one of the triggers) and `triggers` (non-empty strings)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs structural_tag is not JSON: {exc}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("structures"), list) or not value["structures"]:
+        raise ValueError(
+            'structured_outputs structural_tag needs {"structures": [{"begin": ..., "schema": ..., "end": ...}, ...], '
+            f'"triggers": [...]}}, got {value!r}'
+        )
+    triggers = value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(
+            f"structured_outputs structural_tag needs triggers, a list of non-empty strings, got {triggers!r}"
+        )
+    for structure in value["structures"]:
+        if not isinstance(structure, dict) or not all(isinstance(structure.get(k), str) for k in ("begin", "end")):
+            raise ValueError(f"a structural_tag structure needs begin and end strings, got {structure!r}")
+        if not any(structure["begin"].startswith(trigger) for trigger in triggers):
+            raise ValueError(
+                f"a structural_tag structure's begin {structure['begin']!r} starts with no trigger {triggers}"
+            )
+        if not isinstance(structure.get("schema", {}), dict):
+            raise ValueError(f"a structural_tag structure's schema must be a JSON schema, got {structure['schema']!r}")
+    return value

@@ -59,16 +59,21 @@ class JsonSchemaFormat(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema."""
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that follows a schema; and vLLM's
+    `structural_tag` (free text in which each trigger starts a structure: `structures`, `triggers`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
         if self.type == "text":
             return None
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
+        if self.type == "structural_tag":
+            return StructuredOutputsParams(structural_tag={"structures": self.structures, "triggers": self.triggers})
         if self.json_schema is None or self.json_schema.json_schema is None:
             raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
         return StructuredOutputsParams(json=self.json_schema.json_schema)
