@@ -5,6 +5,7 @@ computation where the script's sampling allows it (greedy, or seeded)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,19 +37,20 @@ def checkpoint(tmp_path_factory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(path)
+    # Long enough for automatic_prefix_caching.py's table (about 4,000 of this tokenizer's tokens).
+    tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=8192).save_pretrained(path)
     return path
 
 
 def run_script(name: str, *args: str, model: str | None = None, tmp_path: Path | None = None) -> str:
-    """Run a copied script as `python SCRIPT ARGS`; with `model`, a copy of it whose model-name string (vLLM's own,
-    `model="..."`) names the checkpoint instead. Its stdout; a failure shows its stderr."""
+    """Run a copied script as `python SCRIPT ARGS`; with `model`, a copy of it whose model-name strings (vLLM's own,
+    `model="..."`) name the checkpoint instead. Its stdout; a failure shows its stderr."""
     script = SCRIPTS / name
     if model is not None:
         assert tmp_path is not None
         text = script.read_text(encoding="utf-8")
         text, count = re.subn(r'model="[^"]+"', f"model={model!r}", text)
-        assert count == 1, f"{name}: expected one model name to point at the checkpoint, found {count}"
+        assert count >= 1, f"{name}: no model name to point at the checkpoint"
         script = tmp_path / name
         script.write_text(text, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
@@ -141,3 +143,33 @@ def test_async_llm_streaming_py_streams_deltas_equal_to_generate(checkpoint, tmp
         llm.shutdown()
     assert streamed == expected
     assert "All streaming examples completed!" in stdout
+
+
+@pytest.mark.slow
+def test_prefix_caching_py_gets_the_same_answers_from_the_cache(checkpoint, tmp_path):
+    # examples/offline_inference/prefix_caching.py: two LLMs of one checkpoint, del + cleanup_dist_env_and_memory.
+    stdout = run_script("prefix_caching.py", model=str(checkpoint), tmp_path=tmp_path)
+    assert "Generated answers are the same: True" in stdout
+
+
+@pytest.mark.slow
+def test_automatic_prefix_caching_py_answers_two_questions_on_a_long_table(checkpoint, tmp_path):
+    # examples/offline_inference/automatic_prefix_caching.py: a 6,000-character shared prefix, then a second question.
+    stdout = run_script("automatic_prefix_caching.py", model=str(checkpoint), tmp_path=tmp_path)
+    assert stdout.count("Generation time: ") == 2
+
+
+@pytest.mark.slow
+def test_llm_engine_reset_kv_py_resets_the_cache_under_a_running_request_and_keeps_its_tokens(checkpoint):
+    # examples/offline_inference/llm_engine_reset_kv.py: reset_prefix_cache(reset_running_requests=True) at step 10,
+    # while the greedy request decodes: its tokens are still transformers' greedy ones.
+    stdout = run_script("llm_engine_reset_kv.py", "--model", str(checkpoint), "--max-model-len", "256")
+    assert "Resetting prefix cache at 10" in stdout
+    (finished,) = [line for line in stdout.splitlines() if line.startswith("RequestOutput(")]
+    token_ids = json.loads(re.search(r"CompletionOutput\(index=0, text=.*?, token_ids=(\[[^\]]*\])", finished).group(1))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = tokenizer("A robot may not injure a human being", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert token_ids == expected
