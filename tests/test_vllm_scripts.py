@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from server_process import wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hybridkv
@@ -23,9 +25,12 @@ from hybridkv.tiny import tiny_model
 from tiny_tokenizer import tiny_tokenizer
 
 SCRIPTS = Path(__file__).parent / "vllm_scripts"
+# A template that renders tools and Hermes' <tool_call> format (vLLM's tool examples serve such models).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
+    "{% if tools %}<tools>{% for tool in tools %}{{ tool['function']['name'] }};{% endfor %}</tools>{% endif %}"
+    "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}<eos>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 
 
@@ -42,15 +47,22 @@ def checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-def run_script(name: str, *args: str, model: str | None = None, tmp_path: Path | None = None) -> str:
+def run_script(
+    name: str, *args: str, model: str | None = None, server: str | None = None, tmp_path: Path | None = None
+) -> str:
     """Run a copied script as `python SCRIPT ARGS`; with `model`, a copy of it whose model-name strings (vLLM's own,
-    `model="..."`) name the checkpoint instead. Its stdout; a failure shows its stderr."""
+    `model="..."`) name the checkpoint instead; with `server`, a copy whose server address (vLLM's
+    `http://localhost:8000/v1`) is that one's. Its stdout; a failure shows its stderr."""
     script = SCRIPTS / name
-    if model is not None:
+    if model is not None or server is not None:
         assert tmp_path is not None
         text = script.read_text(encoding="utf-8")
-        text, count = re.subn(r'model="[^"]+"', f"model={model!r}", text)
-        assert count >= 1, f"{name}: no model name to point at the checkpoint"
+        if model is not None:
+            text, count = re.subn(r'model="[^"]+"', f"model={model!r}", text)
+            assert count >= 1, f"{name}: no model name to point at the checkpoint"
+        if server is not None:
+            assert "http://localhost:8000/v1" in text, f"{name}: no server address to point at the test's"
+            text = text.replace("http://localhost:8000/v1", server)
         script = tmp_path / name
         script.write_text(text, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
@@ -173,3 +185,62 @@ def test_llm_engine_reset_kv_py_resets_the_cache_under_a_running_request_and_kee
     with torch.inference_mode():
         expected = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
     assert token_ids == expected
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """`hybridkv serve` of the checkpoint as vLLM's examples start `vllm serve` (Hermes tool calls): its /v1 address."""
+    port = free_port()
+    command = [sys.executable, "-m", "hybridkv", "serve", str(checkpoint), "--port", str(port), "--threads", "1"]
+    command += ["--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_health(process, port, 120)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        "openai_completion_client.py",
+        "openai_chat_completion_client.py",
+        "openai_chat_completion_client_with_tools.py",
+        "openai_chat_completion_client_with_tools_required.py",
+    ],
+)
+def test_vllms_openai_client_examples_run_against_hybridkv_serve(server, name, tmp_path):
+    # examples/online_serving/: completions streamed; a chat; tools with tool_choice "auto" (a message's tool_calls is
+    # [] without calls, which the script iterates, then sends back) and "required" (streamed as argument deltas).
+    stdout = run_script(name, server=server, tmp_path=tmp_path)
+    if name == "openai_chat_completion_client_with_tools.py":
+        assert "Chat completion2 results:" in stdout and "tool_calls=[]" in stdout
+    if name == "openai_chat_completion_client_with_tools_required.py":
+        assert "ChatCompletionMessageFunctionToolCall(" in stdout or "ChatCompletionMessageToolCall(" in stdout
+        assert stdout.count("ChoiceDeltaToolCall(") > 1  # the streamed calls came in pieces
+
+
+@pytest.mark.slow
+def test_vllms_structured_outputs_client_example_gets_constrained_answers(server, tmp_path):
+    # examples/online_serving/openai_chat_completion_structured_outputs.py: vLLM's guided_choice, guided_regex,
+    # guided_json and guided_grammar (its older names of structured_outputs' fields), each honoured, not ignored.
+    lines = run_script("openai_chat_completion_structured_outputs.py", server=server, tmp_path=tmp_path).splitlines()
+    answer = {title: lines[lines.index(title) + 1] for title in lines if title.endswith("Completion:")}
+    assert answer["Guided Choice Completion:"] in ("positive", "negative")
+    # llguidance's \w is Rust's (Unicode word characters with combining marks, which Python's \w leaves out), and
+    # a random model may write them until max_model_len: the answer is a prefix of the regex's language.
+    email_prefix = r"[^\s@]+(@[^\s@]*)?"
+    assert re.fullmatch(email_prefix, answer["Guided Regex Completion:"])
+    assert re.fullmatch(
+        r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", answer["Guided Grammar Completion:"]
+    )
+    assert re.fullmatch(email_prefix, answer["Extra Backend Options Completion:"])
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

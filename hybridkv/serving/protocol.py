@@ -27,6 +27,14 @@ from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.scheduling.structured_params import StructuredOutputsParams
 
 STRUCTURED_OUTPUTS_FIELDS = tuple(f.name for f in fields(StructuredOutputsParams))
+# vLLM's `guided_<name>` request fields and the structured_outputs field each is.
+_GUIDED_FIELDS = {
+    "json": "json",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "whitespace_pattern": "whitespace_pattern",
+}
 
 
 class OpenAIModel(BaseModel):
@@ -103,6 +111,13 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's older names for structured_outputs' fields (its examples and many clients still send them).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # the grammar library is llguidance's, whatever this names
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -112,12 +127,31 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The body's constraint: OpenAI's `response_format` or vLLM's `structured_outputs` (not both)."""
+        """The body's constraint: OpenAI's `response_format`, vLLM's `structured_outputs` or its older `guided_*`
+        fields (one of the three)."""
         from_format = self.response_format.structured_outputs() if self.response_format is not None else None
+        guided = {
+            field: getattr(self, f"guided_{name}")
+            for name, field in _GUIDED_FIELDS.items()
+            if getattr(self, f"guided_{name}") is not None
+        }
+        given = [
+            name
+            for name, value in (
+                ("response_format", from_format),
+                ("structured_outputs", self.structured_outputs),
+                ("guided_*", guided or None),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"send one of response_format, structured_outputs and guided_*, not both {given[0]} and {given[1]}"
+            )
+        if guided:
+            return StructuredOutputsParams(**guided)
         if self.structured_outputs is None:
             return from_format
-        if from_format is not None:
-            raise ValueError("send either response_format or structured_outputs, not both")
         unknown = set(self.structured_outputs) - set(STRUCTURED_OUTPUTS_FIELDS)
         if unknown:
             raise ValueError(
