@@ -206,3 +206,17 @@ def test_sleep_says_once_that_the_weights_stay(gemma3, patched):
     llm.wake_up(tags=["weights"])
     llm.wake_up(tags=["kv_cache"])
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
+
+
+def test_pooling_runners_and_calls_are_refused_naming_why(gemma3, patched):
+    with pytest.raises(ValueError, match=r"runner=.pooling. is not served here.*pooling models"):
+        EngineArgs(model="m", runner="pooling")
+    assert EngineArgs(model="m", runner="auto", task="generate").model == "m"
+    model, batch, _ = gemma3
+    llm = LLM(model, max_model_len=128)
+    try:
+        for call in (llm.embed, llm.classify, llm.score, llm.reward, llm.encode):
+            with pytest.raises(NotImplementedError, match="pooling calls"):
+                call(batch[0])
+    finally:
+        llm.shutdown()

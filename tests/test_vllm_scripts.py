@@ -188,6 +188,34 @@ def test_llm_engine_reset_kv_py_resets_the_cache_under_a_running_request_and_kee
 
 
 @pytest.fixture(scope="module")
+def wordy_checkpoint(tmp_path_factory) -> Path:
+    """The tiny Gemma 3 with a tokenizer trained on the scripts' own prompts too (2,000 tokens): a script that sets a
+    short max_model_len for a real model's tokenizer (structured_outputs.py: 100) fits its prompts."""
+    from hybridkv.serving.cli import tiny_tokenizer as train_tokenizer
+
+    path = tmp_path_factory.mktemp("vllm_scripts_wordy_checkpoint")
+    corpus = [path.read_text(encoding="utf-8") for path in sorted(SCRIPTS.glob("*.py"))] * 4
+    train_tokenizer(corpus, vocab_size=2000).save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tiny_model("gemma3", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_structured_outputs_py_holds_each_constraint(wordy_checkpoint, tmp_path):
+    # examples/offline_inference/structured_outputs.py: StructuredOutputsParams from vllm.sampling_params' path, a
+    # choice, a regex, a JSON schema and an EBNF grammar, with max_model_len=100.
+    stdout = run_script("structured_outputs.py", model=str(wordy_checkpoint), tmp_path=tmp_path)
+    answer = dict(re.findall(r"^(Structured outputs by \w+): (.*)$", stdout, flags=re.M))
+    assert answer["Structured outputs by Choice"] in ("Positive", "Negative")
+    assert re.fullmatch(r"[^\s@]+(@[^\s@]*)?", answer["Structured outputs by Regex"])  # Rust's \w; maybe cut
+    assert answer["Structured outputs by JSON"].startswith('{"brand":')
+    assert re.fullmatch(
+        r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", answer["Structured outputs by Grammar"]
+    )
+
+
+@pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     """`hybridkv serve` of the checkpoint as vLLM's examples start `vllm serve` (Hermes tool calls): its /v1 address."""
     port = free_port()

@@ -114,8 +114,8 @@ IGNORED = {
     "usage_context": "hybridkv reports no usage",
 }
 
-# vLLM's engine arguments that would change results or placement at another value: (the value accepted, why others
-# are refused, naming what to do instead).
+# vLLM's engine arguments that would change results or placement at another value: (the value accepted, or a tuple
+# of those accepted, the first the flag's default; why others are refused, naming what to do instead).
 ONLY_AT: dict[str, tuple[Any, str]] = {
     "tensor_parallel_size": (
         1,
@@ -136,6 +136,10 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
     "tokenizer_mode": ("auto", "the tokenizer is transformers' AutoTokenizer"),
     "skip_tokenizer_init": (False, "prompts may be text, which needs the tokenizer"),
     "kv_transfer_config": (None, "hybridkv has no disaggregated prefill"),
+    "runner": (("generate", "auto"), "hybridkv generates text; pooling models (embed, classify, score, reward) are "
+               "not served: run them with transformers or vLLM"),
+    "task": (("generate", "auto"), "hybridkv generates text; pooling tasks (embed, classify, score, reward) are not "
+             "served: run them with transformers or vLLM"),
 }  # fmt: skip
 
 # The arguments that say where the model comes from and how it loads (read by `load_checkpoint`), with their defaults.
@@ -251,6 +255,7 @@ class EngineArgs:
         add_patch_flags(parser)
         for name, (value, _) in ONLY_AT.items():
             flag = "--" + name.replace("_", "-")
+            value = value[0] if isinstance(value, tuple) else value
             if isinstance(value, bool):
                 parser.add_argument(flag, action="store_true", default=value)
             else:
@@ -315,8 +320,9 @@ def check_arguments(arguments: dict[str, Any]) -> None:
         value = arguments.get(name)  # None: unset
         if name == "tensor_parallel_size":  # under torchrun, the model loads sharded over its processes
             accepted = int(os.environ.get("WORLD_SIZE", "1"))
-        if value is not None and value != accepted:
-            raise ValueError(f"{name}={value!r} is not served here, only {accepted!r}: {why}")
+        allowed = accepted if isinstance(accepted, tuple) else (accepted,)
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is not served here, only {' or '.join(map(repr, allowed))}: {why}")
 
 
 def add_patch_flags(parser: Any) -> None:

@@ -18,6 +18,11 @@ from hybridkv.engine.binding import unbind_engine
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.patching import patch
 
+POOLING = (
+    "hybridkv generates text; vLLM's pooling calls (embed, encode, classify, score, reward) are not served: run "
+    "pooling models with transformers or vLLM"
+)
+
 
 class LLM:
     """vLLM's `LLM` (the module docstring). Arguments are vLLM's engine arguments (`EngineArgs`): a setting hybridkv
@@ -51,6 +56,11 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({type(self.llm_engine.model).__name__}, max_model_len={self.llm_engine.max_model_len})"
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(POOLING)
+
+    encode = classify = score = reward = embed
 
     def shutdown(self) -> None:
         """Free the engine's KV cache; a model this LLM loaded itself goes with it (its engine is closed either way:
