@@ -119,6 +119,18 @@ def test_other_attention_config_edits_are_refused(edit, patched):
     assert_refused_and_clean(llm, match=rf"config\.{name} is .*{PATCH_AGAIN}")
 
 
+def test_a_field_set_or_deleted_after_patch_is_refused(patched):
+    # The watch reads the fields set at patch time in one call and tests the unset ones for appearing.
+    model, llm, _ = served(patched, "gemma3_text")
+    config = model.config.get_text_config()
+    assert "attention_chunk_size" not in vars(config)
+    config.attention_chunk_size = 8
+    assert_refused_and_clean(llm, match=rf"config\.attention_chunk_size is 8 but was unset.*{PATCH_AGAIN}")
+    model, llm, _ = served(patched, "gemma3_text")
+    del model.config.get_text_config().__dict__["sliding_window"]
+    assert_refused_and_clean(llm, match=rf"config\.sliding_window is unset but was .*{PATCH_AGAIN}")
+
+
 def test_an_in_place_edit_of_a_config_list_is_refused(patched):
     model, llm, _ = served(patched, "ministral")
     model.config.layer_types[1] = "sliding_attention"
