@@ -106,3 +106,19 @@ def test_unpatch_leaves_no_attribute_and_a_dropped_model_is_collected():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_a_model_dropped_without_unpatch_leaves_no_entry_a_new_config_could_inherit():
+    # The attention registry is keyed by id(config): a dropped model's entries go with its config, so a later config
+    # given the same id is not taken for one that another patched model still reads (its unpatch would not restore it).
+    import gc
+
+    from hybridkv.patches import attention
+
+    model = FAMILIES["llama"]()
+    hybridkv.patch(model, max_model_len=64)
+    key = id(model.config)
+    assert attention._num_patched_models[key] == 1
+    del model
+    gc.collect()
+    assert key not in attention._num_patched_models and key not in attention._original_implementation

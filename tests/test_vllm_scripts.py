@@ -5,9 +5,12 @@ computation where the script's sampling allows it (greedy, or seeded)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import json
-import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -50,9 +53,10 @@ def checkpoint(tmp_path_factory) -> Path:
 def run_script(
     name: str, *args: str, model: str | None = None, server: str | None = None, tmp_path: Path | None = None
 ) -> str:
-    """Run a copied script as `python SCRIPT ARGS`; with `model`, a copy of it whose model-name strings (vLLM's own,
-    `model="..."`) name the checkpoint instead; with `server`, a copy whose server address (vLLM's
-    `http://localhost:8000/v1`) is that one's. Its stdout; a failure shows its stderr."""
+    """Run a copied script as `python SCRIPT ARGS` does, in this process (`runpy`, as `__main__`, with `sys.argv` and
+    the script's folder on `sys.path`: a new interpreter per script cost seconds of imports each); with `model`, a copy
+    of it whose model-name strings (vLLM's own, `model="..."`) name the checkpoint instead; with `server`, a copy
+    whose server address (vLLM's `http://localhost:8000/v1`) is that one's. What it printed."""
     script = SCRIPTS / name
     if model is not None or server is not None:
         assert tmp_path is not None
@@ -65,12 +69,19 @@ def run_script(
             text = text.replace("http://localhost:8000/v1", server)
         script = tmp_path / name
         script.write_text(text, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "PYTHONIOENCODING": "utf-8", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, encoding="utf-8", env=env, timeout=300
-    )
-    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
-    return result.stdout
+    printed = io.StringIO()
+    argv, path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = [str(script), *args], [str(SCRIPTS)]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        for name, module in list(sys.modules.items()):  # the scripts' own modules (chat.py's `utils`), imported again
+            if str(getattr(module, "__file__", None) or "").startswith(str(SCRIPTS)):
+                del sys.modules[name]
+        gc.collect()  # an LLM the script made frees its KV cache now (its engine and model hold each other)
+    return printed.getvalue()
 
 
 def hf_greedy_texts(checkpoint: Path, prompts: list[str], max_new_tokens: int) -> list[str]:

@@ -633,8 +633,7 @@ class LLMEngine:
             self._said_weights_stay = True
             warnings.warn(
                 f"sleep(level={level}) gives back the KV pages, state slots and graphs; the weights stay where they "
-                "are: they are the model's own tensors, which hybridkv never copies (move or free them yourself, and "
-                "wake_up() after they are back)",
+                "are: they are the model's own tensors, which hybridkv never copies, offloads or frees",
                 stacklevel=3,
             )
         self.core.sleep()

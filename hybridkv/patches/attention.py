@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,10 +331,17 @@ def install(model: torch.nn.Module) -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, hybridkv_mask)
     for config in attention_configs(model):
         key = id(config)
+        if key not in _num_patched_models:  # a model dropped without unpatch: its config's entries go with it, so a
+            weakref.finalize(config, _forget_config, key)  # later config given the same id starts afresh
         if config._attn_implementation != ATTN_IMPLEMENTATION:  # else a patched model's original stays
             _original_implementation[key] = config._attn_implementation or "eager"
         _num_patched_models[key] = _num_patched_models.get(key, 0) + 1
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _forget_config(key: int) -> None:
+    _num_patched_models.pop(key, None)
+    _original_implementation.pop(key, None)
 
 
 def uninstall(model: torch.nn.Module) -> None:
