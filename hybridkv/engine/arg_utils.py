@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 
 from hybridkv.engine.binding import bind_engine
 from hybridkv.engine.llm_engine import LLMEngine
-from hybridkv.execution.config import EngineConfig
+from hybridkv.execution.config import EngineConfig, with_guesses
 
 
 def cpu_threads_flag(text: str) -> int | str:
@@ -308,13 +307,9 @@ def check_arguments(arguments: dict[str, Any]) -> None:
     known = [*LOAD_ARGUMENTS, *_SETTINGS, *IGNORED, *ONLY_AT]
     unknown = [name for name in arguments if name not in known]
     if unknown:
-        guesses = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, known)
-            guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
         raise TypeError(
-            f"unknown engine argument{'s' if len(unknown) > 1 else ''} {', '.join(guesses)}; hybridkv takes vLLM's "
-            f"{', '.join(known)}"
+            f"unknown engine argument{'s' if len(unknown) > 1 else ''} {with_guesses(unknown, known)}; hybridkv "
+            f"takes vLLM's {', '.join(known)}"
         )
     for name, (accepted, why) in ONLY_AT.items():
         value = arguments.get(name)  # None: unset

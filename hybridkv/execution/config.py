@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, get_args
@@ -304,12 +305,17 @@ class EngineConfig:
         names = [field.name for field in fields(cls)]
         unknown = [name for name in config if name not in names]
         if unknown:
-            guesses = []
-            for name in unknown:
-                close = difflib.get_close_matches(name, names)
-                guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
             plural = "s" if len(unknown) > 1 else ""
             raise TypeError(
-                f"unknown hybridkv setting{plural} {', '.join(guesses)}; the settings are {', '.join(names)}"
+                f"unknown hybridkv setting{plural} {with_guesses(unknown, names)}; the settings are {', '.join(names)}"
             )
         return cls(**config)
+
+
+def with_guesses(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """The unknown names, each with the closest of the known ones: "'blok_size' (did you mean block_size?)"."""
+    guesses = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known)
+        guesses.append(f"{name!r} (did you mean {' or '.join(close)}?)" if close else repr(name))
+    return ", ".join(guesses)
