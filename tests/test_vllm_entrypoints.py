@@ -184,6 +184,12 @@ def test_get_metrics_reads_the_engines_counters_under_vllms_names(gemma3, patche
     assert metrics["vllm:prefix_cache_queries"].value == stats["prefix_cache_queries"]
     assert metrics["vllm:kv_cache_usage_perc"].value == 0.0
     assert isinstance(metrics["hybridkv_kv_blocks_in_use_per_group"], Vector)
+    assert metrics["vllm:prompt_tokens"].value == stats["num_prompt_tokens"] == sum(map(len, batch))
+    success = [m for m in llm.get_metrics() if m.name == "vllm:request_success"]
+    assert [(m.tags, m.value) for m in success] == [({"finished_reason": "length"}, 3)]
+    llm.add_request("aborted", batch[0], GREEDY)
+    llm.abort("aborted")
+    assert llm.stats()["finished_samples"] == {"length": 3, "abort": 1}
 
 
 def test_cleanup_dist_env_and_memory_runs_without_a_process_group():

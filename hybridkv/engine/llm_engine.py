@@ -677,7 +677,13 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """KV usage, prefix-cache use, preemptions and throughput since the engine was built (engine/stats.py)."""
         return engine_stats(
-            self.core, self.grammars, self.images, self.async_steps, self.step_seconds, self.update_seconds
+            self.core,
+            self.grammars,
+            self.images,
+            self.async_steps,
+            self.step_seconds,
+            self.update_seconds,
+            self.outputs,
         )
 
     def get_metrics(self) -> list[Metric]:

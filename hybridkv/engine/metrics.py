@@ -25,6 +25,8 @@ ENGINE_METRICS = (
     ("hybridkv_prefix_cache_hits", "vllm:prefix_cache_hits", "counter", "prefix_cache_hits",
      "Prompt tokens found in the cache."),
     ("hybridkv_num_preemptions", "vllm:num_preemptions", "counter", "num_preemptions", "Requests preempted."),
+    ("hybridkv_prompt_tokens", "vllm:prompt_tokens", "counter", "num_prompt_tokens",
+     "Prompt tokens of the requests added."),
     ("hybridkv_generation_tokens", "vllm:generation_tokens", "counter", "num_generated_tokens", "Tokens generated."),
     ("hybridkv_structured_output_masks", None, "counter", "structured_output_masks",
      "Next-token grammar masks computed for structured outputs (one per constrained sample per step)."),
@@ -84,6 +86,9 @@ def engine_metrics(stats: dict[str, Any]) -> list[Metric]:
         metrics.append(kind_type(vllm_name or name, value=stats[key]))
     metrics.append(Gauge("vllm:kv_cache_usage_perc", value=kv_cache_usage(stats)))
     metrics.append(Vector("hybridkv_kv_blocks_in_use_per_group", values=list(stats["blocks_in_use_per_group"])))
+    # The server's /metrics has its own request_success (hybridkv/serving/metrics.py): this one is get_metrics()'s.
+    for reason, count in sorted(stats["finished_samples"].items()):
+        metrics.append(Counter("vllm:request_success", {"finished_reason": reason}, value=count))
     for tier, counters in stats["prefix_cache_tiers"].items():
         metrics.append(Counter("hybridkv_prefix_cache_tier_hits", {"tier": tier}, value=counters["hit_tokens"]))
     return metrics

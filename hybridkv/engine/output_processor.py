@@ -9,6 +9,7 @@ record: later steps update the same object until it is finished.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,9 @@ class OutputProcessor:
         self.samples: dict[Request, SampleState] = {} if samples is None else samples
         self.unreported: list[RequestState] = []
         self._decoded: dict[int, str | None] = {}  # token id -> its text alone (Logprob.decoded_token)
+        # stats(): the prompt tokens of the requests added, and the samples finished, by finish reason.
+        self.num_prompt_tokens = 0
+        self.finished_samples: Counter[str] = Counter()
 
     def add(self, parts: list[SampleGroup], prompt: str | None, grammar: CompiledGrammar | None = None) -> RequestState:
         """Records for a new request's samples, in its groups `parts` (one, but where it has more samples than
@@ -87,6 +91,7 @@ class OutputProcessor:
         leader = group.leader
         params = leader.params
         prompt_ids = leader.token_ids[: leader.num_prompt_tokens]
+        self.num_prompt_tokens += len(prompt_ids)
         metrics = RequestMetrics(arrival_time=time.monotonic())
         samples = []
         members = [m for part in parts for m in part.members] if group.beam is None else []
@@ -298,6 +303,7 @@ class OutputProcessor:
                 output.outputs = ranked[: params.n]
             output.finished = True
             output.metrics.finished_time = time.monotonic()
+            self.finished_samples.update(completion.finish_reason or "error" for completion in output.outputs)
             self.states.pop(group.request_id, None)
             for sample in state.samples:
                 self.samples.pop(sample.request, None)

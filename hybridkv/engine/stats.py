@@ -6,6 +6,7 @@ from typing import Any
 
 from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.core import EngineCore
+from hybridkv.engine.output_processor import OutputProcessor
 from hybridkv.engine.speculation import speculation_stats
 from hybridkv.execution.model_runner import ModelRunner
 from hybridkv.execution.multimodal import ImageEncoder
@@ -20,9 +21,11 @@ def engine_stats(
     async_steps: AsyncSteps | None,
     step_seconds: float,
     update_seconds: float,
+    outputs: OutputProcessor,
 ) -> dict[str, Any]:
     """KV usage, prefix-cache use, preemptions and throughput since the engine was built: the core's counters and
-    its front's (`grammars`, `images`, `async_steps`, the seconds of its steps and of their updates)."""
+    its front's (`grammars`, `images`, `async_steps`, the seconds of its steps and of their updates, and the prompt
+    tokens and finished samples its `outputs` counted)."""
     coordinator, scheduler, runner = core.coordinator, core.scheduler, core.runner
     kv = coordinator.stats()
     checkpoints = coordinator.state_checkpoints
@@ -97,6 +100,8 @@ def engine_stats(
         "num_waiting": len(scheduler.waiting),
         "num_swapped": len(scheduler.swapped),
         "num_steps": core.num_steps,
+        "num_prompt_tokens": outputs.num_prompt_tokens,  # of the requests added
+        "finished_samples": dict(outputs.finished_samples),  # by finish reason
         "num_generated_tokens": core.num_generated_tokens,
         # Tokens run through the model (prompts, recomputed tokens and one per decode step).
         "num_forward_tokens": core.num_forward_tokens,
