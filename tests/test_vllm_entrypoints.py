@@ -50,7 +50,7 @@ def test_vllms_module_paths_import_the_same_objects():
     assert hybridkv.sampling_params.SamplingParams is hybridkv.SamplingParams
 
 
-def test_engine_args_flags_take_vllms_spellings_and_refuse_what_would_change_results():
+def test_engine_args_flags_take_vllms_spellings_and_refuse_what_would_change_results(monkeypatch):
     parser = FlexibleArgumentParser()
     EngineArgs.add_cli_args(parser)
     flags = ["--model", "m", "--max_model_len=64", "--disable-log-stats", "--tensor-parallel-size", "1"]
@@ -66,6 +66,11 @@ def test_engine_args_flags_take_vllms_spellings_and_refuse_what_would_change_res
         EngineArgs(model="m", max_modle_len=64)
     with pytest.raises(ValueError, match="max_model_len"):  # a setting is checked where it is given
         EngineArgs(model="m", max_model_len=0)
+    # Unset on the command line: under torchrun the process count is the tensor-parallel size taken.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert EngineArgs.from_cli_args(parser.parse_args(["--model", "m"])).model == "m"
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 is not served here, only 2"):
+        EngineArgs(model="m", tensor_parallel_size=1)
 
 
 def test_llm_over_a_model_in_hand_is_the_patched_engine(gemma3, patched):
@@ -78,6 +83,8 @@ def test_llm_over_a_model_in_hand_is_the_patched_engine(gemma3, patched):
         assert "generate" in dir(llm) and llm.max_model_len == 128
         with pytest.raises(TypeError, match="already loaded"):
             LLM(model, dtype="bfloat16")
+        with pytest.raises(TypeError, match="trust_remote_code name how a checkpoint loads"):
+            LLM(model, trust_remote_code=True)
     finally:
         llm.shutdown()
     assert not hybridkv.is_patched(model)

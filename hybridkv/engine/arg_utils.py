@@ -191,7 +191,7 @@ def load_checkpoint(
     config = AutoConfig.from_pretrained(path, revision=revision, **hub)
     takes_images = getattr(config, "vision_config", None) is not None
     auto_model = AutoModelForImageTextToText if takes_images else AutoModelForCausalLM
-    tensor_parallel = {"tp_plan": "auto"} if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}
+    tensor_parallel = {"tp_plan": "auto"} if torchrun_processes() > 1 else {}
     if load_format == "dummy":
         model = auto_model.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     else:
@@ -257,8 +257,8 @@ class EngineArgs:
             value = value[0] if isinstance(value, tuple) else value
             if isinstance(value, bool):
                 parser.add_argument(flag, action="store_true", default=value)
-            else:
-                parser.add_argument(flag, type=type(value) if value is not None else str, default=value)
+            else:  # unset by default (None is accepted): under torchrun, tensor_parallel_size is its process count
+                parser.add_argument(flag, type=type(value) if value is not None else str, default=None)
         for name in ("disable_log_stats", "enable_sleep_mode", "disable_log_requests"):
             parser.add_argument("--" + name.replace("_", "-"), action="store_true", default=False, help=IGNORED[name])
         parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
@@ -272,12 +272,22 @@ class EngineArgs:
         names = [*LOAD_ARGUMENTS, *_SETTINGS, *ONLY_AT, *IGNORED]
         return cls(**{name: given[name] for name in names if name in given})
 
+    def loading_given(self) -> list[str]:
+        """The arguments given that say how a checkpoint loads (all but `model`, `tokenizer` and `seed`, at a value
+        other than their default): a model already loaded refuses them."""
+        skip = ("model", "tokenizer", "seed")
+        return [name for name, default in LOAD_ARGUMENTS.items() if name not in skip and getattr(self, name) != default]
+
+    def seed_torch(self) -> None:
+        """With a seed, torch's generator is seeded (once, as the engine is made)."""
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
+
     def load(self) -> Checkpoint:
         """The checkpoint these arguments name (`load_checkpoint`); with a seed, torch's generator is seeded first."""
         if self.model is None:
             raise ValueError("no model: give model= (a transformers checkpoint folder or hub name)")
-        if self.seed is not None:
-            torch.manual_seed(self.seed)
+        self.seed_torch()
         return load_checkpoint(
             self.model,
             self.dtype,
@@ -301,6 +311,11 @@ class AsyncEngineArgs(EngineArgs):
     """vLLM's `AsyncEngineArgs`: the same arguments, for `AsyncLLM.from_engine_args`."""
 
 
+def torchrun_processes() -> int:
+    """How many processes torchrun started this one among (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def check_arguments(arguments: dict[str, Any]) -> None:
     """Refuse an argument hybridkv does not know (TypeError naming the closest) and one of vLLM's at a value that
     would change results here (`ONLY_AT`: ValueError giving the reason)."""
@@ -314,7 +329,7 @@ def check_arguments(arguments: dict[str, Any]) -> None:
     for name, (accepted, why) in ONLY_AT.items():
         value = arguments.get(name)  # None: unset
         if name == "tensor_parallel_size":  # under torchrun, the model loads sharded over its processes
-            accepted = int(os.environ.get("WORLD_SIZE", "1"))
+            accepted = torchrun_processes()
         allowed = accepted if isinstance(accepted, tuple) else (accepted,)
         if value is not None and value not in allowed:
             raise ValueError(f"{name}={value!r} is not served here, only {' or '.join(map(repr, allowed))}: {why}")

@@ -33,13 +33,15 @@ class LLM:
         self, model: str | torch.nn.Module, tokenizer: Any = None, *, processor: Any = None, **kwargs: Any
     ) -> None:
         if isinstance(model, torch.nn.Module):
-            loading = [name for name in ("dtype", "revision", "load_format", "download_dir") if name in kwargs]
+            arguments = EngineArgs(**kwargs)
+            loading = arguments.loading_given()
             if loading:
                 raise TypeError(
                     f"{', '.join(loading)} name how a checkpoint loads, and this model is already loaded: load it "
                     "as you want it and pass it, or pass LLM(model=path, ...)"
                 )
-            self.llm_engine: LLMEngine = patch(model, tokenizer, processor=processor, **EngineArgs(**kwargs).settings)
+            arguments.seed_torch()
+            self.llm_engine: LLMEngine = patch(model, tokenizer, processor=processor, **arguments.settings)
         elif processor is not None:
             raise TypeError("processor= goes with a model you loaded; LLM(model=path) loads the checkpoint's own")
         else:
