@@ -18,7 +18,8 @@ attribute lookup costs about 3 us a name, a dict's well under 0.1 us): about 5 u
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -91,8 +92,12 @@ class LayoutWatch:
             for name, key in stored.items()
             if not isinstance(getattr(type(config), name, None), property)
         }
-        self._keys = [key for key, _ in self.patched_values.values()]
-        self._patched = [patched for _, patched in self.patched_values.values()]
+        # The fields the config held, read together by one `itemgetter` (a KeyError once one is deleted), and those
+        # it lacked, which must stay out of its `__dict__`.
+        held = [(key, patched) for key, patched in self.patched_values.values() if patched is not _ABSENT]
+        self._read_held = _tuple_getter([key for key, _ in held])
+        self._held = tuple(patched for _, patched in held)
+        self._absent = frozenset(key for key, patched in self.patched_values.values() if patched is _ABSENT)
 
     def changed(self) -> str | None:
         """What changed since the model was patched, for a person; None while nothing did."""
@@ -112,8 +117,11 @@ class LayoutWatch:
 
     def _changed_field(self) -> str | None:
         values = self._values
-        if [values.get(key, _ABSENT) for key in self._keys] == self._patched:  # one comparison while nothing changed
-            return None
+        try:  # one comparison and one set test while nothing changed
+            if self._read_held(values) == self._held and values.keys().isdisjoint(self._absent):
+                return None
+        except KeyError:  # a field was deleted: found below
+            pass
         for name, (key, patched) in self.patched_values.items():
             now = values.get(key, _ABSENT)
             if now != patched:
@@ -131,6 +139,13 @@ class LayoutWatch:
                 f"{reason}: call hybridkv.patch(model) again (it builds the engine for the model as it is now, or "
                 "says why it cannot), or set the value back"
             )
+
+
+def _tuple_getter(keys: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A dict's values at `keys`, as a tuple (`itemgetter` gives a bare value for one key); KeyError for one missing."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return lambda values: tuple(values[key] for key in keys)
 
 
 def _copy(value: Any) -> Any:

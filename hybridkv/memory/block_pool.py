@@ -82,6 +82,7 @@ class FreeBlockQueue:
         self._low = KVBlock(-1)  # ends the unhashed run
         self._high = KVBlock(-1)  # ends the run of little worth
         chain = (self._head, self._low, self._high, self._tail)
+        self._run_starts = chain[:3]  # the sentinel before each run, in queue order
         for first, second in itertools.pairwise(chain):
             first.next_free, second.prev_free = second, first
         self.num_free_blocks = 0
@@ -105,10 +106,13 @@ class FreeBlockQueue:
             raise IndexError(f"asked for {n} blocks but only {self.num_free_blocks} are free")
         out: list[KVBlock] = []
         run_sizes = self.run_sizes
-        for run, start in enumerate((self._head, self._low, self._high)):
-            count = min(n - len(out), run_sizes[run])
+        remaining = n
+        for run, start in enumerate(self._run_starts):
+            count = run_sizes[run]
             if not count:
                 continue
+            if count > remaining:
+                count = remaining
             block = start.next_free
             for _ in range(count):
                 out.append(block)
@@ -118,7 +122,8 @@ class FreeBlockQueue:
             start.next_free = block
             block.prev_free = start
             run_sizes[run] -= count
-            if len(out) == n:
+            remaining -= count
+            if not remaining:
                 break
         self.num_free_blocks -= n
         return out
@@ -156,7 +161,7 @@ class FreeBlockQueue:
         a request took the block as a hit since it was filled."""
         head, tail = self._head, self._tail
         end, run = (self._high, 1) if low else (tail, 2)
-        run_sizes = self.run_sizes
+        num_unhashed = num_kept = 0  # the run sizes are added to once, after the loop
         for block in blocks:
             if block.block_hash is None:
                 first = head.next_free
@@ -165,17 +170,27 @@ class FreeBlockQueue:
                 block.prev_free = head
                 head.next_free = block
                 block.free_run = 0
-                run_sizes[0] += 1
-            else:
+                num_unhashed += 1
+            elif low and block.was_hit:
                 # A block some request took as a hit is worth keeping wherever a window left it (a shared prefix's end).
-                block_end, block_run = (tail, 2) if block.was_hit else (end, run)
-                last = block_end.prev_free
+                last = tail.prev_free
                 last.next_free = block
                 block.prev_free = last
-                block.next_free = block_end
-                block_end.prev_free = block
-                block.free_run = block_run
-                run_sizes[block_run] += 1
+                block.next_free = tail
+                tail.prev_free = block
+                block.free_run = 2
+                num_kept += 1
+            else:
+                last = end.prev_free
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = end
+                end.prev_free = block
+                block.free_run = run
+        run_sizes = self.run_sizes
+        run_sizes[0] += num_unhashed
+        run_sizes[2] += num_kept
+        run_sizes[run] += len(blocks) - num_unhashed - num_kept
         self.num_free_blocks += len(blocks)
 
     def _link_before(self, end: KVBlock, block: KVBlock) -> None:

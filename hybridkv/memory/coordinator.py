@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.memory.block_pool import BlockLookup, BlockPool, KVBlock, cdiv
@@ -750,31 +750,36 @@ class KVCacheCoordinator:
             return 0
         given = 0
         # Window-aware: a middle is read only by a hit that ends inside it, so it takes only blocks whose reuse
-        # loses as little (`num_spare_blocks`), never one that caches a prefix's end.
+        # loses as little (`num_spare_blocks`), never one that caches a prefix's end. Blocks are taken from the
+        # queue's head, spare ones first, so each given block is one spare block fewer.
         queue = self.pool.free_queue
+        spare = queue.num_spare_blocks if self.window_aware_eviction else queue.num_free_blocks
         for manager in self._windowed:
-            spare = queue.num_spare_blocks if self.window_aware_eviction else queue.num_free_blocks
-            given += manager.fill_middle(spare)
+            if spare > given:
+                given += manager.fill_middle(spare - given)
         return given
 
     def _every_group_covers(self, request_id: str, num_tokens: int) -> bool:
         """Whether every group's block list already covers num_tokens tokens of the request (`_covered`)."""
         return all(m.covers(request_id, num_tokens) for m in self.managers)
 
-    def update_computed(self, request: KVRequest) -> None:
+    def update_computed(self, request: KVRequest, pending: Collection[str] | None = None) -> None:
         """After a step computed tokens: cache blocks that became full, then return the blocks that
         request.num_computed_tokens has left out of every sliding window.
 
         Caching comes first so that out-of-window blocks go back to the pool still hashed. Each part runs only
         where it can change something: caching where a block filled since the last update, returning where a
         window or chunk start passed a block or a windowed group holds a pending step (decode steps meet one
-        or the other, a token apart).
+        or the other, a token apart). `pending`: the requests with a pending step in some windowed group, where
+        the caller has them (`update_computed_many`); else each windowed group is asked.
         """
         request_id = request.request_id
         num_computed = request.num_computed_tokens
         _, fills_at, moves_at = self._next_change.get(request_id, _NOW)
         caches = num_computed >= fills_at
-        returns = num_computed >= moves_at or any(m.has_pending_step(request_id) for m in self._windowed)
+        if pending is None:
+            pending = self._pending_requests()
+        returns = num_computed >= moves_at or request_id in pending
         if not (caches or returns):  # most decode steps
             return
         # Counted from the known tokens: a token still on the device (async scheduling) is computed, but the block
@@ -825,12 +830,16 @@ class KVCacheCoordinator:
         """`update_computed` of each request, in order (a step's update): the requests that crossed no boundary
         and have no pending step are passed over with one comparison each."""
         next_change = self._next_change
-        pending_lists = [m.pending_requests() for m in self._windowed]
-        pending = set().union(*pending_lists) if any(pending_lists) else ()
+        pending = self._pending_requests()
         for request in requests:
             request_id = request.request_id
             if request.num_computed_tokens >= next_change.get(request_id, _NOW)[0] or request_id in pending:
-                self.update_computed(request)
+                self.update_computed(request, pending)
+
+    def _pending_requests(self) -> Collection[str]:
+        """The requests with a pending step in some windowed group (`WindowedManager.has_pending_step`)."""
+        pending_lists = [m.pending_requests() for m in self._windowed]
+        return set().union(*pending_lists) if any(pending_lists) else ()
 
     def _next_change_after(self, num_computed: int) -> tuple[int, int, int]:
         """The fewest computed tokens, past `num_computed`, at which an update changes anything in some group,
