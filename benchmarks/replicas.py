@@ -17,9 +17,18 @@ Printed per model and policy: the prompt tokens found in the prefix cache over a
 `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, the first turn of each session left out: it has nothing to hit
 anywhere; "ideal": what a replica that served each session's every turn would find), how the requests spread over the
 replicas, requests/s and generated tokens/s (wall clock of the sessions), TTFT p50/p90 through the router (from
-sending to the first content chunk); then each policy's ratios to round_robin. Every answer is checked against the
+sending to the first content chunk), the requests the replicas preempted (a preempted request's prompt is looked up
+again when it resumes, so its lookups count twice); then each policy's ratios to round_robin. Every answer is checked
+against the
 model's own greedy `generate` on the token ids the server saw (vLLM's `return_token_ids`): the count that equal it is
 printed, and anything short of all fails the run.
+
+By default each replica's pool holds every session's conversation, so only routing decides what is hit; a router
+earns its keep where a replica's memory holds its own share of the sessions and not every session's, as in a
+deployment sized for its traffic: `--num-blocks 480` (the Gemma 3 model) or `--num-blocks 264` (Qwen3.5: its one full
+attention layer pages a block per 16 tokens; 257 is the least for one 4,096-token request) gives each replica room for
+about half of the six conversations. There round_robin, which sends every session to both replicas, evicts and
+preempts.
 
     python benchmarks/replicas.py [--replicas 2] [--sessions 6] [--turns 5] [--families gemma3,qwen3_5]
                                   [--policies round_robin,cache_aware,kv_aware] [--max-tokens 16] [--document-words 600]
@@ -93,6 +102,7 @@ class PolicyRun:
     turns: list[Turn] = field(default_factory=list)
     exact: int = 0
     ideal_hits: float = 0.0
+    preemptions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -137,14 +147,18 @@ def router_command(policy: str, port: int, workers: list[tuple[str, tuple[str, s
     return command
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """A replica's prompt tokens found in its prefix cache and looked up, from its /metrics."""
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:num_preemptions_total")
+
+
+def prefix_counters(url: str) -> tuple[float, float, float]:
+    """A replica's prompt tokens found in its prefix cache and looked up, and its requests preempted, from its
+    /metrics (a preempted request is looked up again when it resumes: its lookups count again)."""
     values = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for sample in family.samples:
-            if sample.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+            if sample.name in COUNTERS:
                 values[sample.name] = sample.value
-    return values["vllm:prefix_cache_hits_total"], values["vllm:prefix_cache_queries_total"]
+    return tuple(values[name] for name in COUNTERS)
 
 
 def sentence(rng: random.Random, words: int) -> str:
@@ -227,6 +241,7 @@ def run_policy(policy: str, model: Path, workdir: Path, args: argparse.Namespace
     # The first turn of each session has nothing to hit on any replica: left out of the lookups.
     result.queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) - first_turn_queries
     result.per_replica = [round(a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    result.preemptions = round(sum(a[2] - b[2] for a, b in zip(after, before, strict=True)))
     result.ideal_hits = ideal_hits(result.turns)
     return result
 
@@ -270,13 +285,14 @@ def check_exact(model_path: Path, runs: list[PolicyRun]) -> None:
 def report(family: str, runs: list[PolicyRun]) -> None:
     print(f"\n== {family}: {len(runs[0].turns)} requests per policy ==")
     print(f"{'policy':<12} {'prefix hits':>12} {'(ideal)':>8} {'prompt tokens per replica':>28} {'req/s':>7} "
-          f"{'tok/s':>7} {'TTFT p50':>9} {'p90':>7} {'exact':>7}")  # fmt: skip
+          f"{'tok/s':>7} {'TTFT p50':>9} {'p90':>7} {'exact':>7} {'preempted':>9}")  # fmt: skip
     for run in runs:
         spread = "/".join(f"{n:,}" for n in run.per_replica)
         print(
             f"{run.policy:<12} {run.hit_rate:>11.1%} {run.ideal_rate:>8.1%} {spread:>28} {run.requests_per_s:>7.2f} "
             f"{run.tokens_per_s:>7.1f} "
-            f"{run.ttft(0.5) * 1000:>7.0f}ms {run.ttft(0.9) * 1000:>5.0f}ms {run.exact:>3}/{len(run.turns)}"
+            f"{run.ttft(0.5) * 1000:>7.0f}ms {run.ttft(0.9) * 1000:>5.0f}ms {run.exact:>3}/{len(run.turns)} "
+            f"{run.preemptions:>9}"
         )
     base = next((r for r in runs if r.policy == "round_robin"), None)
     if base is None:
@@ -306,8 +322,9 @@ def main() -> None:
         "--num-blocks",
         type=int,
         default=4096,
-        help="each replica's pool: by default every session's longest "
-        "conversation fits, so routing, not the pool's size, decides what is hit",
+        help="each replica's pool: by default every session's longest conversation fits, so routing, not the pool's "
+        "size, decides what is hit; smaller pools (480 for gemma3, 264 for qwen3_5: a replica holds its share of the "
+        "sessions, not all of them) are the deployment a router is for",
     )
     args = parser.parse_args()
     router_executable()

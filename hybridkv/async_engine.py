@@ -298,6 +298,16 @@ class AsyncLLMEngine:
         """vLLM's `AsyncLLM.list_loras`: the `lora_int_id`s of the adapters in the host cache."""
         return await self._between_steps(self.llm.list_loras)
 
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's `AsyncLLM.collective_rpc`: `LLMEngine.collective_rpc`, by the engine thread between two steps."""
+        return await self._between_steps(functools.partial(self.llm.collective_rpc, method, timeout, args, kwargs))
+
     async def is_sleeping(self) -> bool:
         """vLLM's `AsyncLLM.is_sleeping`."""
         return await self._between_steps(self.llm.is_sleeping)

@@ -52,6 +52,14 @@ def main() -> None:
 
     def default(llm):
         seen["worker_error"] = None
+        # collective_rpc reaches both ranks' workers, in rank order; a lambda cannot be sent, a failure on rank 1 is
+        # raised on rank 0 naming it, and the engine serves on after both.
+        seen["rpc"] = llm.collective_rpc(rank_and_shard, args=(" of ",))
+        for name, method in (("rpc_lambda_error", lambda worker: worker.rank), ("rpc_rank1_error", fail_on_rank_1)):
+            try:
+                llm.collective_rpc(method)
+            except (TypeError, RuntimeError) as exc:
+                seen[name] = str(exc)
         return tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
 
     def chunked_and_cached(llm):
@@ -141,6 +149,17 @@ def main() -> None:
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(seen, f)
     dist.destroy_process_group()
+
+
+def rank_and_shard(worker, joined: str) -> list:
+    """A worker's rank of its world, and whether its model is the engine's (collective_rpc)."""
+    return [f"{worker.rank}{joined}{worker.world_size}", worker.model is worker.model_runner.model]
+
+
+def fail_on_rank_1(worker) -> int:
+    if worker.rank == 1:
+        raise ValueError("rank 1 refuses")
+    return worker.rank
 
 
 def inject_fault(llm, at_call: int) -> None:

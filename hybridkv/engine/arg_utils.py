@@ -87,6 +87,7 @@ PATCH_FLAGS: dict[str, Any] = {
     "max_lora_rank": int,
     "max_cpu_loras": int,
     "kv_events_config": json_object_flag,
+    "worker_extension_cls": str,
 }
 
 # vLLM's `--dtype` values: "auto" keeps the checkpoint's dtype.

@@ -32,6 +32,7 @@ import torch
 
 from hybridkv.engine.kv_events import ZmqEventPublisher
 from hybridkv.engine.speculation import DraftEngine, RecordToken, Speculator
+from hybridkv.engine.worker import check_call, run_call, worker_class
 from hybridkv.execution.config import GIB, EngineConfig
 from hybridkv.execution.cpu_threads import StepThreads
 from hybridkv.execution.distributed import TensorParallel, tensor_parallel_size
@@ -132,6 +133,7 @@ class EngineCore:
         self.model = model
         self.config = config
         self.rows_of = rows_of
+        self._worker_type = worker_class(config.worker_extension_cls)  # a name that does not import fails first
         self.layout = self._probe()
         # The config and attention implementation the layout was built for.
         named = dict(model.named_modules())
@@ -307,6 +309,8 @@ class EngineCore:
             latent=layout.latent,
         )
         self.runner.lora = self.lora
+        rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
+        self.worker = self._worker_type(self.runner, rank, size)
         if self.lora is not None:
             # State layers' segments and latent layers' per-sequence up-projections tell the hooks whose rows they see.
             if self.runner.state_cache is not None:
@@ -775,9 +779,23 @@ class EngineCore:
             if self.speculator is not None:
                 self.speculator.wake_up()
 
+    def collective_rpc(
+        self, method: str | Callable[..., Any], timeout: float | None, args: tuple, kwargs: dict[str, Any]
+    ) -> list[Any]:
+        """vLLM's `collective_rpc`: `method` run on every rank's `Worker`, the results in rank order
+        (hybridkv/engine/worker.py)."""
+        args, kwargs = check_call(timeout, args, kwargs)
+        message = (method, args, kwargs)
+        if self.tp is None:
+            return [self._run_call(message)]
+        return self.tp.call(self._run_call, message)
+
+    def _run_call(self, message: tuple[Any, tuple, dict[str, Any]]) -> Any:
+        return run_call(self.worker, *message)
+
     def run_worker(self) -> None:
-        """On a tensor-parallel worker rank: run the steps rank 0 sends until it closes its engine."""
-        self.tp.run_worker(self.runner)
+        """On a tensor-parallel worker rank: run the steps and calls rank 0 sends until it closes its engine."""
+        self.tp.run_worker(self.runner, self._run_call)
 
     def close(self) -> None:
         """Release the pool's blocks now: they link each other, so only the cycle collector would free them otherwise,

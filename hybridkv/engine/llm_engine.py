@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -661,6 +661,21 @@ class LLMEngine:
             self.async_steps.in_flight = None  # its tokens would go to no one
         self.core.close()
         self._closed = True
+
+    @exclusive
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's `collective_rpc`: `method` (a method name of the worker, or a function called with the worker first)
+        run on every rank's worker, between two steps; the results in rank order (one in one process). The worker
+        holds `model_runner` (its `.model`), `model`, `rank`, `world_size` and `device`, and the methods of
+        `worker_extension_cls` (hybridkv/engine/worker.py). `timeout` is checked, not enforced: the call runs on this
+        thread."""
+        return self.core.collective_rpc(method, timeout, args, kwargs)
 
     def run_worker(self) -> None:
         """On a worker rank of a tensor-parallel engine (hybridkv/execution/distributed.py): run the steps rank 0 sends

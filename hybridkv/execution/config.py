@@ -108,6 +108,9 @@ class EngineConfig:
     `speculative_config` (vLLM's dict: n-gram prompt lookup or a draft model; hybridkv/execution/speculative_config.py)
     proposes tokens that each step checks in the same forward (hybridkv/engine/speculation.py).
 
+    `worker_extension_cls` (vLLM's: a class or its qualified name, "package.module.Class") adds the caller's methods to
+    the worker that `collective_rpc` calls reach (hybridkv/engine/worker.py).
+
     Every setting is checked on construction: a wrong type is a TypeError (a bool or a float is no
     count: `num_blocks=100.0` names `num_blocks=100`), a value out of range a ValueError naming the
     rule. `from_kwargs` also names the closest settings to an unknown one.
@@ -145,9 +148,16 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     kv_events_config: Any = None
+    worker_extension_cls: str | type | None = None
 
     def __post_init__(self) -> None:
         set_field = functools.partial(object.__setattr__, self)
+        extension = self.worker_extension_cls
+        if extension is not None and not isinstance(extension, str | type):
+            raise TypeError(
+                "worker_extension_cls must be a class or its qualified name ('package.module.Class'), "
+                f"not {extension!r}"
+            )
         counts = (
             ("block_size", 1, ""),
             ("max_num_seqs", 1, ""),

@@ -13,7 +13,8 @@ closes its engine (`hybridkv.unpatch`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import pickle
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from hybridkv.scheduling.output import SchedulerOutput
 
 _STOP = "stop"
 _STEP = "step"
+_CALL = "call"
 
 
 def tensor_parallel_size(model: torch.nn.Module) -> int:
@@ -86,12 +88,45 @@ class TensorParallel:
             raise RuntimeError("another rank of the tensor-parallel group could not prepare the step")
         return runner.forward(prepared)
 
-    def run_worker(self, runner: ModelRunner) -> None:
-        """A worker's loop: run every step the driver sends until it stops."""
+    def call(self, run: Callable[[Any], Any], message: Any) -> list[Any]:
+        """The driver's `collective_rpc`: send `message` (method, args, kwargs) to every rank, run it here with `run`,
+        and gather each rank's result in rank order; a rank's exception comes back in its place, and the driver raises
+        the first (RuntimeError naming the rank, the exception as its cause). A message pickle cannot send is a
+        TypeError before anything is sent."""
+        try:
+            pickle.dumps(message)
+        except Exception as error:
+            raise TypeError(
+                f"collective_rpc sends its method and arguments to every rank of a tensor-parallel engine, and pickle "
+                f"cannot send them ({error}): pass a method name or a module-level function, and picklable arguments"
+            ) from None
+        self._broadcast((_CALL, message))
+        return self._gather(run, message)
+
+    def _gather(self, run: Callable[[Any], Any], message: Any) -> list[Any]:
+        try:
+            result = run(message)
+        except Exception as error:  # sent to the driver in this rank's place
+            result = error
+        results: list[Any] | None = [None] * self.size if self.driver else None
+        torch.distributed.gather_object(result, results, dst=self._source, group=self.group)
+        if results is None:
+            return []
+        for rank, result in enumerate(results):
+            if isinstance(result, Exception):
+                raise RuntimeError(f"collective_rpc failed on rank {rank}: {result}") from result
+        return results
+
+    def run_worker(self, runner: ModelRunner, call: Callable[[Any], Any]) -> None:
+        """A worker's loop: run every step and every call (`call`: `collective_rpc`'s message) the driver sends until
+        it stops."""
         while True:
             kind, inputs = self._broadcast(None)
             if kind == _STOP:
                 return
+            if kind == _CALL:
+                self._gather(call, inputs)
+                continue
             try:
                 self._run(runner, inputs)
             except Exception:  # the driver fails the step's requests; this rank waits for the next one
