@@ -77,7 +77,7 @@ def test_collective_rpc_bad_calls_are_clear_errors_and_the_engine_serves_on(patc
     with pytest.raises(ZeroDivisionError):  # the function's own error, as it raised it
         llm.collective_rpc(lambda worker: 1 / 0)
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
-    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"] - 1
+    assert llm.stats()["blocks_in_use"] == 0
 
 
 def test_worker_extension_cls_by_name_and_refusals():
@@ -103,11 +103,12 @@ def test_worker_extension_cls_by_name_and_refusals():
 def test_collective_rpc_through_llm_and_async_llm():
     model = tiny_model("llama")
     llm = LLM(model=model, worker_extension_cls=WeightTools)
+    count = sum(p.numel() for p in model.parameters())
     try:
-        assert llm.collective_rpc("num_parameters") == [sum(p.numel() for p in model.parameters())]
-        engine = AsyncLLM(llm.llm_engine)
+        assert llm.collective_rpc("num_parameters") == [count]
+        engine = AsyncLLM(llm.llm_engine)  # the engine's thread serves it now: the call goes to that thread
         try:
-            assert asyncio.run(engine.collective_rpc("num_parameters")) == llm.collective_rpc("num_parameters")
+            assert asyncio.run(engine.collective_rpc("num_parameters", timeout=5)) == [count]
         finally:
             engine.shutdown()
     finally:
