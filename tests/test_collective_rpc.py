@@ -49,9 +49,7 @@ def test_collective_rpc_calls_a_function_and_an_extension_method_and_follows_the
     model = tiny_model("gemma3")
     batch = prompts((9, 30))
     llm = patched(model, worker_extension_cls=WeightTools)
-    assert llm.collective_rpc(lambda worker: (worker.model is model, worker.rank, worker.world_size)) == [
-        (True, 0, 1)
-    ]
+    assert llm.collective_rpc(lambda worker: (worker.model is model, worker.rank, worker.world_size)) == [(True, 0, 1)]
     assert llm.collective_rpc("num_parameters") == [sum(p.numel() for p in model.parameters())]
     before = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
     assert llm.collective_rpc(roll_embeddings, args=(5,)) == [0]
@@ -66,7 +64,7 @@ def test_collective_rpc_bad_calls_are_clear_errors_and_the_engine_serves_on(patc
     batch = prompts((12,))
     llm = patched(model)
     expected = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
-    with pytest.raises(AttributeError, match="no method 'num_parameters'.*worker_extension_cls"):
+    with pytest.raises(AttributeError, match=r"no method 'num_parameters'.*worker_extension_cls"):
         llm.collective_rpc("num_parameters")
     with pytest.raises(ValueError, match="timeout must be a number of seconds above 0"):
         llm.collective_rpc("num_parameters", timeout=0)

@@ -1,7 +1,7 @@
 """vLLM's own example scripts run on hybridkv with the import line changed and nothing else (issue 63): copies in
-tests/vllm_scripts/ (their README names vLLM's commit of each), each run in a subprocess as vLLM's docs run it, the
-model name pointed at a tiny local Gemma 3 checkpoint. What a script prints is checked against the model's own
-computation where the script's sampling allows it (greedy, or seeded)."""
+tests/vllm_scripts/ (their README names vLLM's commit of each), each run as vLLM's docs run it (in this process, by
+runpy), the model name pointed at a tiny local Gemma 3 checkpoint. What a script prints is checked against the model's
+own computation where the script's sampling allows it (greedy, or seeded)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_adapters import make_adapters, peft_greedy
 from server_process import wait_for_health
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -137,6 +138,39 @@ def test_llm_engine_example_py_steps_the_engine_from_engine_args(checkpoint):
     assert all("finished=True" in line for line in finished)
     best_of = next(line for line in finished if "request_id='2'" in line)
     assert best_of.count("CompletionOutput(") == 2  # n=2 of best_of=5
+
+
+@pytest.mark.slow
+def test_multilora_inference_py_serves_its_adapter_under_two_names_as_peft_does(checkpoint, tmp_path, monkeypatch):
+    # examples/offline_inference/multilora_inference.py: EngineArgs(enable_lora, max_loras=1, max_lora_rank=8,
+    # max_cpu_loras=2), the engine loop with lora_request, greedy with logprobs and prompt logprobs, a sampled request
+    # with top_k and presence_penalty. Its adapter comes from the hub: here a PEFT adapter of rank 8 that the test's
+    # snapshot_download returns.
+    import huggingface_hub
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    (adapter,) = make_adapters(model, tmp_path / "adapters", 1, ranks=[8])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **_: adapter.lora_path)
+    stdout = run_script("multilora_inference.py", model=str(checkpoint), tmp_path=tmp_path)
+    finished = {
+        re.search(r"request_id='(\d+)'", line).group(1): line
+        for line in stdout.splitlines()
+        if line.startswith("RequestOutput(")
+    }
+    assert sorted(finished) == ["0", "1", "2", "3"] and all("finished=True" in line for line in finished.values())
+
+    def tokens(line: str) -> list[int]:
+        found = re.search(r"CompletionOutput\(index=0, text=.*?, token_ids=\[([\d, ]*)\]", line).group(1)
+        return [int(token) for token in found.split(",") if token.strip()]
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    script_prompts = runpy.run_path(str(SCRIPTS / "multilora_inference.py"))["create_test_prompts"]("unused")
+    sql = tokenizer(script_prompts[2][0]).input_ids
+    robot = tokenizer("A robot may not injure a human being").input_ids
+    # The adapter under both names gives PEFT's own greedy tokens; the plain request, the model's own.
+    assert tokens(finished["2"]) == tokens(finished["3"]) == peft_greedy(model, adapter, sql, 128)
+    assert tokens(finished["0"]) == peft_greedy(model, None, robot, 128)
+    assert tokens(finished["2"]) != peft_greedy(model, None, sql, 128)
 
 
 @pytest.mark.slow
