@@ -93,10 +93,11 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     assert driver["generate"] == worker["generate"] == expected  # transformers' own TP generate agrees
     assert driver["default"] == expected
     # collective_rpc: each rank's worker answered, in rank order; a lambda is refused before anything is sent, rank
-    # 1's error is raised on rank 0.
+    # 1's error is raised on rank 0, and so is a result pickle cannot send back (then the engine served on).
     assert driver["rpc"] == [["0 of 2", True], ["1 of 2", True]]
     assert "pickle cannot send" in driver["rpc_lambda_error"]
     assert "collective_rpc failed on rank 1: rank 1 refuses" in driver["rpc_rank1_error"]
+    assert "collective_rpc failed on rank 0" in driver["rpc_result_error"] and "pickle" in driver["rpc_result_error"]
     assert driver["speculative"] == expected and driver["spec_num_accepted_tokens"] > 0  # proposals checked on 2 ranks
     assert driver["draft_model"] == expected and driver["draft_acceptance_rate"] > 0.9  # a draft on rank 0 alone
     assert driver["chunked_cached"] == [expected, expected] and driver["prefix_cache_hits"] > 0

@@ -55,7 +55,12 @@ def main() -> None:
         # collective_rpc reaches both ranks' workers, in rank order; a lambda cannot be sent, a failure on rank 1 is
         # raised on rank 0 naming it, and the engine serves on after both.
         seen["rpc"] = llm.collective_rpc(rank_and_shard, args=(" of ",))
-        for name, method in (("rpc_lambda_error", lambda worker: worker.rank), ("rpc_rank1_error", fail_on_rank_1)):
+        calls = (
+            ("rpc_lambda_error", lambda worker: worker.rank),
+            ("rpc_rank1_error", fail_on_rank_1),
+            ("rpc_result_error", unpicklable_result),
+        )
+        for name, method in calls:
             try:
                 llm.collective_rpc(method)
             except (TypeError, RuntimeError) as exc:
@@ -160,6 +165,10 @@ def fail_on_rank_1(worker) -> int:
     if worker.rank == 1:
         raise ValueError("rank 1 refuses")
     return worker.rank
+
+
+def unpicklable_result(worker):
+    return lambda: worker.rank  # pickle cannot send it back to rank 0
 
 
 def inject_fault(llm, at_call: int) -> None:

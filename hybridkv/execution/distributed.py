@@ -90,9 +90,9 @@ class TensorParallel:
 
     def call(self, run: Callable[[Any], Any], message: Any) -> list[Any]:
         """The driver's `collective_rpc`: send `message` (method, args, kwargs) to every rank, run it here with `run`,
-        and gather each rank's result in rank order; a rank's exception comes back in its place, and the driver raises
-        the first (RuntimeError naming the rank, the exception as its cause). A message pickle cannot send is a
-        TypeError before anything is sent."""
+        and gather each rank's result in rank order; a rank's exception (or a result pickle cannot send back) comes
+        back in its place, and the driver raises the first (RuntimeError naming the rank, the exception as its cause).
+        A message pickle cannot send is a TypeError before anything is sent."""
         try:
             pickle.dumps(message)
         except Exception as error:
@@ -106,8 +106,13 @@ class TensorParallel:
     def _gather(self, run: Callable[[Any], Any], message: Any) -> list[Any]:
         try:
             result = run(message)
+            pickle.dumps(result)
         except Exception as error:  # sent to the driver in this rank's place
             result = error
+            try:
+                pickle.dumps(error)
+            except Exception:  # an error pickle cannot send is sent as its text
+                result = RuntimeError(f"{type(error).__name__}: {error}")
         results: list[Any] | None = [None] * self.size if self.driver else None
         torch.distributed.gather_object(result, results, dst=self._source, group=self.group)
         if results is None:
