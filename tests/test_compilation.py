@@ -112,6 +112,7 @@ def test_identical_layers_share_their_pieces_whatever_the_depth(patched, eager_p
     assert num_pieces(deep) == (3, 14)
 
 
+@pytest.mark.slow  # compiles the program
 def test_the_compiled_program_serves_steps_without_dynamo(patched, eager_pieces):
     """After the trace at patch time no step runs through dynamo: set_stance('fail_on_recompile') passes and dynamo
     compiles no graph, over steps of one row, of one logits row, chunked prompts and mixed steps."""

@@ -121,7 +121,6 @@ def test_tensor_parallel_engine_matches_one_process(tmp_path, family, patched):
     assert leftover.stdout == "", "a rank outlived torchrun"
 
 
-@pytest.mark.slow
 def replayed_event_types(endpoint: str) -> set[str]:
     """The types of every KV event a publisher's replay socket keeps (vLLM's replay: from sequence number 0)."""
     import msgpack
@@ -142,6 +141,7 @@ def replayed_event_types(endpoint: str) -> set[str]:
         socket.close(linger=0)
 
 
+@pytest.mark.slow  # two ranks under torchrun, in subprocesses
 def test_hybridkv_serve_under_torchrun_serves_from_rank_0(tmp_path, patched):
     """`torchrun --nproc_per_node 2 -m hybridkv serve --model PATH`: the checkpoint is sharded, rank 0
     serves OpenAI's API and publishes the KV events (alone: rank 1 opens no socket), rank 1 runs the worker loop;
