@@ -31,7 +31,9 @@
 # generation time through hybridkv, transformers' continuous batching and generate; needs trl and datasets with
 # their dependencies in .whl/: `pip download trl -d .whl`), "lora" (issue 65: LoRA's Triton kernels on the device,
 # tests/test_triton_lora.py and tests/test_lora.py's tests through the kernels, then benchmarks/multi_lora.py --device
-# cuda where the checkout's script takes --device; else a line says it was skipped). KERNELS_SECONDS, GRAPHS_SECONDS,
+# cuda where the checkout's script takes --device; else a line says it was skipped), "sleep" (issue 63: sleep levels 1
+# and 2 giving back the weights of a model LLM(model=path) loaded on the GPU, and the graphs captured again when both
+# the weights and the KV cache are awake: tests/test_vllm_entrypoints.py). KERNELS_SECONDS, GRAPHS_SECONDS,
 # ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
@@ -76,6 +78,7 @@ for part in $parts; do
     speculative) run_part speculative "${SPECULATIVE_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m \
         pytest -q -p no:cacheprovider -n 4 tests/test_speculative.py && python3 benchmarks/speculative.py --device cuda \
         --cache /tmp/hybridkv-bench --rounds 3" ;;
+    sleep) run_part sleep "${SLEEP_SECONDS:-60}" "${gpu_tests[@]}" tests/test_vllm_entrypoints.py -k "sleep or wake or reload" ;;
     rl) run_part rl "${RL_SECONDS:-150}" python3 benchmarks/rl_rollouts.py --device cuda --prompts 16 --new 128 ;;
     lora) run_part lora "${LORA_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider \
         -n 4 tests/test_triton_lora.py tests/test_lora.py -k 'triton or kernels' && if grep -qs -- '\"--device\"' \

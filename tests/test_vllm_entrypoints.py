@@ -221,6 +221,172 @@ def test_sleep_says_once_that_the_weights_stay(gemma3, patched):
     assert [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)] == expected
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint on disk (fp32) with its tokenizer, and two prompts."""
+    from tiny_tokenizer import tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("checkpoint")
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(path)
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    return str(path), prompts((11, 27))
+
+
+def weight_bytes(model):
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def greedy(llm, batch):
+    return [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """Make `LLM(model=path, ...)` treat its weights in host memory as a GPU's: the model watch samples them through
+    torch views (as on a GPU: numpy would fix the storages' size) and sleep gives them back. Loaded in bf16 from the
+    fp32 checkpoint, so that they are the process's own memory, not mapped from the file."""
+    from hybridkv.execution import model_watch
+
+    monkeypatch.setattr(model_watch, "_sample_view", model_watch._sample_tensor)
+
+    def load(path):
+        llm = LLM(model=path, dtype="bfloat16", max_model_len=64, enable_sleep_mode=True)
+        llm.llm_engine.weights.include_host = True
+        return llm
+
+    return load
+
+
+def test_sleep_level_2_discards_a_loaded_models_weights_and_wake_up_loads_them_again(checkpoint, as_on_a_gpu):
+    path, batch = checkpoint
+    llm = as_on_a_gpu(path)
+    try:
+        expected = greedy(llm, batch)
+        loaded = weight_bytes(llm.model)
+        llm.sleep(level=2)
+        assert llm.is_sleeping() and weight_bytes(llm.model) == 0
+        assert llm.llm_engine.weights.nbytes_asleep() == loaded
+        llm.wake_up(tags=["weights"])  # vLLM's order: weights first, then the KV cache
+        assert weight_bytes(llm.model) == loaded
+        assert llm.is_sleeping()  # the KV cache still sleeps
+        with pytest.raises(RuntimeError, match=r"asleep.*wake_up\(\)"):
+            llm.generate(batch, GREEDY, use_tqdm=False)
+        llm.wake_up(tags=["kv_cache"])
+        assert not llm.is_sleeping()
+        assert greedy(llm, batch) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_waking_the_kv_cache_before_the_weights_serves_nothing_until_both_are_awake(checkpoint, as_on_a_gpu):
+    path, batch = checkpoint
+    llm = as_on_a_gpu(path)
+    try:
+        expected = greedy(llm, batch)  # and a cached prefix that must not outlive the weights
+        llm.sleep(level=2)
+        llm.wake_up(tags=["kv_cache"])
+        assert llm.is_sleeping() and weight_bytes(llm.model) == 0
+        with pytest.raises(RuntimeError, match="asleep"):
+            llm.generate(batch, GREEDY, use_tqdm=False)
+        llm.wake_up(tags=["weights"])
+        assert not llm.is_sleeping()
+        assert greedy(llm, batch) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_reload_weights_undoes_a_change_and_the_prefix_cache_follows(checkpoint, as_on_a_gpu):
+    path, batch = checkpoint
+    llm = as_on_a_gpu(path)
+    try:
+        expected = greedy(llm, batch)
+        with torch.no_grad():
+            llm.model.lm_head.weight.mul_(-1)
+        changed = greedy(llm, batch)
+        assert changed != expected
+        llm.sleep(level=2)
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")  # vLLM's step after a level-2 wake-up: the checkpoint's weights
+        llm.wake_up(tags=["kv_cache"])
+        assert greedy(llm, batch) == expected
+        with torch.no_grad():
+            llm.model.lm_head.weight.mul_(-1)
+        assert greedy(llm, batch) == changed
+        llm.collective_rpc("reload_weights")  # awake: loads them in place, and cached blocks are not hit again
+        assert greedy(llm, batch) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_level_1_offloads_the_weights_to_host_memory_and_restores_them_exactly(checkpoint, as_on_a_gpu):
+    path, batch = checkpoint
+    llm = as_on_a_gpu(path)
+    try:
+        expected = greedy(llm, batch)
+        before = {name: p.clone() for name, p in llm.model.named_parameters()}
+        llm.sleep(level=1)
+        assert weight_bytes(llm.model) == 0
+        llm.wake_up()
+        assert all(torch.equal(p, before[name]) for name, p in llm.model.named_parameters())
+        assert greedy(llm, batch) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_on_the_cpu_the_weights_stay_in_host_memory_at_either_level(checkpoint):
+    path, batch = checkpoint
+    for dtype in ("auto", "bfloat16"):  # auto: mapped from the checkpoint's file; bf16: sampled through numpy
+        llm = LLM(model=path, dtype=dtype, max_model_len=64)
+        try:
+            expected, loaded = greedy(llm, batch), weight_bytes(llm.model)
+            llm.sleep(level=1)  # host memory already: nothing to say
+            llm.wake_up()
+            with pytest.warns(UserWarning, match=r"host memory \(the CPU\), which level 1 offloads to"):
+                llm.sleep(level=2)
+            assert weight_bytes(llm.model) == loaded
+            llm.wake_up()
+            assert greedy(llm, batch) == expected
+        finally:
+            llm.shutdown()
+
+
+def test_sleep_keeps_weights_it_cannot_load_again_or_that_changed_shape(tmp_path, checkpoint, as_on_a_gpu):
+    from tiny_tokenizer import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    tiny_model("llama", vocab_size=len(tokenizer)).config.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), load_format="dummy", max_model_len=64)  # random weights
+    llm.llm_engine.weights.include_host = True
+    try:
+        before = greedy(llm, ["The quick"])
+        llm.sleep(level=2)  # random weights cannot be loaded again: offloaded as at level 1
+        assert llm.llm_engine.weights.level == 1 and weight_bytes(llm.model) == 0
+        llm.wake_up()
+        assert greedy(llm, ["The quick"]) == before
+        with pytest.raises(RuntimeError, match="random"):
+            llm.collective_rpc("reload_weights")
+    finally:
+        llm.shutdown()
+    llm = as_on_a_gpu(checkpoint[0])
+    try:
+        llm.model.lm_head.weight = torch.nn.Parameter(llm.model.lm_head.weight.float())
+        with pytest.warns(UserWarning, match=r"no longer as its checkpoint loaded them \(lm_head.weight is"):
+            llm.sleep(level=2)
+        assert weight_bytes(llm.model) > 0
+        llm.wake_up()
+    finally:
+        llm.shutdown()
+
+
+def test_reload_weights_on_a_model_in_hand_names_the_fix(gemma3, patched):
+    model, _, _ = gemma3
+    llm = patched(model, max_model_len=128)
+    with pytest.raises(RuntimeError, match="load_state_dict"):
+        llm.collective_rpc("reload_weights")
+
+
 def test_pooling_runners_and_calls_are_refused_naming_why(gemma3, patched):
     with pytest.raises(ValueError, match=r"runner=.pooling. is not served here.*pooling models"):
         EngineArgs(model="m", runner="pooling")

@@ -190,11 +190,14 @@ def load_checkpoint(
         raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     config = AutoConfig.from_pretrained(path, revision=revision, **hub)
-    takes_images = getattr(config, "vision_config", None) is not None
+    takes_images = _takes_images(config)
     auto_model = AutoModelForImageTextToText if takes_images else AutoModelForCausalLM
     tensor_parallel = {"tp_plan": "auto"} if torchrun_processes() > 1 else {}
-    if load_format == "dummy":
-        model = auto_model.from_config(config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    if load_format == "dummy":  # "auto": the config's dtype
+        random_dtype = getattr(config, "dtype", None) if dtype == "auto" else DTYPES[dtype]
+        if isinstance(random_dtype, str):
+            random_dtype = getattr(torch, random_dtype)
+        model = auto_model.from_config(config, dtype=random_dtype, trust_remote_code=trust_remote_code)
     else:
         model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub, **tensor_parallel)
     if not tensor_parallel and torch.cuda.is_available():
@@ -215,6 +218,29 @@ def load_checkpoint(
         source, revision=revision, **hub
     )
     return Checkpoint(model.eval(), text_tokenizer, processor)
+
+
+def checkpoint_weights(
+    path: str,
+    dtype: str = "auto",
+    *,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """The weights of the checkpoint `load_checkpoint` loads, loaded again on the CPU, by parameter name (what
+    `sleep(level=2)`'s wake-up and the worker's `reload_weights` put back into the engine's model)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
+    config = AutoConfig.from_pretrained(path, revision=revision, **hub)
+    auto_model = AutoModelForImageTextToText if _takes_images(config) else AutoModelForCausalLM
+    model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub)
+    return model.state_dict()
+
+
+def _takes_images(config: Any) -> bool:
+    return getattr(config, "vision_config", None) is not None
 
 
 class EngineArgs:
@@ -305,7 +331,20 @@ class EngineArgs:
         frees it)."""
         checkpoint = self.load()
         config = EngineConfig.from_kwargs(**self.settings)
-        return bind_engine(checkpoint.model, checkpoint.tokenizer, config, checkpoint.processor)
+        engine = bind_engine(checkpoint.model, checkpoint.tokenizer, config, checkpoint.processor)
+        if torchrun_processes() == 1:  # the engine's own model (one process: a shard's weights stay)
+            engine.own_weights(None if self.load_format == "dummy" else self.checkpoint_weights)
+        return engine
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's weights loaded again on the CPU (`checkpoint_weights`)."""
+        return checkpoint_weights(
+            self.model,
+            self.dtype,
+            trust_remote_code=self.trust_remote_code,
+            revision=self.revision,
+            download_dir=self.download_dir,
+        )
 
 
 class AsyncEngineArgs(EngineArgs):

@@ -46,6 +46,7 @@ from hybridkv.execution.sizing import kv_layout, num_kv_blocks
 from hybridkv.execution.state_continuations import decode_form_differs
 from hybridkv.execution.state_layers import scan_chunk
 from hybridkv.execution.step_check import check_step_exactness
+from hybridkv.execution.weight_memory import Reload, WeightMemory
 from hybridkv.kernels.quant import is_fp8
 from hybridkv.lora.request import AdapterRef, as_lora_request
 from hybridkv.memory.block_pool import cdiv
@@ -311,6 +312,7 @@ class EngineCore:
         self.runner.lora = self.lora
         rank, size = (self.tp.rank, self.tp.size) if self.tp is not None else (0, 1)
         self.worker = self._worker_type(self.runner, rank, size)
+        self.weights: WeightMemory | None = None  # the model's weights, where the engine loaded it (`own_weights`)
         if self.lora is not None:
             # State layers' segments and latent layers' per-sequence up-projections tell the hooks whose rows they see.
             if self.runner.state_cache is not None:
@@ -772,12 +774,24 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.sleep()
 
-    def wake_up(self) -> None:
-        """Allocate what `sleep` gave back (pages zeroed, graphs captured again), a draft model's engine's too."""
+    def wake_up(self, capture: bool = True) -> None:
+        """Allocate what `sleep` gave back (pages zeroed, graphs captured again), a draft model's engine's too.
+        `capture=False` while the model's weights are still asleep: the graphs wait for `weights_woken`."""
         if self.runner.asleep:
-            self.runner.wake_up()
+            self.runner.wake_up(capture)
             if self.speculator is not None:
                 self.speculator.wake_up()
+
+    def own_weights(self, reload: Reload | None) -> None:
+        """The engine loaded the model itself: `weights` may give its weights back at sleep, and the worker's
+        `reload_weights` loads them again with `reload` (`LLMEngine.own_weights`)."""
+        self.weights = self.worker.weights = WeightMemory(self.model, reload)
+
+    def weights_woken(self) -> None:
+        """The model's weights are back (`WeightMemory.wake_up`), at new addresses: the model watch takes them as a
+        change (what was cached before is not hit again), and graphs waiting for them are captured."""
+        self.follow_model()
+        self.runner.capture_pending_graphs()
 
     def collective_rpc(
         self, method: str | Callable[..., Any], timeout: float | None, args: tuple, kwargs: dict[str, Any]

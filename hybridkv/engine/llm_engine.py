@@ -41,7 +41,7 @@ import torch
 from hybridkv.engine.async_steps import AsyncSteps
 from hybridkv.engine.call_guard import CLOSED_MESSAGE, exclusive
 from hybridkv.engine.chat import ChatOptions, Messages, chat_images, chat_prompt, conversations, image_chat_prompt
-from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, SampledTokens
+from hybridkv.engine.core import NOTHING_SAMPLED, EngineCore, PromptLogprobs, Reload, SampledTokens, WeightMemory
 from hybridkv.engine.generation_settings import GenerationSettings
 from hybridkv.engine.metrics import Metric, engine_metrics
 from hybridkv.engine.output_processor import OutputProcessor, RequestState, SampleState, sampling_rows
@@ -110,7 +110,8 @@ class LLMEngine:
         self.unclaimed: list[RequestOutput] = []
         # Requests added with output_kind FINAL_ONLY: step() reports them once, finished (vLLM's rule).
         self.final_only: set[str] = set()
-        self._said_weights_stay = False  # sleep() says once that the weights stay
+        self._said_weights_stay = False  # sleep() says once that a caller's model keeps its weights
+        self._weights_moved = False  # woken at new addresses while the pages slept: followed when both are awake
         # Streams dropped while an engine call was under way: aborted when the next call begins.
         self._pending_aborts: deque[str] = deque()
         self._ids = itertools.count()
@@ -345,8 +346,8 @@ class LLMEngine:
         model is checked for changes (`follow_model`: False from a thread other than the engine's, which only reads the
         key; a request whose images another model encoded is refused when it is queued). A `lora_request`'s adapter is
         read here (`EngineCore.adapter`: a ValueError names what is wrong with it)."""
-        if self.core.asleep:
-            raise RuntimeError("this engine is asleep (llm.sleep() gave its pages back): call llm.wake_up() first")
+        if self.is_sleeping():
+            raise RuntimeError("this engine is asleep (llm.sleep() gave its memory back): call llm.wake_up() first")
         lora = self.core.adapter(lora_request)
         self.follow_generation_settings()
         if params is None:
@@ -609,51 +610,78 @@ class LLMEngine:
             self.images.keep_only(change.key)
         return True
 
+    def own_weights(self, reload: Reload | None) -> None:
+        """The engine loaded this model itself (`LLM(model=path)`, `from_engine_args`, `hybridkv serve`): `sleep`
+        gives its weights back too (hybridkv/execution/weight_memory.py), and level 2's wake-up loads them again with
+        `reload` (None: they cannot be loaded again, and level 2 keeps them as level 1 does)."""
+        self.core.own_weights(reload)
+
+    @property
+    def weights(self) -> WeightMemory | None:
+        """The weights `sleep` gives back (`own_weights`); None for a model the caller holds."""
+        return self.core.weights
+
     @exclusive
     def sleep(self, level: int = 1) -> None:
         """vLLM's `LLM.sleep`: give the device memory of the KV pages, the state slots and the captured CUDA graphs
         back until `wake_up` (an optimizer step between two batches of rollouts can use it). The prefix cache's
-        contents go with them, as in vLLM. The weights are the live model's and stay, at either level (vLLM's level 1
-        offloads its copy of them, level 2 discards it; hybridkv keeps none). Unfinished requests must end first (an
-        error names the fix); a sleeping engine refuses new requests, `is_sleeping()` says so."""
+        contents go with them, as in vLLM. The weights of a model the engine loaded itself (`LLM(model=path)`) go
+        too: level 1 copies them to host memory (weights already there, on the CPU, stay as they are), level 2
+        discards them and `wake_up` loads the checkpoint again. A model the caller holds keeps its weights at either
+        level (said once, at the call). Unfinished requests must end first (an error names the fix); a sleeping
+        engine refuses new requests, `is_sleeping()` says so."""
         if level not in (1, 2):
             raise ValueError(f"level must be 1 or 2 (vLLM's sleep levels), got {level!r}")
-        if self.core.asleep:
-            return
-        if self.outputs.states:
-            raise RuntimeError(
-                f"{len(self.outputs.states)} requests are unfinished and hold pages; finish them (generate, step) or "
-                "abort them (abort_all()) before sleep()"
+        if not self.core.asleep:
+            if self.outputs.states:
+                raise RuntimeError(
+                    f"{len(self.outputs.states)} requests are unfinished and hold pages; finish them (generate, step) "
+                    "or abort them (abort_all()) before sleep()"
+                )
+            if self.async_steps is not None:
+                self.unclaimed.extend(self.async_steps.drain())
+            if self.images is not None:
+                self.images.clear()
+            self.core.sleep()
+        if self.weights is None:
+            why = (
+                "they are the tensors of a model the caller holds (hybridkv gives back only the weights of a model "
+                "it loaded itself, in one process: LLM(model=path))"
             )
-        if self.async_steps is not None:
-            self.unclaimed.extend(self.async_steps.drain())
-        if self.images is not None:
-            self.images.clear()
-        if not self._said_weights_stay:  # vLLM's level 1 offloads the weights and level 2 drops them: said once
+        else:
+            why = self.weights.sleep(level)
+        if why and not self._said_weights_stay:  # vLLM's level 1 offloads the weights and level 2 drops them
             self._said_weights_stay = True
             warnings.warn(
                 f"sleep(level={level}) gives back the KV pages, state slots and graphs; the weights stay where they "
-                "are: they are the model's own tensors, which hybridkv never copies, offloads or frees",
+                f"are: {why}",
                 stacklevel=3,
             )
-        self.core.sleep()
 
     @exclusive
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM's `LLM.wake_up`: allocate what `sleep` gave back (pages zeroed, graphs captured again) and take
-        requests again. `tags`: vLLM's "weights" and "kv_cache" (None: both); the weights never left, so a wake-up
-        with "weights" alone changes nothing."""
+        """vLLM's `LLM.wake_up`: allocate what `sleep` gave back (pages zeroed, graphs captured again, the weights
+        copied back or loaded again) and take requests again once everything is awake. `tags`: vLLM's "weights" and
+        "kv_cache" (None: both), to wake one before the other (the weights first: no KV cache beside a weight
+        update)."""
         if tags is not None:
             unknown = set(tags) - {"weights", "kv_cache"}
             if unknown:
                 raise ValueError(f"wake_up tags are vLLM's 'weights' and 'kv_cache', got {sorted(unknown)}")
-            if "kv_cache" not in tags:
-                return
-        self.core.wake_up()
+        woken = {"weights", "kv_cache"} if tags is None else set(tags)
+        weights_asleep = self.weights is not None and self.weights.asleep
+        if "weights" in woken and weights_asleep:
+            self.weights.wake_up()
+            weights_asleep, self._weights_moved = False, True
+        if "kv_cache" in woken:
+            self.core.wake_up(capture=not weights_asleep)
+        if self._weights_moved and not self.core.asleep:  # a forward may run now (compile, graph capture)
+            self._weights_moved = False
+            self.core.weights_woken()
 
     def is_sleeping(self) -> bool:
-        """vLLM's: whether `sleep` gave the pages back (and no `wake_up` has taken them again)."""
-        return self.core.asleep
+        """vLLM's: whether `sleep` gave the pages or the weights back (and no `wake_up` has taken both again)."""
+        return self.core.asleep or self._weights_moved or (self.weights is not None and self.weights.asleep)
 
     def close(self) -> None:
         """Release the pool's blocks, the runner's memory and the draft's engine now (`EngineCore.close`)."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hybridkv.execution.model_runner import ModelRunner
+from hybridkv.execution.weight_memory import WeightMemory
 
 
 class Worker:
@@ -28,6 +29,7 @@ class Worker:
         self.model_runner = model_runner
         self.rank = self.local_rank = rank
         self.world_size = world_size
+        self.weights: WeightMemory | None = None  # a model the engine loaded itself (`EngineCore.own_weights`)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -38,6 +40,18 @@ class Worker:
     def device(self) -> torch.device:
         """The device the model's inputs go to."""
         return self.model_runner.input_device
+
+    def reload_weights(self) -> None:
+        """vLLM's: load the checkpoint's weights into the model again, in place. After `sleep(level=2)` vLLM's
+        `wake_up(tags=["weights"])` leaves them unset for this call; here that wake-up has loaded them already, and
+        this loads them again (undoing any change made to them since). Only a model the engine loaded itself
+        (`LLM(model=path)`) has a checkpoint to load."""
+        if self.weights is None:
+            raise RuntimeError(
+                "reload_weights: this engine serves a model the caller loaded, and knows no checkpoint to load it "
+                "from; load the weights into the model yourself (model.load_state_dict)"
+            )
+        self.weights.reload_in_place()
 
 
 def worker_class(extension: str | type | None) -> type[Worker]:

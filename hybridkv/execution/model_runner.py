@@ -305,14 +305,21 @@ class ModelRunner:
     def asleep(self) -> bool:
         return bool(self._asleep)
 
-    def wake_up(self) -> None:
+    def wake_up(self, capture: bool = True) -> None:
         """Allocate again what `sleep` gave back, zeroed as at patch time, and capture the decode graphs again where
-        there were some (the storages have new addresses)."""
+        there were some (the storages have new addresses). `capture=False` (the weights are still asleep) leaves the
+        capture to `capture_pending_graphs`."""
         for tensor, nbytes in self._asleep:
             tensor.untyped_storage().resize_(nbytes)
             tensor.zero_()
         self._asleep = []
+        if capture:
+            self.capture_pending_graphs()
+
+    def capture_pending_graphs(self) -> None:
+        """Capture the decode graphs `sleep` dropped, if `wake_up` has not yet."""
         if self._capture_on_wake:
+            self._capture_on_wake = False
             self.capture_graphs()
 
     def close(self) -> None:

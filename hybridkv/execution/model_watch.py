@@ -270,9 +270,15 @@ def _is_tuner_layer(module: torch.nn.Module) -> bool:
 
 
 def _sample_view(tensor: torch.Tensor) -> Any:
+    """`_sample_tensor`'s view, as a numpy array on the CPU (which fixes the storage's size: `WeightMemory`)."""
+    view = _sample_tensor(tensor)
+    return view.numpy() if view is not None and view.device.type == "cpu" else view
+
+
+def _sample_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
     """A 1-D view of up to `SAMPLES` elements spread over the tensor's storage span, as integers of the element's
-    size (a numpy array on the CPU, a tensor elsewhere); None where there is no data to read (a meta tensor) or
-    no strided view of it (another layout, a tensor subclass without one)."""
+    size; None where there is no data to read (a meta tensor) or no strided view of it (another layout, a tensor
+    subclass without one)."""
     if tensor.device.type == "meta" or tensor.layout != torch.strided or tensor.numel() == 0:
         return None
     if tensor.element_size() not in _INTEGER_OF_SIZE or tensor.is_complex():
@@ -282,8 +288,7 @@ def _sample_view(tensor: torch.Tensor) -> Any:
     count = _sample_count(step, span)
     try:
         view = tensor.detach().as_strided((count,), (step,), tensor.storage_offset())
-        view = view.view(_INTEGER_OF_SIZE[tensor.element_size()])
-        return view.numpy() if tensor.device.type == "cpu" else view
+        return view.view(_INTEGER_OF_SIZE[tensor.element_size()])
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
