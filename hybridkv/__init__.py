@@ -3,11 +3,24 @@
 from hybridkv.async_engine import AsyncLLM, AsyncLLMEngine
 from hybridkv.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.engine.pooling import PoolingParams
 from hybridkv.entrypoints.llm import LLM
 from hybridkv.execution.config import EngineConfig
 from hybridkv.execution.sizing import min_num_blocks
 from hybridkv.lora.request import LoRARequest
-from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
+from hybridkv.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    StreamDelta,
+)
 from hybridkv.patching import is_patched, patch, unpatch
 from hybridkv.sampling.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hybridkv.scheduling.sampling_params import RequestOutputKind, SamplingParams
@@ -33,14 +46,23 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
+    "PoolingOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
     "StreamDelta",
     "StructuredOutputsParams",
     "is_patched",

@@ -1,9 +1,11 @@
-"""What the engine returns: RequestOutput with one CompletionOutput per sample, and Logprob: vLLM's classes, field for
-field (hybridkv adds `RequestOutput.error`, the reason a request failed)."""
+"""What the engine returns: RequestOutput with one CompletionOutput per sample, and Logprob; for a pooling model the
+PoolingRequestOutput family. vLLM's classes, field for field (hybridkv adds `RequestOutput.error`, the reason a request
+failed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -92,3 +94,67 @@ class StreamDelta:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: SampleLogprobs | None = None
+
+
+# ---- pooling models' outputs (vLLM's `vllm.outputs` classes; hybridkv/engine/pooling.py makes them) ----------------
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: what a pooling call computed for one prompt, as a torch tensor (`LLM.encode`; a reward model's
+    per-token scores, `LLM.reward`)."""
+
+    data: Any
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding (`LLM.embed`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's: one prompt's class probabilities (`LLM.classify`)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score (`LLM.score`): a cross-encoder's probability, or two embeddings' cosine."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's: one prompt's pooling result. `outputs` is a `PoolingOutput` here; the typed calls return the
+    subclasses below, whose `outputs` are their own types."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """vLLM's: `outputs` is an `EmbeddingOutput`."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """vLLM's: `outputs` is a `ClassificationOutput`."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """vLLM's: `outputs` is a `ScoringOutput`."""

@@ -41,7 +41,8 @@ def test_vllms_module_paths_import_the_same_objects():
         "hybridkv.distributed": ["cleanup_dist_env_and_memory"],
         "hybridkv.entrypoints.llm": ["LLM"],
         "hybridkv.lora.request": ["LoRARequest"],
-        "hybridkv.outputs": ["RequestOutput", "CompletionOutput"],
+        "hybridkv.outputs": ["RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "PoolingRequestOutput"],
+        "hybridkv.pooling_params": ["PoolingParams"],
     }
     for path, names in paths.items():
         module = importlib.import_module(path)
@@ -387,15 +388,17 @@ def test_reload_weights_on_a_model_in_hand_names_the_fix(gemma3, patched):
         llm.collective_rpc("reload_weights")
 
 
-def test_pooling_runners_and_calls_are_refused_naming_why(gemma3, patched):
-    with pytest.raises(ValueError, match=r"runner=.pooling. is not served here.*pooling models"):
-        EngineArgs(model="m", runner="pooling")
+def test_pooling_calls_on_a_generating_llm_name_the_runner_and_bad_values_are_refused(gemma3, patched):
+    with pytest.raises(ValueError, match=r"runner='embed'.*'pooling'"):
+        EngineArgs(model="m", runner="embed")
     assert EngineArgs(model="m", runner="auto", task="generate").model == "m"
     model, batch, _ = gemma3
     llm = LLM(model, max_model_len=128)
     try:
-        for call in (llm.embed, llm.classify, llm.score, llm.reward, llm.encode):
-            with pytest.raises(NotImplementedError, match="pooling calls"):
+        for call in (llm.embed, llm.classify, llm.reward, llm.encode):
+            with pytest.raises(ValueError, match=r"needs a pooling model.*runner='pooling'"):
                 call(batch[0])
+        with pytest.raises(ValueError, match="needs a pooling model"):
+            llm.score("a", "b")
     finally:
         llm.shutdown()

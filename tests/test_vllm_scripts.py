@@ -114,6 +114,101 @@ def test_generate_py_takes_vllms_engine_flags_and_matches_transformers_greedy(ch
     assert stdout.splitlines() == expected
 
 
+# ---- the pooling scripts of examples/offline_inference/basic/ -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory) -> dict[int, Path]:
+    """Tiny Qwen2 sequence classifiers saved with their tokenizer: two labels (as vLLM's classify example's model) and
+    one (a reward model or a cross-encoder, as its reward and score examples' models are)."""
+    from transformers import Qwen2ForSequenceClassification
+
+    from hybridkv.tiny import tiny_config
+
+    paths = {}
+    for labels in (2, 1):
+        path = tmp_path_factory.mktemp(f"classifier_{labels}")
+        tiny_tokenizer().save_pretrained(path)
+        torch.manual_seed(labels)
+        config = tiny_config("qwen2", vocab_size=len(AutoTokenizer.from_pretrained(path)), num_labels=labels)
+        Qwen2ForSequenceClassification(config).eval().save_pretrained(path)
+        paths[labels] = path
+    return paths
+
+
+def printed_lists(stdout: str, label: str) -> list[list[float]]:
+    """The float lists a script printed after `label` (its trimmed `[a, b, ..., ...]` reprs)."""
+    lists = []
+    for line in stdout.splitlines():
+        if line.startswith(label):
+            numbers = line[len(label) :].split("]")[0].strip(" [").split(",")
+            lists.append([float(n) for n in numbers if n.strip() not in ("", "...")])
+    return lists
+
+
+EXAMPLE_PROMPTS = ["Hello, my name is", "The president of the United States is", "The capital of France is"]
+EXAMPLE_PROMPTS.append("The future of AI is")
+
+
+def test_embed_py_embeds_with_the_checkpoints_own_hidden_states(checkpoint, tmp_path):
+    # examples/offline_inference/basic/embed.py: task="embed" on a causal LM's checkpoint (vLLM's default model is
+    # e5-mistral, a Mistral): the last token's final hidden state, normalized. Here a Gemma 3 (sliding windows).
+    from transformers import AutoModel
+
+    stdout = run_script("embed.py", model=str(checkpoint), tmp_path=tmp_path)
+    model = AutoModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    printed = printed_lists(stdout, "Embeddings: ")
+    assert len(printed) == 4 and stdout.count(f"(size={model.config.hidden_size})") == 4
+    for prompt, values in zip(EXAMPLE_PROMPTS, printed, strict=True):
+        with torch.inference_mode():
+            hidden = model(**tokenizer(prompt, return_tensors="pt")).last_hidden_state[0, -1]
+        expected = torch.nn.functional.normalize(hidden, dim=-1)[:16]
+        torch.testing.assert_close(torch.tensor(values), expected, rtol=0, atol=1e-5)
+
+
+def test_classify_py_gives_the_classifiers_probabilities(classifiers, tmp_path):
+    # examples/offline_inference/basic/classify.py: task="classify" (vLLM's model is a Qwen2ForSequenceClassification).
+    from transformers import AutoModelForSequenceClassification
+
+    stdout = run_script("classify.py", model=str(classifiers[2]), tmp_path=tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(classifiers[2]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(classifiers[2])
+    printed = printed_lists(stdout, "Class Probabilities: ")
+    assert len(printed) == 4 and stdout.count("(size=2)") == 4
+    for prompt, probs in zip(EXAMPLE_PROMPTS, printed, strict=True):
+        with torch.inference_mode():
+            expected = model(**tokenizer(prompt, return_tensors="pt")).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(probs), expected, rtol=0, atol=1e-5)
+
+
+def test_reward_py_gives_every_tokens_reward(classifiers, tmp_path):
+    # examples/offline_inference/basic/reward.py: runner="pooling", llm.reward (vLLM's model is InternLM2's reward model
+    # of its own code; here a one-label Qwen2ForSequenceClassification, as Skywork's reward models are).
+    stdout = run_script("reward.py", model=str(classifiers[1]), tmp_path=tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(classifiers[1])
+    sizes = [int(size) for size in re.findall(r"\(size=(\d+)\)", stdout)]
+    assert sizes == [len(tokenizer(prompt)["input_ids"]) for prompt in EXAMPLE_PROMPTS]
+
+
+def test_score_py_scores_each_pair_as_a_cross_encoder(classifiers, tmp_path):
+    # examples/offline_inference/basic/score.py: runner="pooling", llm.score(text, texts) (vLLM's model is an XLM-R
+    # cross-encoder; here a one-label Qwen2 classifier): the sigmoid of the pair's logit, tokenized as one input.
+    from transformers import AutoModelForSequenceClassification
+
+    stdout = run_script("score.py", model=str(classifiers[1]), tmp_path=tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(classifiers[1]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(classifiers[1])
+    scores = [float(score) for score in re.findall(r"^Score: (\S+)$", stdout, re.M)]
+    question = "What is the capital of France?"
+    answers = ["The capital of Brazil is Brasilia.", "The capital of France is Paris."]
+    with torch.inference_mode():
+        expected = [
+            model(**tokenizer(question, answer, return_tensors="pt")).logits[0, 0].sigmoid() for answer in answers
+        ]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(expected), rtol=0, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_basic_py_runs_with_llm_of_a_checkpoint_path(checkpoint, tmp_path):
     # examples/offline_inference/basic/basic.py: LLM(model=name), sampled (temperature 0.8, top_p 0.95).

@@ -15,6 +15,7 @@ Any other name is a TypeError naming the closest valid ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ import torch
 
 from hybridkv.engine.binding import bind_engine
 from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.engine.pooling import PoolingEngine, sentence_transformers_pooling
 from hybridkv.execution.config import EngineConfig, with_guesses
 
 
@@ -136,11 +138,19 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
     "tokenizer_mode": ("auto", "the tokenizer is transformers' AutoTokenizer"),
     "skip_tokenizer_init": (False, "prompts may be text, which needs the tokenizer"),
     "kv_transfer_config": (None, "hybridkv has no disaggregated prefill"),
-    "runner": (("generate", "auto"), "hybridkv generates text; pooling models (embed, classify, score, reward) are "
-               "not served: run them with transformers or vLLM"),
-    "task": (("generate", "auto"), "hybridkv generates text; pooling tasks (embed, classify, score, reward) are not "
-             "served: run them with transformers or vLLM"),
+    "pooler_config": (None, "a pooling model pools as its checkpoint says (hybridkv/engine/pooling.py)"),
 }  # fmt: skip
+
+# vLLM's arguments that choose between generating and pooling (hybridkv/engine/pooling.py), with their values: the
+# runner, the model conversion, and the older task names.
+POOLING_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "runner": ("auto", "generate", "pooling"),
+    "convert": ("auto", "none", "embed", "classify"),
+    "task": ("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
+}
+# Architecture names by what a checkpoint of them serves when runner="auto" (vLLM's table of conversions).
+_CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ClassificationModel")
+_EMBEDDING_SUFFIXES = ("Model", "EmbeddingModel", "ForTextEncoding")
 
 # The arguments that say where the model comes from and how it loads (read by `load_checkpoint`), with their defaults.
 LOAD_ARGUMENTS: dict[str, Any] = {
@@ -220,6 +230,67 @@ def load_checkpoint(
     return Checkpoint(model.eval(), text_tokenizer, processor)
 
 
+def load_pooling_model(
+    path: str,
+    kind: str,
+    dtype: str = "auto",
+    *,
+    tokenizer: str | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    tokenizer_revision: str | None = None,
+    load_format: str = "auto",
+    download_dir: str | None = None,
+) -> Checkpoint:
+    """A checkpoint loaded for pooling (`kind`: "classify", its `*ForSequenceClassification` model; "embed", its base
+    model, without a language-model head) and its tokenizer. A weight the checkpoint lacks (a classification head a
+    causal LM's checkpoint has none of) is a ValueError: it would be random."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    auto_model = AutoModelForSequenceClassification if kind == "classify" else AutoModel
+    hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
+    if load_format == "dummy":
+        config = _checkpoint_config(path, revision, hub)
+        model = auto_model.from_config(config, trust_remote_code=trust_remote_code)
+    else:
+        with _quiet_transformers():  # its load report lists the LM head an embedding model leaves out
+            model, info = auto_model.from_pretrained(
+                path, dtype=DTYPES[dtype], revision=revision, output_loading_info=True, **hub
+            )
+        if info["missing_keys"]:
+            missing = sorted(info["missing_keys"])
+            raise ValueError(
+                f"{path} holds no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}, which "
+                f"{type(model).__name__} needs (it would be random): "
+                + ("classify needs a *ForSequenceClassification checkpoint" if kind == "classify" else "check the path")
+            )
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    source = tokenizer or path
+    revision = tokenizer_revision or (revision if tokenizer is None else None)
+    return Checkpoint(model.eval(), AutoTokenizer.from_pretrained(source, revision=revision, **hub))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Any:
+    """transformers' warnings off for the block (its errors still show)."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def _checkpoint_config(path: str, revision: str | None, hub: dict[str, Any]) -> Any:
+    """The checkpoint's transformers config."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, revision=revision, **hub)
+
+
 def checkpoint_weights(
     path: str,
     dtype: str = "auto",
@@ -230,10 +301,10 @@ def checkpoint_weights(
 ) -> dict[str, torch.Tensor]:
     """The weights of the checkpoint `load_checkpoint` loads, loaded again on the CPU, by parameter name (what
     `sleep(level=2)`'s wake-up and the worker's `reload_weights` put back into the engine's model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
-    config = AutoConfig.from_pretrained(path, revision=revision, **hub)
+    config = _checkpoint_config(path, revision, hub)
     auto_model = AutoModelForImageTextToText if _takes_images(config) else AutoModelForCausalLM
     model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub)
     return model.state_dict()
@@ -279,6 +350,8 @@ class EngineArgs:
         parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights")
         parser.add_argument("--download-dir", type=str, default=None)
         add_patch_flags(parser)
+        for name, choices in POOLING_ARGUMENTS.items():
+            parser.add_argument("--" + name, choices=choices, default=None)
         for name, (value, _) in ONLY_AT.items():
             flag = "--" + name.replace("_", "-")
             value = value[0] if isinstance(value, tuple) else value
@@ -296,7 +369,7 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The arguments a parsed command line holds (those `add_cli_args` added)."""
         given = vars(args)
-        names = [*LOAD_ARGUMENTS, *_SETTINGS, *ONLY_AT, *IGNORED]
+        names = [*LOAD_ARGUMENTS, *_SETTINGS, *ONLY_AT, *IGNORED, *POOLING_ARGUMENTS]
         return cls(**{name: given[name] for name in names if name in given})
 
     def loading_given(self) -> list[str]:
@@ -336,6 +409,66 @@ class EngineArgs:
             engine.own_weights(None if self.load_format == "dummy" else self.checkpoint_weights)
         return engine
 
+    def pooling_kind(self, model: torch.nn.Module | None = None) -> str | None:
+        """What the arguments ask of the model: None to generate, "embed" or "classify" to pool (vLLM's `runner`,
+        `convert` and `task`). runner="auto" decides by the architecture, as vLLM's does: a `*ForSequenceClassification`
+        classifies, a `*Model` embeds, anything else generates. `model`: one already loaded (else the checkpoint's
+        config is read)."""
+        runner, convert, task = (getattr(self, name, None) or "auto" for name in POOLING_ARGUMENTS)
+        if convert in ("embed", "classify"):
+            return convert
+        if task in ("embed", "embedding"):
+            return "embed"
+        if task in ("classify", "reward"):
+            return "classify"
+        if runner == "generate" or task == "generate":
+            return None
+        architecture = type(model).__name__ if model is not None else self._architecture()
+        if architecture.endswith(_CLASSIFIER_SUFFIXES):
+            return "classify"
+        if runner == "pooling" or task == "score":
+            if architecture.endswith(("RewardModel", "ForRewardModeling")):
+                raise ValueError(
+                    f"{architecture} is a reward model of its own code (trust_remote_code), which hybridkv does not "
+                    "pool; a *ForSequenceClassification reward model is served by llm.reward() and llm.classify()"
+                )
+            return "embed"
+        if architecture.endswith(_EMBEDDING_SUFFIXES) and not architecture.endswith("LMHeadModel"):
+            return "embed"
+        return None
+
+    def _architecture(self) -> str:
+        if self.model is None:
+            return ""
+        hub = {"trust_remote_code": self.trust_remote_code, "cache_dir": self.download_dir}
+        architectures = getattr(_checkpoint_config(self.model, self.revision, hub), "architectures", None) or [""]
+        return architectures[0]
+
+    def create_pooling_engine(self, model: torch.nn.Module | None = None, tokenizer: Any = None) -> PoolingEngine:
+        """A `PoolingEngine` over `model` (with `tokenizer`), or over the checkpoint these arguments name, loaded for
+        `pooling_kind()`. Of the engine settings it takes max_model_len, max_num_seqs and max_num_batched_tokens;
+        the others concern generation and change nothing here."""
+        kind = self.pooling_kind(model)
+        pooling = None
+        if model is None:
+            self.seed_torch()
+            checkpoint = load_pooling_model(
+                self.model,
+                kind,
+                self.dtype,
+                tokenizer=self.tokenizer,
+                trust_remote_code=self.trust_remote_code,
+                revision=self.revision,
+                tokenizer_revision=self.tokenizer_revision,
+                load_format=self.load_format,
+                download_dir=self.download_dir,
+            )
+            model, tokenizer = checkpoint.model, checkpoint.tokenizer
+            if os.path.isdir(self.model):
+                pooling = sentence_transformers_pooling(self.model)
+        sizes = {name: self.settings[name] for name in _POOLING_SETTINGS if name in self.settings}
+        return PoolingEngine(model, tokenizer, pooling=pooling, **sizes)
+
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The checkpoint's weights loaded again on the CPU (`checkpoint_weights`)."""
         return checkpoint_weights(
@@ -359,13 +492,17 @@ def torchrun_processes() -> int:
 def check_arguments(arguments: dict[str, Any]) -> None:
     """Refuse an argument hybridkv does not know (TypeError naming the closest) and one of vLLM's at a value that
     would change results here (`ONLY_AT`: ValueError giving the reason)."""
-    known = [*LOAD_ARGUMENTS, *_SETTINGS, *IGNORED, *ONLY_AT]
+    known = [*LOAD_ARGUMENTS, *_SETTINGS, *IGNORED, *ONLY_AT, *POOLING_ARGUMENTS]
     unknown = [name for name in arguments if name not in known]
     if unknown:
         raise TypeError(
             f"unknown engine argument{'s' if len(unknown) > 1 else ''} {with_guesses(unknown, known)}; hybridkv "
             f"takes vLLM's {', '.join(known)}"
         )
+    for name, choices in POOLING_ARGUMENTS.items():
+        value = arguments.get(name)
+        if value is not None and value not in choices:
+            raise ValueError(f"{name}={value!r}: vLLM's values are {', '.join(map(repr, choices))}")
     for name, (accepted, why) in ONLY_AT.items():
         value = arguments.get(name)  # None: unset
         if name == "tensor_parallel_size":  # under torchrun, the model loads sharded over its processes
@@ -409,3 +546,4 @@ def _dashed(arg: str) -> str:
 
 
 _SETTINGS = [field.name for field in dataclasses.fields(EngineConfig)]
+_POOLING_SETTINGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")

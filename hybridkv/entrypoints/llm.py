@@ -4,7 +4,8 @@
 (`EngineArgs.create_engine`, hybridkv/engine/arg_utils.py); `LLM(model=hf_model, tokenizer=tokenizer, ...)` patches a
 model the caller already holds (`hybridkv.patch`). Either way every method and attribute of the engine
 (`generate`, `chat`, `beam_search`, `stats`, `get_metrics`, `sleep`, ...) is the LLM's, and `llm.llm_engine` is the
-engine itself, as in vLLM.
+engine itself, as in vLLM. A pooling model (`runner="pooling"`, or a checkpoint that is not a generative one) is served
+by a `PoolingEngine` instead (hybridkv/engine/pooling.py): `embed`, `classify`, `score`, `reward`, `encode`.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import torch
 from hybridkv.engine.arg_utils import EngineArgs
 from hybridkv.engine.binding import unbind_engine
 from hybridkv.engine.llm_engine import LLMEngine
-from hybridkv.patching import patch
-
-POOLING = (
-    "hybridkv generates text; vLLM's pooling calls (embed, encode, classify, score, reward) are not served: run "
-    "pooling models with transformers or vLLM"
+from hybridkv.engine.pooling import PoolingEngine
+from hybridkv.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    ScoringRequestOutput,
 )
+from hybridkv.patching import patch
 
 
 class LLM:
@@ -41,11 +44,16 @@ class LLM:
                     "as you want it and pass it, or pass LLM(model=path, ...)"
                 )
             arguments.seed_torch()
-            self.llm_engine: LLMEngine = patch(model, tokenizer, processor=processor, **arguments.settings)
+            if arguments.pooling_kind(model):
+                self.llm_engine: LLMEngine | PoolingEngine = arguments.create_pooling_engine(model, tokenizer)
+            else:
+                self.llm_engine = patch(model, tokenizer, processor=processor, **arguments.settings)
         elif processor is not None:
             raise TypeError("processor= goes with a model you loaded; LLM(model=path) loads the checkpoint's own")
         else:
-            self.llm_engine = EngineArgs(model=model, tokenizer=tokenizer, **kwargs).create_engine()
+            arguments = EngineArgs(model=model, tokenizer=tokenizer, **kwargs)
+            pools = arguments.pooling_kind()
+            self.llm_engine = arguments.create_pooling_engine() if pools else arguments.create_engine()
 
     def __getattr__(self, name: str) -> Any:
         # Only for names the LLM itself lacks: the engine's methods and attributes.
@@ -59,10 +67,33 @@ class LLM:
     def __repr__(self) -> str:
         return f"LLM({type(self.llm_engine.model).__name__}, max_model_len={self.llm_engine.max_model_len})"
 
-    def embed(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(POOLING)
+    def embed(self, *args: Any, **kwargs: Any) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding a prompt (a pooling model: `PoolingEngine.embed`)."""
+        return self._pooling("embed").embed(*args, **kwargs)
 
-    encode = classify = score = reward = embed
+    def classify(self, *args: Any, **kwargs: Any) -> list[ClassificationRequestOutput]:
+        """vLLM's: each prompt's class probabilities (a classifier: `PoolingEngine.classify`)."""
+        return self._pooling("classify").classify(*args, **kwargs)
+
+    def score(self, *args: Any, **kwargs: Any) -> list[ScoringRequestOutput]:
+        """vLLM's: a score for each pair of texts (`PoolingEngine.score`)."""
+        return self._pooling("score").score(*args, **kwargs)
+
+    def reward(self, *args: Any, **kwargs: Any) -> list[PoolingRequestOutput]:
+        """vLLM's: every token's scores (a classifier: `PoolingEngine.reward`)."""
+        return self._pooling("reward").reward(*args, **kwargs)
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[PoolingRequestOutput]:
+        """vLLM's: any pooling task, `pooling_task=` (`PoolingEngine.encode`)."""
+        return self._pooling("encode").encode(*args, **kwargs)
+
+    def _pooling(self, call: str) -> PoolingEngine:
+        if not isinstance(self.llm_engine, PoolingEngine):
+            raise ValueError(
+                f"LLM.{call}() needs a pooling model, and this LLM generates: load it with LLM(model=path, "
+                "runner='pooling') (a *ForSequenceClassification checkpoint classifies, any other embeds)"
+            )
+        return self.llm_engine
 
     def shutdown(self) -> None:
         """Free the engine's KV cache; a model this LLM loaded itself goes with it (its engine is closed either way:

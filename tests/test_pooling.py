@@ -1,0 +1,181 @@
+"""vLLM's pooling calls (`LLM.embed`, `classify`, `score`, `reward`, `encode`; hybridkv/engine/pooling.py): each
+prompt's values are the model's own forward's, batched or not, causal or bidirectional; what a model cannot serve is
+refused naming the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+from hybridkv import LLM, PoolingParams
+from hybridkv.tiny import tiny_config, tiny_model
+
+from tiny_tokenizer import tiny_tokenizer
+
+TEXTS = ["Hello", "The capital of France is", "A much longer prompt than the others, to pad the batch", "Hi there"]
+
+
+def save(path, model):
+    tiny_tokenizer().save_pretrained(path)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory):
+    """A tiny Llama causal-LM checkpoint: embedded from its base model, the LM head left out."""
+    vocab = len(tiny_tokenizer())
+    return save(tmp_path_factory.mktemp("llama"), tiny_model("llama", vocab_size=vocab))
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A tiny Llama sequence classifier with three labels, and one with one label (a reward model, a cross-encoder)."""
+    from transformers import LlamaForSequenceClassification
+
+    vocab = len(tiny_tokenizer())
+    paths = {}
+    for labels in (3, 1):
+        torch.manual_seed(labels)
+        model = LlamaForSequenceClassification(tiny_config("llama", vocab_size=vocab, num_labels=labels)).eval()
+        paths[labels] = save(tmp_path_factory.mktemp(f"classifier_{labels}"), model)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """A tiny BERT: its tokens see later ones, so prompts run unpadded, one length a batch, pooled at [CLS]."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tiny_tokenizer()), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128,
+    )  # fmt: skip
+    return save(tmp_path_factory.mktemp("bert"), BertModel(config).eval())
+
+
+def reference_hidden(path, text):
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(**AutoTokenizer.from_pretrained(path)(text, return_tensors="pt")).last_hidden_state[0]
+
+
+def test_embeddings_of_a_causal_lm_are_its_last_tokens_normalized_hidden_state_in_any_batch(causal_lm):
+    llm = LLM(model=causal_lm, runner="pooling", max_num_batched_tokens=64)  # several batches, padded
+    assert llm.causal and llm.pooling == "last" and llm.supported_tasks == ("embed", "token_embed", "score")
+    outputs = llm.embed(TEXTS, use_tqdm=False)
+    alone = [llm.embed(text, use_tqdm=False)[0] for text in TEXTS]
+    for text, out, single in zip(TEXTS, outputs, alone, strict=True):
+        expected = F.normalize(reference_hidden(causal_lm, text)[-1], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.outputs.embedding, single.outputs.embedding, rtol=0, atol=1e-5)
+        assert out.outputs.hidden_size == expected.numel() and out.prompt_token_ids == single.prompt_token_ids
+    raw = llm.embed(TEXTS[1], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(raw), reference_hidden(causal_lm, TEXTS[1])[-1], rtol=0, atol=1e-5)
+    tokens = llm.encode(TEXTS[1], pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(tokens, F.normalize(reference_hidden(causal_lm, TEXTS[1]), dim=-1), rtol=0, atol=1e-5)
+
+
+def test_a_bidirectional_encoder_is_pooled_at_cls_from_unpadded_batches(encoder):
+    llm = LLM(model=encoder, runner="pooling")
+    assert not llm.causal and llm.pooling == "cls"
+    texts = [*TEXTS, "Hi there"]  # two prompts of one length share a batch
+    assert [len(batch) for batch in llm._batches([len(llm.tokenizer(t)["input_ids"]) for t in texts])] == [1, 2, 1, 1]
+    for text, out in zip(texts, llm.embed(texts, use_tqdm=False), strict=True):
+        expected = F.normalize(reference_hidden(encoder, text)[0], dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=0, atol=1e-5)
+
+
+def test_a_sentence_transformers_pooling_config_is_followed(causal_lm, tmp_path):
+    import shutil
+
+    path = tmp_path / "mean"
+    shutil.copytree(causal_lm, path)
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]))  # fmt: skip
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    llm = LLM(model=str(path), runner="pooling")
+    assert llm.pooling == "mean"
+    out = llm.embed(TEXTS[1], use_tqdm=False)[0]
+    expected = F.normalize(reference_hidden(causal_lm, TEXTS[1]).mean(dim=0), dim=-1)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), expected, rtol=0, atol=1e-5)
+
+
+def test_a_classifier_gives_its_probabilities_per_prompt_and_per_token(classifier):
+    llm = LLM(model=classifier[3])  # runner="auto": a *ForSequenceClassification checkpoint classifies
+    assert llm.supported_tasks == ("classify", "token_classify")
+    model = AutoModelForSequenceClassification.from_pretrained(classifier[3]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(classifier[3])
+    outputs = llm.classify(TEXTS, use_tqdm=False)
+    for text, out in zip(TEXTS, outputs, strict=True):
+        with torch.inference_mode():
+            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), logits.softmax(-1), rtol=0, atol=1e-6)
+        assert out.outputs.num_classes == 3
+    logits = llm.classify(TEXTS[0], PoolingParams(use_activation=False), use_tqdm=False)[0].outputs.probs
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.tensor(logits), model(**tokenizer(TEXTS[0], return_tensors="pt")).logits[0])
+        hidden = model.model(**tokenizer(TEXTS[1], return_tensors="pt")).last_hidden_state[0]
+        expected = model.score(hidden).softmax(-1)
+    per_token = llm.reward(TEXTS[1], use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(per_token, expected, rtol=0, atol=1e-6)
+
+
+def test_score_is_a_cross_encoders_probability_or_two_embeddings_cosine(classifier, causal_lm):
+    question, answers = "What is the capital of France?", ["Brasilia is.", "Paris is."]
+    llm = LLM(model=classifier[1], runner="pooling")
+    assert "score" in llm.supported_tasks
+    model = AutoModelForSequenceClassification.from_pretrained(classifier[1]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(classifier[1])
+    with torch.inference_mode():
+        expected = [model(**tokenizer(question, a, return_tensors="pt")).logits[0, 0].sigmoid() for a in answers]
+    scores = [out.outputs.score for out in llm.score(question, answers, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(expected), rtol=0, atol=1e-6)
+    embedder = LLM(model=causal_lm, runner="pooling")
+    pairs = embedder.score([question, question], answers, use_tqdm=False)
+    for answer, out in zip(answers, pairs, strict=True):
+        a, b = (reference_hidden(causal_lm, text)[-1] for text in (question, answer))
+        assert out.outputs.score == pytest.approx(float(F.cosine_similarity(a, b, dim=0)), abs=1e-5)
+
+
+def test_what_a_pooling_model_cannot_serve_is_refused_naming_the_fix(classifier, causal_lm):
+    llm = LLM(model=classifier[3])
+    with pytest.raises(ValueError, match="one label"):
+        llm.score("a", "b")
+    with pytest.raises(ValueError, match=r"serves classify, token_classify, not 'embed'"):
+        llm.embed("a")
+    with pytest.raises(AttributeError, match=r"LLM.generate\(\) needs a generative model.*LLM\(model=path\)"):
+        llm.generate("a")
+    embedder = LLM(model=causal_lm, runner="pooling", max_model_len=8)
+    with pytest.raises(ValueError, match="pooling_task="):
+        embedder.encode("a")
+    with pytest.raises(ValueError, match="max_model_len is 8; shorten it or pass truncate_prompt_tokens"):
+        embedder.embed(TEXTS[2])
+    assert len(embedder.embed(TEXTS[2], truncate_prompt_tokens=8, use_tqdm=False)[0].prompt_token_ids) == 8
+    with pytest.raises(ValueError, match="matryoshka"):
+        embedder.embed("a", PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match="LoRA"):
+        embedder.embed("a", lora_request=object())
+    with pytest.raises(TypeError, match="normalize"):
+        PoolingParams(normalize="yes")
+    with pytest.raises(ValueError, match=r"holds no score.weight.*ForSequenceClassification checkpoint"):
+        LLM(model=causal_lm, convert="classify")
+
+
+def test_a_model_in_hand_is_served_for_pooling_too(causal_lm):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=2)  # head initialized here
+    llm = LLM(model, AutoTokenizer.from_pretrained(causal_lm))
+    with torch.inference_mode():
+        expected = model(**llm.tokenizer(TEXTS[0], return_tensors="pt")).logits[0].softmax(-1)
+    torch.testing.assert_close(torch.tensor(llm.classify(TEXTS[0], use_tqdm=False)[0].outputs.probs), expected)
+    assert model.training is False
