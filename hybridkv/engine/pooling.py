@@ -15,9 +15,10 @@ states:
 
 Prompts are sorted by length. A causal model (the probe at start: changing the last token leaves every earlier token's
 hidden state as it was) runs right-padded batches of up to `max_num_seqs` prompts and `max_num_batched_tokens` padded
-tokens: a pad comes after every real token, which never attends to it. A model whose tokens see later ones runs only
-prompts of one length together, unpadded. Either way a prompt's values are its own forward's, up to the rounding of a
-batched matmul. Nothing is cached between calls (vLLM's pooling runner caches no prefixes by default either).
+tokens (default 8,192 on a GPU, 512 on the CPU): a pad comes after every real token, which never attends to it. A model
+whose tokens see later ones runs only prompts of one length together, unpadded. Either way a prompt's values are its
+own forward's, up to the rounding of a batched matmul. Nothing is cached between calls (vLLM's pooling runner caches no
+prefixes by default either).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class PoolingEngine:
         pooling: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -94,7 +95,9 @@ class PoolingEngine:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        # The CPU runs small batches faster: a large one's activations leave the caches (benchmarks/RESULTS.md).
+        self.max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 8192)
         self.classifies = self.base is not model
         head = getattr(model, "score", None)
         self.head = head if self.classifies and isinstance(head, torch.nn.Linear) else None
