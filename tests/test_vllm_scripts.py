@@ -210,6 +210,14 @@ def test_score_py_scores_each_pair_as_a_cross_encoder(classifiers, tmp_path):
 
 
 @pytest.mark.slow
+def test_cpu_weight_loading_py_takes_vllms_map_locations_of_the_cpu(checkpoint, tmp_path):
+    # examples/offline_inference/basic/cpu_weight_loading.py: pt_load_map_location="cpu" and {"": "cpu"}, three LLMs
+    # of one checkpoint in one process, sampled. Its second example prints the exception if one is raised.
+    stdout = run_script("cpu_weight_loading.py", model=str(checkpoint), tmp_path=tmp_path)
+    assert "failed" not in stdout and stdout.count("Output: ") == 3
+
+
+@pytest.mark.slow
 def test_basic_py_runs_with_llm_of_a_checkpoint_path(checkpoint, tmp_path):
     # examples/offline_inference/basic/basic.py: LLM(model=name), sampled (temperature 0.8, top_p 0.95).
     stdout = run_script("basic.py", model=str(checkpoint), tmp_path=tmp_path)

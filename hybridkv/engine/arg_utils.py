@@ -138,6 +138,9 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
     "tokenizer_mode": ("auto", "the tokenizer is transformers' AutoTokenizer"),
     "skip_tokenizer_init": (False, "prompts may be text, which needs the tokenizer"),
     "kv_transfer_config": (None, "hybridkv has no disaggregated prefill"),
+    "pt_load_map_location": (("cpu", {"": "cpu"}), "transformers reads the checkpoint into host memory, and the model "
+                             "goes to the GPU after (where there is one); map it elsewhere with transformers "
+                             "(device_map) and pass the model"),
     "pooler_config": (None, "a pooling model pools as its checkpoint says (hybridkv/engine/pooling.py)"),
 }  # fmt: skip
 
