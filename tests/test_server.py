@@ -710,7 +710,8 @@ def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
     command = [sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint), "--port", str(port)]
     command += ["--served-model-name", MODEL, "--max-model-len", "128", "--block-size", "8", "--threads", "1"]
     # The key from the environment (HYBRIDKV_API_KEY), as `--api-key` would give it.
-    environment = {**os.environ, "HYBRIDKV_API_KEY": "s3cret"}
+    # vLLM's development endpoints on: the server loaded its model itself, so reload_weights has a checkpoint to read.
+    environment = {**os.environ, "HYBRIDKV_API_KEY": "s3cret", "VLLM_SERVER_DEV_MODE": "1"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="s3cret", max_retries=0)
@@ -723,6 +724,17 @@ def test_the_serve_command_serves_a_checkpoint(checkpoint, offline):
         assert client.models.list().data[0].max_model_len == 128
         with pytest.raises(openai.AuthenticationError):
             client.with_options(api_key="wrong").models.list()
+        reloaded = httpx.post(
+            f"http://127.0.0.1:{port}/collective_rpc",
+            json={"method": "reload_weights"},
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=60,
+        )
+        assert reloaded.status_code == 200 and reloaded.json() == {"results": [None]}
+        assert (
+            client.completions.create(model=MODEL, prompt="The quick", max_tokens=8, temperature=0).choices[0].text
+            == expected
+        )
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -7,7 +7,9 @@ token ids the endpoint would run, which vllm-router asks for to route by a promp
 is a 400); `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (plain text answers; enable_lora is all
 they need, where vLLM also asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); `GET /kv_event_sources` (where the KV
 events are published, with kv_events_config). And SGLang's `GET /get_server_info` (the KV events' block size and this
-instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`.
+instance's id, which vllm-router's kv_aware discovery reads) and `GET /get_model_info`. With `VLLM_SERVER_DEV_MODE=1`,
+vLLM's development endpoints too (`/sleep`, `/wake_up`, `/is_sleeping`, `/reset_prefix_cache`, `/collective_rpc`:
+hybridkv/serving/dev_endpoints.py).
 
 Every refusal is OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status: a body that
 is not JSON or does not fit the schema is a 400 (not FastAPI's 422), an unknown model a 404. A field the schema does
@@ -33,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from hybridkv.serving.dev_endpoints import add_dev_endpoints, dev_mode
 from hybridkv.serving.endpoints import OpenAIServing
 from hybridkv.serving.protocol import (
     APIError,
@@ -70,6 +73,8 @@ def build_app(
     the server does not know is a 400 naming it, not ignored with a warning (OpenAIServing.accept_fields)."""
     serving = OpenAIServing(engine, model_name, tool_call_parser, fetch_images, lora_modules, strict_fields)
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a hybridkv engine")
+    if dev_mode():
+        add_dev_endpoints(app, engine)
     app.state.serving = serving
 
     if api_key:

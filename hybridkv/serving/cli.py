@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -13,7 +14,14 @@ from typing import Any, NamedTuple
 import torch
 
 import hybridkv
-from hybridkv.engine.arg_utils import DTYPES, PATCH_FLAGS, add_patch_flags, load_checkpoint
+from hybridkv.engine.arg_utils import (
+    DTYPES,
+    PATCH_FLAGS,
+    add_patch_flags,
+    checkpoint_weights,
+    load_checkpoint,
+    torchrun_processes,
+)
 from hybridkv.scheduling.sampling_params import SamplingParams
 from hybridkv.serving.tool_calls import PARSER_NAMES as TOOL_CALL_PARSERS
 from hybridkv.tiny import tiny_model
@@ -202,6 +210,8 @@ def serve(args: argparse.Namespace) -> None:
     llm = hybridkv.patch(model, tokenizer=tokenizer, processor=processor, **patch_settings(args))
     if worked_as_rank(model, llm):
         return
+    if torchrun_processes() == 1:  # the server's own model: sleep may give its weights back (one process)
+        llm.own_weights(functools.partial(checkpoint_weights, args.model, args.dtype))
     engine = AsyncLLMEngine(llm)
     name = args.served_model_name or args.model
     adapters = lora_requests(args.lora_modules or [])
