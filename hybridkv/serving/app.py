@@ -77,39 +77,7 @@ def build_app(
         add_dev_endpoints(app, engine)
     app.state.serving = serving
 
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
-                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
-                body = error_body(message, "invalid_request_error", code="invalid_api_key")
-                return JSONResponse(body, status_code=401)
-            return await call_next(request)
-
-    @app.exception_handler(APIError)
-    async def refused(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=_named(request))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error.errors())
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        message = f"the server failed: {type(error).__name__}: {error}"
-        return JSONResponse(error_body(message, "server_error"), status_code=500, headers=_named(request))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    guard(app, api_key)
 
     # A plain function: FastAPI runs it in its thread pool, so waiting for the engine's stats never
     # blocks the event loop.
@@ -180,6 +148,44 @@ def build_app(
         return serving.detokenize(body)
 
     return app
+
+
+def guard(app: FastAPI, api_key: str | None) -> None:
+    """What every hybridkv server has: the API key asked of every route but `GET /health` (which this adds), and
+    OpenAI's error body for every refusal (a schema error a 400, anything unexpected a 500)."""
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                message = "invalid or missing API key: send the header 'Authorization: Bearer <key>'"
+                body = error_body(message, "invalid_request_error", code="invalid_api_key")
+                return JSONResponse(body, status_code=401)
+            return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def refused(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=_named(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error.errors())
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        message = f"the server failed: {type(error).__name__}: {error}"
+        return JSONResponse(error_body(message, "server_error"), status_code=500, headers=_named(request))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
 
 
 def _name(request: Request, body_id: str | None, prefix: str) -> str:

@@ -17,6 +17,8 @@ import hybridkv
 from hybridkv.engine.arg_utils import (
     DTYPES,
     PATCH_FLAGS,
+    POOLING_ARGUMENTS,
+    EngineArgs,
     add_patch_flags,
     checkpoint_weights,
     load_checkpoint,
@@ -204,6 +206,12 @@ def serve(args: argparse.Namespace) -> None:
     # The HTTP loop and the engine thread need a core of their own: torch's threads spinning on every
     # core served fewer requests/s on 2 cores (measured: benchmarks/RESULTS.md, 'Choices in the code').
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) - 1))
+    pooling = EngineArgs(
+        model=args.model, dtype=args.dtype, **{name: getattr(args, name) for name in POOLING_ARGUMENTS}
+    )
+    if pooling.pooling_kind():
+        serve_pooling(args, pooling)
+        return
     model, tokenizer, processor = load_checkpoint(args.model, args.dtype)
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template
@@ -231,6 +239,22 @@ def serve(args: argparse.Namespace) -> None:
     finally:
         engine.shutdown()
         hybridkv.unpatch(model)  # under torchrun, this ends the other ranks' worker loops
+
+
+def serve_pooling(args: argparse.Namespace, arguments: EngineArgs) -> None:
+    """Serve a pooling model (hybridkv/serving/pooling_app.py): embeddings, classification, scores."""
+    import uvicorn
+
+    from hybridkv.serving.pooling_app import build_pooling_app
+
+    sizes = {name: getattr(args, name) for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens")}
+    arguments.settings = {name: value for name, value in sizes.items() if value is not None}
+    engine = arguments.create_pooling_engine()
+    name = args.served_model_name or args.model
+    app = build_pooling_app(engine, name, args.api_key)
+    tasks = ", ".join(engine.supported_tasks)
+    print(f"serving {name!r} ({tasks}) at http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,5 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a request field the server does not know is a 400 naming it (default: ignored with one warning, as "
         "vLLM does, so that routers which add fields of their own work)",
     )
+    for name, choices in POOLING_ARGUMENTS.items():
+        srv.add_argument(
+            "--" + name, choices=choices, default=None, help="vLLM's: a pooling model serves embeddings (pooling_app)"
+        )
     add_patch_flags(srv)
     return parser
