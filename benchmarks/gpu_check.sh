@@ -33,7 +33,8 @@
 # tests/test_triton_lora.py and tests/test_lora.py's tests through the kernels, then benchmarks/multi_lora.py --device
 # cuda where the checkout's script takes --device; else a line says it was skipped), "sleep" (issue 63: sleep levels 1
 # and 2 giving back the weights of a model LLM(model=path) loaded on the GPU, and the graphs captured again when both
-# the weights and the KV cache are awake: tests/test_vllm_entrypoints.py). KERNELS_SECONDS, GRAPHS_SECONDS,
+# the weights and the KV cache are awake: tests/test_vllm_entrypoints.py), "pooling" (issue 63: benchmarks/pooling.py on
+# the device, the GPU's default batch budget of 8,192 tokens against transformers' forward). KERNELS_SECONDS, GRAPHS_SECONDS,
 # ... set a part's limit.
 set -u -o pipefail
 out=${1:-${OUT:-gpu_check}}
@@ -79,6 +80,8 @@ for part in $parts; do
         pytest -q -p no:cacheprovider -n 4 tests/test_speculative.py && python3 benchmarks/speculative.py --device cuda \
         --cache /tmp/hybridkv-bench --rounds 3" ;;
     sleep) run_part sleep "${SLEEP_SECONDS:-60}" "${gpu_tests[@]}" tests/test_vllm_entrypoints.py -k "sleep or wake or reload" ;;
+    pooling) run_part pooling "${POOLING_SECONDS:-90}" python3 benchmarks/pooling.py --device cuda --prompts 512 --hidden 1024 \
+        --layers 8 --repeats 3 ;;
     rl) run_part rl "${RL_SECONDS:-150}" python3 benchmarks/rl_rollouts.py --device cuda --prompts 16 --new 128 ;;
     lora) run_part lora "${LORA_SECONDS:-150}" bash -c "env HYBRIDKV_TEST_ON_GPU=1 python3 -m pytest -q -p no:cacheprovider \
         -n 4 tests/test_triton_lora.py tests/test_lora.py -k 'triton or kernels' && if grep -qs -- '\"--device\"' \

@@ -51,7 +51,12 @@ def word_tokenizer(path: str, size: int = 256) -> object:
 
 def hf_each(model: torch.nn.Module, batch: list[list[int]]) -> list[torch.Tensor]:
     with torch.inference_mode():
-        return [F.normalize(model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1], dim=-1) for ids in batch]
+        return [
+            F.normalize(
+                model(input_ids=torch.tensor([ids], device=model.device)).last_hidden_state[0, -1], dim=-1
+            ).cpu()
+            for ids in batch
+        ]
 
 
 def hf_padded(model: torch.nn.Module, batch: list[list[int]], size: int) -> list[torch.Tensor]:
@@ -65,16 +70,20 @@ def hf_padded(model: torch.nn.Module, batch: list[list[int]], size: int) -> list
             for row, ids in enumerate(chunk):
                 tokens[row, : len(ids)] = torch.tensor(ids)
                 mask[row, : len(ids)] = 1
-            hidden = model(input_ids=tokens, attention_mask=mask).last_hidden_state
-            out += [F.normalize(hidden[row, len(ids) - 1], dim=-1) for row, ids in enumerate(chunk)]
+            hidden = model(input_ids=tokens.to(model.device), attention_mask=mask.to(model.device)).last_hidden_state
+            out += [F.normalize(hidden[row, len(ids) - 1], dim=-1).cpu() for row, ids in enumerate(chunk)]
     return out
 
 
 def timed(function, repeats: int) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         result = function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
 
@@ -87,6 +96,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="hybridkv's batch budget")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--hidden", type=int, default=0, help="hidden size (0: the tiny family's own)")
     parser.add_argument("--layers", type=int, default=4, help="layers, with --hidden")
     args = parser.parse_args()
@@ -100,8 +110,9 @@ def main() -> None:
         model.save_pretrained(path)
         batch = prompts(args.prompts, len(tokenizer))
         budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-        llm = LLM(model=path, runner="pooling", dtype="float32", **budget)
-        model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+        llm = LLM(model=path, runner="pooling", dtype="float32", **budget)  # on the GPU when there is one
+        assert llm.model.device.type == torch.device(args.device).type, "LLM() loads to the GPU where there is one"
+        model = AutoModel.from_pretrained(path, dtype=torch.float32).eval().to(args.device)
         token_prompts = [{"prompt_token_ids": ids} for ids in batch]
         ours_s, ours = timed(lambda: llm.embed(token_prompts, use_tqdm=False), args.repeats)
         each_s, each = timed(lambda: hf_each(model, batch), args.repeats)
@@ -113,8 +124,8 @@ def main() -> None:
     )
     tokens = sum(map(len, batch))
     shape = f"hidden {args.hidden}, {args.layers} layers" if args.hidden else "hybridkv.tiny's shape"
-    print(f"{args.family} ({shape}), {args.prompts} prompts, {tokens:,} tokens, {args.threads} thread(s), median of "
-          f"{args.repeats}")  # fmt: skip
+    print(f"{args.family} ({shape}) on {args.device}, {args.prompts} prompts, {tokens:,} tokens, "
+          f"{args.threads} thread(s), median of {args.repeats}")  # fmt: skip
     print(f"  hybridkv embed         {ours_s:7.3f} s  ({tokens / ours_s:,.0f} tok/s)")
     print(f"  hf_each                {each_s:7.3f} s  hybridkv is {each_s / ours_s:.2f}x")
     print(f"  hf_padded ({args.batch:>3})        {padded_s:7.3f} s  hybridkv is {padded_s / ours_s:.2f}x")
