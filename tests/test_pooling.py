@@ -179,3 +179,13 @@ def test_a_model_in_hand_is_served_for_pooling_too(causal_lm):
         expected = model(**llm.tokenizer(TEXTS[0], return_tensors="pt")).logits[0].softmax(-1)
     torch.testing.assert_close(torch.tensor(llm.classify(TEXTS[0], use_tqdm=False)[0].outputs.probs), expected)
     assert model.training is False
+
+
+def test_a_causal_lm_in_hand_embeds_from_its_base_model(causal_lm):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(causal_lm)
+    llm = LLM(model, AutoTokenizer.from_pretrained(causal_lm), runner="pooling")
+    assert llm.supported_tasks == ("embed", "token_embed", "score")
+    expected = F.normalize(reference_hidden(causal_lm, TEXTS[1])[-1], dim=-1)
+    torch.testing.assert_close(torch.tensor(llm.embed(TEXTS[1], use_tqdm=False)[0].outputs.embedding), expected)

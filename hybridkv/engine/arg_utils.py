@@ -470,7 +470,7 @@ class EngineArgs:
             if os.path.isdir(self.model):
                 pooling = sentence_transformers_pooling(self.model)
         sizes = {name: self.settings[name] for name in _POOLING_SETTINGS if name in self.settings}
-        return PoolingEngine(model, tokenizer, pooling=pooling, **sizes)
+        return PoolingEngine(model, tokenizer, kind=kind, pooling=pooling, **sizes)
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The checkpoint's weights loaded again on the CPU (`checkpoint_weights`)."""

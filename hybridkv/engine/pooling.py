@@ -73,16 +73,26 @@ class PoolingParams:
             raise TypeError(f"PoolingParams.dimensions must be an int or None, not {self.dimensions!r}")
 
 
+def default_kind(model: torch.nn.Module) -> str:
+    """What a model pools as by default: a `*ForSequenceClassification` classifies, anything else embeds (from its
+    base model's final hidden states: a causal LM's head is left out), as vLLM's conversion table has it."""
+    return (
+        "classify" if type(model).__name__.endswith(("ForSequenceClassification", "ClassificationModel")) else "embed"
+    )
+
+
 class PoolingEngine:
-    """A transformers model served through vLLM's pooling calls (the module docstring). `model`: a
-    `*ForSequenceClassification` model (classify, token_classify, and score with one label) or a model whose output
-    has `last_hidden_state` (embed, token_embed, score). `pooling`: "last", "mean" or "cls" (None: vLLM's default)."""
+    """A transformers model served through vLLM's pooling calls (the module docstring). `kind` "classify": a
+    sequence classifier (classify, token_classify, and score with one label); "embed": the final hidden states of the
+    model's base model (embed, token_embed, score); None: `default_kind`. `pooling`: "last", "mean" or "cls" (None:
+    vLLM's default)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         tokenizer: Any,
         *,
+        kind: str | None = None,
         pooling: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 256,
@@ -98,7 +108,11 @@ class PoolingEngine:
         on_cpu = next(model.parameters()).device.type == "cpu"
         # The CPU runs small batches faster: a large one's activations leave the caches (benchmarks/RESULTS.md).
         self.max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 8192)
-        self.classifies = self.base is not model
+        if kind not in (None, "embed", "classify"):
+            raise ValueError(f"kind must be 'embed' or 'classify', got {kind!r}")
+        self.classifies = (kind or default_kind(model)) == "classify"
+        if self.classifies and self.base is model:
+            raise ValueError(f"{type(model).__name__} has no classification head: classify needs a sequence classifier")
         head = getattr(model, "score", None)
         self.head = head if self.classifies and isinstance(head, torch.nn.Linear) else None
         self.num_labels = int(getattr(model.config, "num_labels", 0)) if self.classifies else 0
