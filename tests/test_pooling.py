@@ -59,6 +59,21 @@ def encoder(tmp_path_factory):
     return save(tmp_path_factory.mktemp("bert"), BertModel(config).eval())
 
 
+def pair_tokenizer(tokenizer):
+    """`tokenizer` as BERT's are for pairs: "A <eos> B <eos>", the second text and its end of segment 1."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    backend, eos = copy.deepcopy(tokenizer.backend_tokenizer), tokenizer.convert_tokens_to_ids("<eos>")
+    backend.post_processor = TemplateProcessing(
+        single="$A <eos>", pair="$A <eos> $B:1 <eos>:1", special_tokens=[("<eos>", eos)]
+    )
+    names = ["input_ids", "token_type_ids", "attention_mask"]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", model_input_names=names)
+
+
 def reference_hidden(path, text):
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     with torch.inference_mode():
@@ -189,3 +204,79 @@ def test_a_causal_lm_in_hand_embeds_from_its_base_model(causal_lm):
     assert llm.supported_tasks == ("embed", "token_embed", "score")
     expected = F.normalize(reference_hidden(causal_lm, TEXTS[1])[-1], dim=-1)
     torch.testing.assert_close(torch.tensor(llm.embed(TEXTS[1], use_tqdm=False)[0].outputs.embedding), expected)
+
+
+def test_a_cross_encoder_encoder_gets_its_pairs_token_types_and_truncation_keeps_special_tokens(tmp_path):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tiny_tokenizer()), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=128, num_labels=1, type_vocab_size=2,
+    )  # fmt: skip
+    path = save(tmp_path, BertForSequenceClassification(config).eval())
+    pair_tokenizer(tiny_tokenizer()).save_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    llm = LLM(model=path)
+    assert not llm.causal and llm.supported_tasks == ("classify", "score")
+    question, answers = "Which capital?", ["Paris is.", "Brasilia is the capital."]
+    pairs = [tokenizer(question, answer, return_tensors="pt") for answer in answers]
+    assert any(pair["token_type_ids"].any() for pair in pairs)  # the second text is segment 1
+    with torch.inference_mode():
+        expected = [model(**pair).logits[0, 0].sigmoid() for pair in pairs]
+    scores = [out.outputs.score for out in llm.score(question, answers, use_tqdm=False)]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(expected), rtol=0, atol=1e-6)
+    text = TEXTS[2]
+    kept = llm.classify(text, truncate_prompt_tokens=6, use_tqdm=False)[0].prompt_token_ids
+    assert kept == tokenizer(text, truncation=True, max_length=6)["input_ids"]  # the tokenizer's own truncation
+
+
+def test_roberta_positions_after_its_padding_index_bound_max_model_len(tmp_path):
+    from transformers import RobertaConfig, RobertaModel
+
+    config = RobertaConfig(
+        vocab_size=len(tiny_tokenizer()), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=34, pad_token_id=1,
+    )  # fmt: skip
+    llm = LLM(model=save(tmp_path, RobertaModel(config).eval()), runner="pooling")
+    assert llm.max_model_len == 32
+    assert len(llm.embed([5] * 32, use_tqdm=False)[0].outputs.embedding) == 32
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        llm.embed([5] * 33)
+
+
+def test_a_classifier_with_another_head_pools_by_its_own_forward_one_prompt_a_batch(classifier):
+    model = AutoModelForSequenceClassification.from_pretrained(classifier[3]).eval()
+    model.score = torch.nn.Sequential(model.score)  # a wrapped head: no linear `score` to apply to hidden states
+    model.config.pad_token_id = None  # transformers refuses a batch of several then
+    llm = LLM(model, AutoTokenizer.from_pretrained(classifier[3]))
+    assert llm.own_pooling and llm.supported_tasks == ("classify",)
+    same_length = [TEXTS[0], "World"]
+    for text, out in zip(same_length, llm.classify(same_length, use_tqdm=False), strict=True):
+        with torch.inference_mode():
+            expected = model(**llm.tokenizer(text, return_tensors="pt")).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), expected)
+
+
+def test_generative_architectures_named_like_embedders_generate_and_unknown_modules_are_refused(causal_lm, tmp_path):
+    import shutil
+
+    from hybridkv import EngineArgs
+
+    path = tmp_path / "glm"
+    shutil.copytree(causal_lm, path)
+    config = json.loads((path / "config.json").read_text())
+    for architecture, kind in (("ChatGLMModel", None), ("InternVLChatModel", None), ("Qwen3Model", "embed")):
+        (path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+        assert EngineArgs(model=str(path)).pooling_kind() == kind, architecture
+    assert EngineArgs(model=causal_lm, convert="reward").pooling_kind() == "classify"
+    dense = tmp_path / "dense"
+    shutil.copytree(causal_lm, dense)
+    (dense / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"modules \['Dense'\] are not run here"):
+        LLM(model=str(dense), runner="pooling")

@@ -148,12 +148,14 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
 # runner, the model conversion, and the older task names.
 POOLING_ARGUMENTS: dict[str, tuple[str, ...]] = {
     "runner": ("auto", "generate", "pooling"),
-    "convert": ("auto", "none", "embed", "classify"),
+    "convert": ("auto", "none", "embed", "classify", "reward"),
     "task": ("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
 }
 # Architecture names by what a checkpoint of them serves when runner="auto" (vLLM's table of conversions).
 _CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ClassificationModel")
 _EMBEDDING_SUFFIXES = ("Model", "EmbeddingModel", "ForTextEncoding")
+# Generative architectures whose names end as an embedding model's do (ChatGLM's, InternVL's).
+_GENERATIVE_SUFFIXES = ("LMHeadModel", "ChatModel", "GLMModel", "ForCausalLM", "ForConditionalGeneration")
 
 # The arguments that say where the model comes from and how it loads (read by `load_checkpoint`), with their defaults.
 LOAD_ARGUMENTS: dict[str, Any] = {
@@ -418,8 +420,8 @@ class EngineArgs:
         classifies, a `*Model` embeds, anything else generates. `model`: one already loaded (else the checkpoint's
         config is read)."""
         runner, convert, task = (getattr(self, name, None) or "auto" for name in POOLING_ARGUMENTS)
-        if convert in ("embed", "classify"):
-            return convert
+        if convert in ("embed", "classify", "reward"):
+            return "classify" if convert == "reward" else convert
         if task in ("embed", "embedding"):
             return "embed"
         if task in ("classify", "reward"):
@@ -436,7 +438,7 @@ class EngineArgs:
                     "pool; a *ForSequenceClassification reward model is served by llm.reward() and llm.classify()"
                 )
             return "embed"
-        if architecture.endswith(_EMBEDDING_SUFFIXES) and not architecture.endswith("LMHeadModel"):
+        if architecture.endswith(_EMBEDDING_SUFFIXES) and not architecture.endswith(_GENERATIVE_SUFFIXES):
             return "embed"
         return None
 
@@ -467,8 +469,7 @@ class EngineArgs:
                 download_dir=self.download_dir,
             )
             model, tokenizer = checkpoint.model, checkpoint.tokenizer
-            if os.path.isdir(self.model):
-                pooling = sentence_transformers_pooling(self.model)
+            pooling = sentence_transformers_pooling(self.model, revision=self.revision, cache_dir=self.download_dir)
         sizes = {name: self.settings[name] for name in _POOLING_SETTINGS if name in self.settings}
         return PoolingEngine(model, tokenizer, kind=kind, pooling=pooling, **sizes)
 

@@ -136,7 +136,13 @@ class LLMEngine:
         cls, engine_args: Any, usage_context: Any = None, stat_loggers: Any = None, enable_multiprocessing: bool = False
     ) -> LLMEngine:
         """vLLM's `LLMEngine.from_engine_args`: load the checkpoint an `EngineArgs` names and bind an engine to it
-        (`EngineArgs.create_engine`, hybridkv/engine/arg_utils.py). vLLM's other arguments change nothing here."""
+        (`EngineArgs.create_engine`, hybridkv/engine/arg_utils.py). vLLM's other arguments change nothing here. A
+        pooling model is refused: `LLM(model, runner="pooling")` serves it."""
+        if engine_args.pooling_kind():
+            raise ValueError(
+                "these engine arguments name a pooling model, which LLMEngine does not step: use LLM(model=..., "
+                "runner='pooling') and its embed / classify / score / reward"
+            )
         return engine_args.create_engine()
 
     def _build_requests(self, samples: dict[Request, SampleState]) -> None:
@@ -673,8 +679,8 @@ class LLMEngine:
         if "weights" in woken and weights_asleep:
             self.weights.wake_up()
             weights_asleep, self._weights_moved = False, True
-        if "kv_cache" in woken:
-            self.core.wake_up(capture=not weights_asleep)
+        if "kv_cache" in woken:  # graphs wait for weights still asleep, or just woken (`weights_woken` captures)
+            self.core.wake_up(capture=not weights_asleep and not self._weights_moved)
         if self._weights_moved and not self.core.asleep:  # a forward may run now (compile, graph capture)
             self._weights_moved = False
             self.core.weights_woken()

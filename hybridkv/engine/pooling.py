@@ -58,11 +58,13 @@ GENERATIVE_CALLS = frozenset({"generate", "chat", "beam_search", "add_request", 
 class PoolingParams:
     """vLLM's `PoolingParams` (`vllm.pooling_params`): `normalize` an embedding (default True), `use_activation` on a
     classifier's logits (default True: softmax, or a sigmoid for one label), `dimensions` of a matryoshka model's
-    embedding to keep. None keeps the default."""
+    embedding to keep, `truncate_prompt_tokens` (the tokenizer's truncation to that many tokens, its special tokens
+    kept; -1: max_model_len; the call's own argument wins). None keeps the default."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("normalize", "use_activation"):
@@ -103,7 +105,10 @@ class PoolingEngine:
         self.base = getattr(model, "base_model", model)
         text_config = model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.max_model_len = max_model_len or getattr(text_config, "max_position_embeddings", None) or 2**31
+        positions = getattr(text_config, "max_position_embeddings", None) or 2**31
+        # RoBERTa's positions start after its padding index: 514 position embeddings hold 512 tokens.
+        padding_idx = getattr(getattr(self.base, "embeddings", None), "padding_idx", None)
+        self.max_model_len = max_model_len or positions - (padding_idx + 1 if padding_idx is not None else 0)
         self.max_num_seqs = max_num_seqs
         on_cpu = next(model.parameters()).device.type == "cpu"
         # The CPU runs small batches faster: a large one's activations leave the caches (benchmarks/RESULTS.md).
@@ -117,6 +122,13 @@ class PoolingEngine:
         self.head = head if self.classifies and isinstance(head, torch.nn.Linear) else None
         self.num_labels = int(getattr(model.config, "num_labels", 0)) if self.classifies else 0
         self.causal = self._probe_causal()
+        # A classifier whose head is not a linear `score` on a causal model pools by its own forward, which looks
+        # for the last token that is not its pad token: such a model, and one whose tokens see later ones, runs
+        # unpadded batches (one length each).
+        self.own_pooling = self.classifies and (self.head is None or not self.causal)
+        self.pads = self.causal and not self.own_pooling
+        # transformers' causal classifiers refuse a batch of several without a pad token: one prompt a batch.
+        self.batch_prompts = 1 if self.own_pooling and self.causal else self.max_num_seqs
         if pooling is not None and pooling not in POOLING_METHODS:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {pooling!r}")
         self.pooling = pooling or ("last" if self.causal else "cls")
@@ -172,8 +184,13 @@ class PoolingEngine:
             raise ValueError("a pooling model serves no LoRA adapters here; merge the adapter into the model first")
         prompts = _prompt_list(prompts)
         params = _params_list(pooling_params, len(prompts))
-        ids = [self._token_ids(prompt, tokenization_kwargs, truncate_prompt_tokens) for prompt in prompts]
-        data = self._run(ids, pooling_task, params, use_tqdm)
+        ids = [self._token_ids(prompt, tokenization_kwargs, truncate_prompt_tokens, params) for prompt in prompts]
+        return self._outputs(ids, None, pooling_task, params, use_tqdm)
+
+    def _outputs(
+        self, ids: list[list[int]], types: list[list[int]] | None, task: str, params: list[PoolingParams], use_tqdm: Any
+    ) -> list[PoolingRequestOutput]:
+        data = self._run(ids, types, task, params, use_tqdm)
         return [
             PoolingRequestOutput(str(next(self._ids)), PoolingOutput(values), prompt)
             for values, prompt in zip(data, ids, strict=True)
@@ -201,13 +218,17 @@ class PoolingEngine:
             )
         firsts, seconds = _pairs(data_1, data_2)
         options = {"use_tqdm": use_tqdm, "lora_request": lora_request, "truncate_prompt_tokens": truncate_prompt_tokens}
-        if self.classifies:
-            kwargs = tokenization_kwargs or {}
-            pairs = [
-                list(self.tokenizer(text=a, text_pair=b, **kwargs)["input_ids"])
-                for a, b in zip(firsts, seconds, strict=True)
-            ]
-            outputs = self.encode(pairs, pooling_params, pooling_task="classify", **options)
+        if self.classifies:  # a cross-encoder: each pair one input, its token types where the tokenizer makes them
+            if lora_request is not None:
+                raise ValueError("a pooling model serves no LoRA adapters here; merge the adapter into the model first")
+            params = _params_list(pooling_params, len(firsts))
+            kwargs = {**(tokenization_kwargs or {}), **self._truncation(truncate_prompt_tokens, params[0])}
+            encoded = [self.tokenizer(text=a, text_pair=b, **kwargs) for a, b in zip(firsts, seconds, strict=True)]
+            ids = [self._checked(list(pair["input_ids"])) for pair in encoded]
+            types = None
+            if "token_type_ids" in getattr(self.tokenizer, "model_input_names", ()):
+                types = [list(pair["token_type_ids"]) for pair in encoded]
+            outputs = self._outputs(ids, types, "classify", params, use_tqdm)
             return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids)
                     for o in outputs]  # fmt: skip
         texts = self.encode([*firsts, *seconds], pooling_params, pooling_task="embed", **options)
@@ -234,7 +255,9 @@ class PoolingEngine:
 
     # ---- the forward and the poolers ---------------------------------------------------------------------
 
-    def _run(self, ids: list[list[int]], task: str, params: list[PoolingParams], use_tqdm: Any) -> list[Any]:
+    def _run(
+        self, ids: list[list[int]], types: list[list[int]] | None, task: str, params: list[PoolingParams], use_tqdm: Any
+    ) -> list[Any]:
         device = next(self.model.parameters()).device
         results: list[Any] = [None] * len(ids)
         bar = progress_bar(len(ids), bool(use_tqdm), desc="hybridkv pooling")
@@ -243,20 +266,27 @@ class PoolingEngine:
                 lengths = [len(ids[i]) for i in batch]
                 tokens = torch.zeros(len(batch), max(lengths), dtype=torch.long)
                 mask = torch.zeros_like(tokens)
+                kinds = torch.zeros_like(tokens) if types is not None else None
                 for row, i in enumerate(batch):
                     tokens[row, : lengths[row]] = torch.tensor(ids[i])
                     mask[row, : lengths[row]] = 1
-                rows = self._pool(tokens.to(device), mask.to(device), lengths, task)
+                    if kinds is not None:
+                        kinds[row, : lengths[row]] = torch.tensor(types[i])
+                extra = {} if kinds is None else {"token_type_ids": kinds.to(device)}
+                rows = self._pool(tokens.to(device), mask.to(device), extra, lengths, task)
                 for i, values in zip(batch, rows, strict=True):
                     results[i] = self._finish(values, task, params[i])
                 bar.update(len(batch))
         bar.close()
         return results
 
-    def _pool(self, tokens: torch.Tensor, mask: torch.Tensor, lengths: list[int], task: str) -> list[torch.Tensor]:
-        """Each prompt's pooled values before activation or normalization: a vector, or a row per token."""
-        if self.classifies and (self.head is None or not self.causal):  # the model's own pooling (equal lengths)
-            return list(self.model(input_ids=tokens, attention_mask=mask).logits.float())
+    def _pool(
+        self, tokens: torch.Tensor, mask: torch.Tensor, extra: dict[str, Any], lengths: list[int], task: str
+    ) -> list[torch.Tensor]:
+        """Each prompt's pooled values before activation or normalization: a vector, or a row per token. `extra`:
+        the token types of a cross-encoder's pairs, for the model's own forward."""
+        if self.own_pooling:  # the model's own pooling (one length a batch: no pad it could pool at)
+            return list(self.model(input_ids=tokens, attention_mask=mask, **extra).logits.float())
         hidden = self._hidden(tokens, mask)
         if task in ("token_embed", "token_classify"):
             rows = [hidden[row, :length] for row, length in enumerate(lengths)]
@@ -298,9 +328,9 @@ class PoolingEngine:
             batch = batches[-1] if batches else None
             fits = (
                 batch is not None
-                and len(batch) < self.max_num_seqs
+                and len(batch) < self.batch_prompts
                 and (len(batch) + 1) * lengths[i] <= self.max_num_batched_tokens
-                and (self.causal or lengths[batch[0]] == lengths[i])
+                and (self.pads or lengths[batch[0]] == lengths[i])
             )
             if fits:
                 batch.append(i)
@@ -339,20 +369,34 @@ class PoolingEngine:
                 why += "a classifier)"
             raise ValueError(f"this model serves {', '.join(self.supported_tasks)}, not {task!r}: {task} {why}")
 
-    def _token_ids(self, prompt: Any, kwargs: dict[str, Any] | None, truncate: int | None) -> list[int]:
+    def _token_ids(
+        self, prompt: Any, kwargs: dict[str, Any] | None, truncate: int | None, params: list[PoolingParams]
+    ) -> list[int]:
         if isinstance(prompt, dict):
             prompt, _ = plain_prompt(prompt)
             if isinstance(prompt, dict):
                 raise ValueError("a pooling model here takes text or token ids, not images")
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt, **(kwargs or {}))["input_ids"])
-        else:
-            ids = token_ids(prompt)
-        if truncate is not None:
-            keep = self.max_model_len if truncate == -1 else truncate
-            if keep < 1:
-                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate}")
-            ids = ids[-keep:]
+        truncation = self._truncation(truncate, params[0])
+        if isinstance(prompt, str):  # the tokenizer truncates: its special tokens ([CLS], BOS) stay
+            return self._checked(list(self.tokenizer(prompt, **{**(kwargs or {}), **truncation})["input_ids"]))
+        ids = token_ids(prompt)
+        if truncation:
+            keep = truncation["max_length"]
+            ids = ids[-keep:] if getattr(self.tokenizer, "truncation_side", "right") == "left" else ids[:keep]
+        return self._checked(ids)
+
+    def _truncation(self, truncate: int | None, params: PoolingParams) -> dict[str, Any]:
+        """The tokenizer's arguments for vLLM's `truncate_prompt_tokens` (the call's, else `PoolingParams`'; -1:
+        max_model_len)."""
+        truncate = truncate if truncate is not None else params.truncate_prompt_tokens
+        if truncate is None:
+            return {}
+        keep = self.max_model_len if truncate == -1 else truncate
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate!r}")
+        return {"truncation": True, "max_length": keep}
+
+    def _checked(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -366,18 +410,28 @@ class PoolingEngine:
         return ids
 
 
-def sentence_transformers_pooling(path: str) -> str | None:
-    """The pooling a sentence-transformers checkpoint folder names (its modules.json's Pooling module): "mean",
-    "cls" or "last"; None without one."""
-    modules_file = os.path.join(path, "modules.json")
-    if not os.path.isfile(modules_file):
+# The sentence-transformers modules whose work the pooling engine does: the model, the pooling, the normalization.
+_SENTENCE_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def sentence_transformers_pooling(path: str, **hub: Any) -> str | None:
+    """The pooling a sentence-transformers checkpoint (a folder or a hub name) names in its modules.json: "mean",
+    "cls" or "last"; None without one. A module the pooling engine does not run (a Dense projection) is a
+    ValueError: the embeddings would be the wrong ones."""
+    modules = _checkpoint_json(path, "modules.json", hub)
+    if modules is None:
         return None
-    with open(modules_file) as f:
-        modules = json.load(f)
-    for module in modules:
-        if module.get("type", "").endswith("Pooling"):
-            with open(os.path.join(path, module.get("path", ""), "config.json")) as f:
-                config = json.load(f)
+    kinds = [module.get("type", "").rsplit(".", 1)[-1] for module in modules]
+    others = [kind for kind in kinds if kind not in _SENTENCE_MODULES]
+    if others:
+        raise ValueError(
+            f"{path}: sentence-transformers modules {others} are not run here (only {', '.join(_SENTENCE_MODULES)}): "
+            "its embeddings would skip them; run it with sentence-transformers"
+        )
+    for module, kind in zip(modules, kinds, strict=True):
+        if kind == "Pooling":
+            folder = module.get("path", "")
+            config = _checkpoint_json(path, f"{folder}/config.json" if folder else "config.json", hub) or {}
             for key, method in (("pooling_mode_lasttoken", "last"), ("pooling_mode_cls_token", "cls"),
                                 ("pooling_mode_mean_tokens", "mean")):  # fmt: skip
                 if config.get(key):
@@ -386,6 +440,26 @@ def sentence_transformers_pooling(path: str) -> str | None:
                 f"{path}: the sentence-transformers pooling {config} is not served (mean, CLS and last token are)"
             )
     return None
+
+
+def _checkpoint_json(path: str, name: str, hub: dict[str, Any]) -> Any:
+    """A JSON file of a checkpoint folder or hub repository (None where it has none)."""
+    if os.path.isdir(path):
+        file = os.path.join(path, name)
+    else:
+        from transformers.utils import cached_file
+
+        file = cached_file(
+            path,
+            name,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+            **hub,
+        )
+    if file is None or not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
 
 
 def _prompt_list(prompts: Any) -> list[Any]:

@@ -130,6 +130,8 @@ def build_pooling_app(engine: PoolingEngine, model_name: str, api_key: str | Non
         check_model(body.model)
         if not body.documents:
             raise APIError(400, "documents is empty; give at least one", param="documents")
+        if body.top_n is not None and body.top_n < 1:
+            raise APIError(400, f"top_n must be at least 1, got {body.top_n}", param="top_n")
         outputs = run(engine.score, body.query, body.documents, truncate_prompt_tokens=body.truncate_prompt_tokens)
         ranked = sorted(range(len(outputs)), key=lambda i: -outputs[i].outputs.score)[: body.top_n or len(outputs)]
         results = [
