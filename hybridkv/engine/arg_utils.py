@@ -199,8 +199,7 @@ def load_checkpoint(
     parallelism (`tp_plan="auto"`); otherwise it goes to the GPU when there is one."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} (vLLM's), got {dtype!r}")
+    _check_dtype(dtype)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
@@ -209,10 +208,7 @@ def load_checkpoint(
     auto_model = AutoModelForImageTextToText if takes_images else AutoModelForCausalLM
     tensor_parallel = {"tp_plan": "auto"} if torchrun_processes() > 1 else {}
     if load_format == "dummy":  # "auto": the config's dtype
-        random_dtype = getattr(config, "dtype", None) if dtype == "auto" else DTYPES[dtype]
-        if isinstance(random_dtype, str):
-            random_dtype = getattr(torch, random_dtype)
-        model = auto_model.from_config(config, dtype=random_dtype, trust_remote_code=trust_remote_code)
+        model = auto_model.from_config(config, dtype=_random_dtype(dtype, config), trust_remote_code=trust_remote_code)
     else:
         model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub, **tensor_parallel)
     if not tensor_parallel and torch.cuda.is_available():
@@ -252,11 +248,12 @@ def load_pooling_model(
     causal LM's checkpoint has none of) is a ValueError: it would be random."""
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
+    _check_dtype(dtype)
     auto_model = AutoModelForSequenceClassification if kind == "classify" else AutoModel
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     if load_format == "dummy":
         config = _checkpoint_config(path, revision, hub)
-        model = auto_model.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto_model.from_config(config, dtype=_random_dtype(dtype, config), trust_remote_code=trust_remote_code)
     else:
         with _quiet_transformers():  # its load report lists the LM head an embedding model leaves out
             model, info = auto_model.from_pretrained(
@@ -274,6 +271,17 @@ def load_pooling_model(
     source = tokenizer or path
     revision = tokenizer_revision or (revision if tokenizer is None else None)
     return Checkpoint(model.eval(), AutoTokenizer.from_pretrained(source, revision=revision, **hub))
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} (vLLM's), got {dtype!r}")
+
+
+def _random_dtype(dtype: str, config: Any) -> torch.dtype | None:
+    """The dtype of random weights (`load_format="dummy"`): "auto" is the config's."""
+    chosen = getattr(config, "dtype", None) if dtype == "auto" else DTYPES[dtype]
+    return getattr(torch, chosen) if isinstance(chosen, str) else chosen
 
 
 @contextlib.contextmanager

@@ -27,14 +27,14 @@ import dataclasses
 import itertools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.execution.eval_semantics import evaluating
-from hybridkv.execution.inputs import plain_prompt, token_ids
+from hybridkv.execution.inputs import plain_prompt, prompt_list, token_ids
 from hybridkv.execution.progress import progress_bar
 from hybridkv.outputs import (
     ClassificationOutput,
@@ -182,7 +182,7 @@ class PoolingEngine:
         self._check_task(pooling_task)
         if lora_request is not None:
             raise ValueError("a pooling model serves no LoRA adapters here; merge the adapter into the model first")
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         params = _params_list(pooling_params, len(prompts))
         ids = [self._token_ids(prompt, tokenization_kwargs, truncate_prompt_tokens, params) for prompt in prompts]
         return self._outputs(ids, None, pooling_task, params, use_tqdm)
@@ -460,16 +460,6 @@ def _checkpoint_json(path: str, name: str, hub: dict[str, Any]) -> Any:
         return None
     with open(file) as f:
         return json.load(f)
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    if isinstance(prompts, str | dict):
-        return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    if not isinstance(prompts, Sequence) or not prompts:
-        raise TypeError("prompts must be a text, a list of token ids, or a non-empty list of those")
-    return list(prompts)
 
 
 def _params_list(params: Any, count: int) -> list[PoolingParams]:
