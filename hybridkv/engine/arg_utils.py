@@ -197,13 +197,11 @@ def load_checkpoint(
     processor. `load_format="dummy"` makes the model from its config with random weights (vLLM's, for trying a
     layout). Under torchrun with several processes the model is sharded across them with transformers' tensor
     parallelism (`tp_plan="auto"`); otherwise it goes to the GPU when there is one."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    _check_dtype(dtype)
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
+    _check_loading(dtype, load_format)
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
-    config = AutoConfig.from_pretrained(path, revision=revision, **hub)
+    config = _checkpoint_config(path, revision, hub)
     takes_images = _takes_images(config)
     auto_model = AutoModelForImageTextToText if takes_images else AutoModelForCausalLM
     tensor_parallel = {"tp_plan": "auto"} if torchrun_processes() > 1 else {}
@@ -213,8 +211,7 @@ def load_checkpoint(
         model = auto_model.from_pretrained(path, dtype=DTYPES[dtype], revision=revision, **hub, **tensor_parallel)
     if not tensor_parallel and torch.cuda.is_available():
         model = model.to("cuda")
-    source = tokenizer or path
-    revision = tokenizer_revision or (revision if tokenizer is None else None)
+    source, revision = _tokenizer_source(path, tokenizer, revision, tokenizer_revision)
     processor = None
     if takes_images:
         try:
@@ -248,7 +245,7 @@ def load_pooling_model(
     causal LM's checkpoint has none of) is a ValueError: it would be random."""
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-    _check_dtype(dtype)
+    _check_loading(dtype, load_format)
     auto_model = AutoModelForSequenceClassification if kind == "classify" else AutoModel
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     if load_format == "dummy":
@@ -268,14 +265,24 @@ def load_pooling_model(
             )
     if torch.cuda.is_available():
         model = model.to("cuda")
-    source = tokenizer or path
-    revision = tokenizer_revision or (revision if tokenizer is None else None)
+    source, revision = _tokenizer_source(path, tokenizer, revision, tokenizer_revision)
     return Checkpoint(model.eval(), AutoTokenizer.from_pretrained(source, revision=revision, **hub))
 
 
-def _check_dtype(dtype: str) -> None:
+def _check_loading(dtype: str, load_format: str) -> None:
+    """A ValueError naming the choices for a dtype or load format vLLM does not have."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} (vLLM's), got {dtype!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
+
+
+def _tokenizer_source(
+    path: str, tokenizer: str | None, revision: str | None, tokenizer_revision: str | None
+) -> tuple[str, str | None]:
+    """Where the tokenizer loads from, and at which revision: `tokenizer` if given (at `tokenizer_revision`), else
+    the checkpoint (at `tokenizer_revision`, else the checkpoint's revision)."""
+    return tokenizer or path, tokenizer_revision or (revision if tokenizer is None else None)
 
 
 def _random_dtype(dtype: str, config: Any) -> torch.dtype | None:
@@ -401,16 +408,12 @@ class EngineArgs:
         if self.model is None:
             raise ValueError("no model: give model= (a transformers checkpoint folder or hub name)")
         self.seed_torch()
-        return load_checkpoint(
-            self.model,
-            self.dtype,
-            tokenizer=self.tokenizer,
-            trust_remote_code=self.trust_remote_code,
-            revision=self.revision,
-            tokenizer_revision=self.tokenizer_revision,
-            load_format=self.load_format,
-            download_dir=self.download_dir,
-        )
+        return load_checkpoint(self.model, self.dtype, **self._loading())
+
+    def _loading(self) -> dict[str, Any]:
+        """The loaders' keyword arguments these arguments give (`load_checkpoint`, `load_pooling_model`)."""
+        names = ("tokenizer", "trust_remote_code", "revision", "tokenizer_revision", "load_format", "download_dir")
+        return {name: getattr(self, name) for name in names}
 
     def create_engine(self) -> LLMEngine:
         """Load the checkpoint and bind an engine to it (as `hybridkv.patch` does; `hybridkv.unpatch(engine.model)`
@@ -465,17 +468,7 @@ class EngineArgs:
         pooling = None
         if model is None:
             self.seed_torch()
-            checkpoint = load_pooling_model(
-                self.model,
-                kind,
-                self.dtype,
-                tokenizer=self.tokenizer,
-                trust_remote_code=self.trust_remote_code,
-                revision=self.revision,
-                tokenizer_revision=self.tokenizer_revision,
-                load_format=self.load_format,
-                download_dir=self.download_dir,
-            )
+            checkpoint = load_pooling_model(self.model, kind, self.dtype, **self._loading())
             model, tokenizer = checkpoint.model, checkpoint.tokenizer
             pooling = sentence_transformers_pooling(self.model, revision=self.revision, cache_dir=self.download_dir)
         sizes = {name: self.settings[name] for name in _POOLING_SETTINGS if name in self.settings}
