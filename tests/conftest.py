@@ -1,5 +1,13 @@
 import os
+import sys
 import tempfile
+
+import pytest
+
+# Bytecode caches are written even where PYTHONDONTWRITEBYTECODE is set (this machine sets it): without them every
+# run, in each worker, compiles hybridkv's modules and rewrites every test module's asserts again (about 6 s of the
+# fast tier's start). They go to __pycache__ folders, which git ignores.
+sys.dont_write_bytecode = False
 
 # Triton reads TRITON_INTERPRET when @triton.jit decorates a kernel, i.e. when the kernel module is
 # imported: it must be set before anything imports hybridkv.kernels. Without a GPU the interpreter
@@ -10,22 +18,27 @@ if os.environ.get("HYBRIDKV_TEST_ON_GPU") != "1":
 # Compiled programs go to a cache of this test process's own, never the user's (~/.cache/hybridkv).
 os.environ["HYBRIDKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridkv-test-cache-")
 
-import pytest
-import torch
 
-import hybridkv
+def pytest_configure(config):
+    """Two OpenMP threads on this 2-core machine spin against any other busy process: tiny-model steps measured 50x
+    slower. The tests' tensors are small, one thread is the fast setting. Set where tests run: in each worker, or in
+    the one process without workers; pytest-xdist's controller runs none and imports neither torch nor hybridkv
+    (seconds before the workers start)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import torch
 
-from tiny_models import DEVICE
-
-# Two OpenMP threads on this 2-core machine spin against any other busy process: tiny-model steps
-# measured 50x slower. The tests' tensors are small, one thread is the fast setting.
-torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
 def patched():
     """`patched(model, tokenizer, **settings)` is `hybridkv.patch(model, tokenizer, **settings)`, with every model it
     patched unpatched when the test ends, pass or fail (in reverse order, those still patched)."""
+    import hybridkv
+
+    from tiny_models import DEVICE
+
     models = []
 
     def patch(model, tokenizer=None, **settings):
@@ -61,7 +74,14 @@ def eager_pieces(monkeypatch):
     monkeypatch.setattr(compiled_forward.ProgramCache, "load", lambda self, key: None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a case `fast_if` marks slow must leave the fast tier
 def pytest_collection_modifyitems(config, items):
-    """The tests marked slow (tens of seconds each) run first, so that the workers end together on short tests
-    instead of one of them finishing a long one alone (pytest-xdist hands tests out in collection order)."""
+    """A case of a test marked `fast_if(predicate)` whose parameters fail the predicate is marked slow (the fast tier
+    keeps the cases that reach a path first; the full suite runs the rest). The tests marked slow (tens of seconds
+    each) run first, so that the workers end together on short tests instead of one of them finishing a long one
+    alone (pytest-xdist hands tests out in collection order)."""
+    for item in items:
+        marker = item.get_closest_marker("fast_if")
+        if marker is not None and not marker.args[0](**item.callspec.params):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

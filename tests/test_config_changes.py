@@ -14,6 +14,7 @@ import pytest
 import hybridkv
 from hybridkv.scheduling.sampling_params import SamplingParams
 
+from model_zoo import FAST_FAMILIES, slow_except
 from tiny_models import FAMILIES, hf_greedy, new_request_id
 
 MAX_NEW = 8
@@ -48,6 +49,7 @@ def assert_refused_and_clean(llm, match=PATCH_AGAIN):
 # ---- the attention implementation ---------------------------------------------------------------------------
 
 
+@pytest.mark.fast_if(lambda implementation, family, **_: family == "llama" or implementation == "sdpa")
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_switching_the_attention_implementation_is_refused_and_patching_again_serves_it(
@@ -81,7 +83,7 @@ def test_a_running_request_is_refused_its_next_step_after_a_switch(patched):
 # ---- the config that shapes attention ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", slow_except(sorted(FAMILIES), fast=(*FAST_FAMILIES, "gemma3_text")))
 def test_a_sliding_window_edit_is_refused_naming_the_fix(family, patched):
     model, llm, _ = served(patched, family)
     model.config.get_text_config().sliding_window = 6

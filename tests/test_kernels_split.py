@@ -34,7 +34,7 @@ def _split_and_unsplit(batch, num_segments, **options):
     return split, whole
 
 
-@pytest.mark.parametrize("num_segments", [2, 4, 8])
+@pytest.mark.parametrize("num_segments", [pytest.param(n, marks=pytest.mark.slow) for n in (2, 4)] + [8])
 def test_split_decode_matches_reference_and_the_unsplit_kernel(num_segments):
     batch = make_paged_batch([1] * len(SEQ_LENS), SEQ_LENS)
     split, whole = _split_and_unsplit(batch, num_segments)
@@ -52,6 +52,7 @@ def test_split_decode_matches_reference_and_the_unsplit_kernel(num_segments):
     ],
     ids=["window", "sinks", "softcap", "all"],
 )
+@pytest.mark.fast_if(lambda options: len(options) > 2)  # "all" in the fast tier; each option alone in the full suite
 def test_split_decode_with_windows_sinks_and_softcaps_matches_reference(options):
     batch = make_paged_batch(
         [1, 1, 1], [300, 9, 450], num_q_heads=8, num_kv_heads=2, sliding_window=options.get("sliding_window")

@@ -199,6 +199,7 @@ def events_config(tmp_path) -> dict:
     }
 
 
+@pytest.mark.fast_if(lambda family, hybrid_groups, **_: hybrid_groups or family == "gemma3")
 @pytest.mark.parametrize(
     ("family", "settings", "hybrid_groups"),
     [

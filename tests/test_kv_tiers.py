@@ -15,7 +15,7 @@ import hybridkv
 from hybridkv.memory.tiers import BlockTiers
 from hybridkv.tiny import tiny_model
 
-from model_zoo import ZOO
+from model_zoo import ZOO, slow_except
 from tiny_models import hf_greedy
 
 GREEDY = hybridkv.SamplingParams(temperature=0, max_tokens=4)
@@ -59,7 +59,8 @@ def patched(model, **config):
     return hybridkv.patch(model, max_model_len=128, **config)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# The fast tier: full attention and state checkpoints (windows beside the tiers: test_kv_events.py's gemma3-host-tier).
+@pytest.mark.parametrize("name", slow_except(list(MODELS), fast=("llama", "qwen3_5")))
 def test_host_tier_brings_back_what_the_pool_evicted_and_keeps_tokens_exact(name):
     model = MODELS[name]()
     docs = sessions()

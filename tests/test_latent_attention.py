@@ -90,6 +90,7 @@ def test_the_triton_decode_kernel_computes_what_the_torch_path_computes(cache_dt
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the fast tier runs the Triton backend over fp8 pages (the test below)
 def test_the_triton_backend_gives_generates_tokens(patched):
     model, batch, references = family("deepseek_v2")
     llm = patched(model, block_size=8, max_model_len=256, attention_backend="triton")

@@ -65,7 +65,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", slow_except(list(MODELS), fast=("llama", "gemma3", "qwen3_5", "minicpm3")))
 def test_mixed_adapters_in_one_batch_equal_peft_per_adapter(name, built):
     model, _, batch, which, expected = built(name)
     assert len({tuple(t) for t in expected}) == len(expected)  # every adapter changes the tokens
@@ -93,7 +93,9 @@ def patch_on_kernels(model, **settings):
     return llm
 
 
-@pytest.mark.parametrize("name", ["llama", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+# Slow: the fast tier checks the kernels themselves (tests/test_triton_lora.py) and the torch path's tokens.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
 def test_the_triton_kernels_give_each_adapters_tokens(name, built, monkeypatch):
     """The linear hook's CUDA path: the tokens of a batch over the three adapters and the model alone equal PEFT's, as
     the torch path's do (a prefill step and a decode step). Qwen3.5's state layers run per request segment, each its own
@@ -128,6 +130,8 @@ MODES = {
 }
 
 
+# The fast tier: every mode on Llama; on Qwen3.5's state layers, swapped states and speculation's rolled-back states.
+@pytest.mark.fast_if(lambda name, mode, **_: name == "llama" or mode in ("swap, tiny pool", "ngram speculation"))
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", slow_except(list(MODELS), fast=("llama", "qwen3_5")))
 def test_every_mode_keeps_each_adapters_tokens(name, mode, built):

@@ -156,7 +156,7 @@ def test_streamed_text_equals_the_generated_text(llm):
     assert all(json.loads(text) for text in streamed)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_preempted_and_chunked_requests_keep_their_grammar(model_and_tokenizer, patched, mode):
     model, tokenizer = model_and_tokenizer
     settings = dict(tokenizer=tokenizer, max_model_len=256, block_size=8)
