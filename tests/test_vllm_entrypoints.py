@@ -43,6 +43,8 @@ def test_vllms_module_paths_import_the_same_objects():
         "hybridkv.lora.request": ["LoRARequest"],
         "hybridkv.outputs": ["RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "PoolingRequestOutput"],
         "hybridkv.pooling_params": ["PoolingParams"],
+        "hybridkv.inputs": ["TextPrompt", "TokensPrompt"],
+        "hybridkv.benchmarks.datasets": ["add_dataset_parser", "get_samples", "SampleRequest"],
     }
     for path, names in paths.items():
         module = importlib.import_module(path)
@@ -198,6 +200,28 @@ def test_get_metrics_reads_the_engines_counters_under_vllms_names(gemma3, patche
     llm.add_request("aborted", batch[0], GREEDY)
     llm.abort("aborted")
     assert llm.stats()["finished_samples"] == {"length": 3, "abort": 1}
+
+
+def test_get_metrics_has_vllms_spec_decode_series_only_with_a_speculative_config(gemma3, patched):
+    model, batch, _ = gemma3
+    assert not any(m.name.startswith("vllm:spec_decode") for m in patched(model, max_model_len=128).get_metrics())
+    hybridkv.unpatch(model)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    llm = patched(model, max_model_len=128, speculative_config=spec)
+    repeated = [prompt * 3 for prompt in batch]  # proposals to check: n-grams that repeat
+    llm.generate(repeated, GREEDY, use_tqdm=False)
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] > 0
+    for name, key in (("num_drafts", "spec_num_drafts"), ("num_draft_tokens", "spec_num_draft_tokens")):
+        assert (
+            isinstance(metrics[f"vllm:spec_decode_{name}"], Counter)
+            and metrics[f"vllm:spec_decode_{name}"].value == stats[key]
+        )
+    assert metrics["vllm:spec_decode_num_accepted_tokens"].value == stats["spec_num_accepted_tokens"]
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_position, Vector) and len(per_position.values) == 3
+    assert sum(per_position.values) == stats["spec_num_accepted_tokens"]
 
 
 def test_cleanup_dist_env_and_memory_runs_without_a_process_group():

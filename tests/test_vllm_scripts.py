@@ -114,6 +114,39 @@ def test_generate_py_takes_vllms_engine_flags_and_matches_transformers_greedy(ch
     assert stdout.splitlines() == expected
 
 
+@pytest.mark.slow
+def test_spec_decode_py_proposes_ngrams_and_keeps_greedys_tokens(checkpoint, tmp_path):
+    # examples/offline_inference/spec_decode.py with --method ngram: prompts from vllm.benchmarks.datasets (a custom
+    # JSON Lines file, put in the chat template), LLM(speculative_config=...) with vLLM's flags, and
+    # get_metrics()'s spec_decode series. The texts it prints are transformers' greedy ones of the same token ids.
+    dataset = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "the cat sat on the mat and " * repeat} for repeat in (3, 5)]
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    stdout = run_script(
+        "spec_decode.py", "--method", "ngram", "--dataset-name", "custom", "--dataset-path", str(dataset),
+        "--num-prompts", "2", "--disable-shuffle", "--output-len", "24", "--model-dir", str(checkpoint),
+        "--max-model-len", "512", "--num-spec-tokens", "3", "--prompt-lookup-max", "4", "--print-output",
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = []
+    for line in lines:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": line["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=24, do_sample=False)
+        expected.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    blocks = stdout.split("-" * 50 + "\n")
+    printed = [block.split("generated text: ", 1)[1] for block in blocks if "generated text: " in block]
+    assert printed == [f"{text}\n" for text in expected]
+    counts = dict(re.findall(r"^(num_drafts|num_draft_tokens|num_accepted_tokens): (\d+)$", stdout, flags=re.MULTILINE))
+    assert int(counts["num_drafts"]) > 0 and int(counts["num_draft_tokens"]) >= int(counts["num_accepted_tokens"])
+    assert "total_num_output_tokens: 48" in stdout
+    assert len(re.findall(r"^acceptance at token \d: \d\.\d\d$", stdout, flags=re.MULTILINE)) == 3
+
+
 # ---- the pooling scripts of examples/offline_inference/basic/ -------------------------------------------------------
 
 

@@ -114,6 +114,8 @@ IGNORED = {
     "disable_async_output_proc": "outputs are made in the engine's step",
     "worker_cls": "one process serves here",
     "usage_context": "hybridkv reports no usage",
+    "disable_chunked_mm_input": "a chunk that splits an image's tokens gives the tokens an unsplit one gives (an image "
+    "whose tokens attend both ways is never split)",
 }
 
 # vLLM's engine arguments that would change results or placement at another value: (the value accepted, or a tuple
@@ -138,6 +140,8 @@ ONLY_AT: dict[str, tuple[Any, str]] = {
     "tokenizer_mode": ("auto", "the tokenizer is transformers' AutoTokenizer"),
     "skip_tokenizer_init": (False, "prompts may be text, which needs the tokenizer"),
     "kv_transfer_config": (None, "hybridkv has no disaggregated prefill"),
+    "allowed_local_media_path": ("", "hybridkv reads no file:// image URL; pass images in multi_modal_data (PIL "
+                                 "images) or as data URLs"),
     "pt_load_map_location": (("cpu", {"": "cpu"}), "transformers reads the checkpoint into host memory, and the model "
                              "goes to the GPU after (where there is one); map it elsewhere with transformers "
                              "(device_map) and pass the model"),

@@ -91,4 +91,11 @@ def engine_metrics(stats: dict[str, Any]) -> list[Metric]:
         metrics.append(Counter("vllm:request_success", {"finished_reason": reason}, value=count))
     for tier, counters in stats["prefix_cache_tiers"].items():
         metrics.append(Counter("hybridkv_prefix_cache_tier_hits", {"tier": tier}, value=counters["hit_tokens"]))
+    if stats["spec_method"] is not None:  # vLLM's speculative decoding series, there only with a speculative_config
+        metrics += [
+            Counter("vllm:spec_decode_num_drafts", value=stats["spec_num_drafts"]),
+            Counter("vllm:spec_decode_num_draft_tokens", value=stats["spec_num_draft_tokens"]),
+            Counter("vllm:spec_decode_num_accepted_tokens", value=stats["spec_num_accepted_tokens"]),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(stats["spec_accepted_per_position"])),
+        ]
     return metrics
