@@ -222,6 +222,23 @@ def test_get_metrics_has_vllms_spec_decode_series_only_with_a_speculative_config
     per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert isinstance(per_position, Vector) and len(per_position.values) == 3
     assert sum(per_position.values) == stats["spec_num_accepted_tokens"]
+    # The server's /metrics writes the same series as vLLM's server does (counters with Prometheus' _total).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hybridkv.serving.metrics import ServerMetrics
+
+    text = ServerMetrics(llm.stats).exposition().decode()
+    samples = {
+        (sample.name, tuple(sample.labels.values())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples[("vllm:spec_decode_num_drafts_total", ())] == stats["spec_num_drafts"]
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", ())] == stats["spec_num_draft_tokens"]
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", ())] == stats["spec_num_accepted_tokens"]
+    assert [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (str(p),))] for p in range(3)] == (
+        per_position.values
+    )
 
 
 def test_cleanup_dist_env_and_memory_runs_without_a_process_group():

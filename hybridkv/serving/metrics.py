@@ -21,6 +21,12 @@ from hybridkv.outputs import RequestOutput
 
 TTFT_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_TOKEN_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# (vLLM's name, stats() key, help) of the speculative decoding counters.
+SPEC_DECODE_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Checks of proposals (a request's step that checked any)."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Proposed tokens checked."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Proposed tokens kept."),
+)
 
 
 class EngineCollector(Collector):
@@ -63,6 +69,17 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(
             "vllm:kv_cache_usage_perc", "Share of the KV blocks in use (1 = all).", value=kv_cache_usage(stats)
         )
+        if stats["spec_method"] is not None:  # vLLM's speculative decoding series, there only with a speculative_config
+            for name, key, help_text in SPEC_DECODE_COUNTERS:
+                yield CounterMetricFamily(name, help_text, value=stats[key])
+            per_position = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Checks that kept their proposal at each position.",
+                labels=["position"],
+            )
+            for position, count in enumerate(stats["spec_accepted_per_position"]):
+                per_position.add_metric([str(position)], count)
+            yield per_position
 
 
 class ServerMetrics:
