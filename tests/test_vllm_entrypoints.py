@@ -105,6 +105,14 @@ def test_llm_loads_a_checkpoint_with_random_weights_from_load_format_dummy(tmp_p
         assert len(llm.generate("The quick", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
     finally:
         llm.shutdown()
+    # A torch dtype, as vLLM takes it, is its name; one vLLM does not take is refused with the choices.
+    llm = LLM(model=str(tmp_path), load_format="dummy", dtype=torch.bfloat16, max_model_len=64)
+    try:
+        assert llm.model.dtype == torch.bfloat16
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match=r"dtype must be one of 'auto', 'half'.*got 'int8'"):
+        LLM(model=str(tmp_path), load_format="dummy", dtype=torch.int8)
 
 
 def test_async_outputs_follow_each_requests_output_kind(gemma3, patched):

@@ -187,7 +187,7 @@ class Checkpoint(NamedTuple):
 
 def load_checkpoint(
     path: str,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     *,
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
@@ -203,7 +203,7 @@ def load_checkpoint(
     parallelism (`tp_plan="auto"`); otherwise it goes to the GPU when there is one."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-    _check_loading(dtype, load_format)
+    dtype = _check_loading(dtype, load_format)
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     config = _checkpoint_config(path, revision, hub)
     takes_images = _takes_images(config)
@@ -235,7 +235,7 @@ def load_checkpoint(
 def load_pooling_model(
     path: str,
     kind: str,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     *,
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
@@ -249,7 +249,7 @@ def load_pooling_model(
     causal LM's checkpoint has none of) is a ValueError: it would be random."""
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
-    _check_loading(dtype, load_format)
+    dtype = _check_loading(dtype, load_format)
     auto_model = AutoModelForSequenceClassification if kind == "classify" else AutoModel
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     if load_format == "dummy":
@@ -273,12 +273,16 @@ def load_pooling_model(
     return Checkpoint(model.eval(), AutoTokenizer.from_pretrained(source, revision=revision, **hub))
 
 
-def _check_loading(dtype: str, load_format: str) -> None:
-    """A ValueError naming the choices for a dtype or load format vLLM does not have."""
+def _check_loading(dtype: str | torch.dtype, load_format: str) -> str:
+    """The dtype's name in `DTYPES` (vLLM takes a torch dtype too: torch.bfloat16 is "bfloat16"); a ValueError naming
+    the choices for a dtype or load format vLLM does not have."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))} (vLLM's), got {dtype!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
+    return dtype
 
 
 def _tokenizer_source(
@@ -317,7 +321,7 @@ def _checkpoint_config(path: str, revision: str | None, hub: dict[str, Any]) -> 
 
 def checkpoint_weights(
     path: str,
-    dtype: str = "auto",
+    dtype: str | torch.dtype = "auto",
     *,
     trust_remote_code: bool = False,
     revision: str | None = None,
@@ -327,6 +331,7 @@ def checkpoint_weights(
     `sleep(level=2)`'s wake-up and the worker's `reload_weights` put back into the engine's model)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    dtype = _check_loading(dtype, "auto")
     hub = {"trust_remote_code": trust_remote_code, "cache_dir": download_dir}
     config = _checkpoint_config(path, revision, hub)
     auto_model = AutoModelForImageTextToText if _takes_images(config) else AutoModelForCausalLM
@@ -508,6 +513,8 @@ def check_arguments(arguments: dict[str, Any]) -> None:
             f"unknown engine argument{'s' if len(unknown) > 1 else ''} {with_guesses(unknown, known)}; hybridkv "
             f"takes vLLM's {', '.join(known)}"
         )
+    # The loading choices at once, not after a hub name or a path failed (a model in hand takes neither).
+    _check_loading(arguments.get("dtype", "auto"), arguments.get("load_format", "auto"))
     for name, choices in POOLING_ARGUMENTS.items():
         value = arguments.get(name)
         if value is not None and value not in choices:
