@@ -14,7 +14,8 @@ engine's rule); an unexpected error in the loop fails the requests in flight and
 `shutdown()` aborts what runs and stops the thread.
 
 `AsyncLLM` is the same engine under vLLM v1's name, made from `AsyncEngineArgs` (`AsyncLLM.from_engine_args`), with
-vLLM's coroutine `abort`.
+vLLM's coroutine `abort`; arguments that name a pooling model give an `AsyncPoolingLLM` (`encode`,
+hybridkv/engine/async_pooling.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.engine.async_pooling import AsyncPoolingLLM
 from hybridkv.engine.binding import unbind_engine
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.outputs import CompletionOutput, RequestOutput, StreamDelta
@@ -430,9 +432,13 @@ class AsyncLLM(AsyncLLMEngine):
     @classmethod
     def from_engine_args(
         cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None, **_: Any
-    ) -> AsyncLLM:
+    ) -> AsyncLLM | AsyncPoolingLLM:
         """Load the checkpoint `engine_args` names, bind an engine to it and serve it (vLLM's other arguments change
-        nothing here). `shutdown()` stops the engine; `hybridkv.unpatch(engine.llm.model)` frees the model's KV."""
+        nothing here). `shutdown()` stops the engine; `hybridkv.unpatch(engine.llm.model)` frees the model's KV.
+        Arguments that name a pooling model (`runner="pooling"`, a classifier's checkpoint) give an
+        `AsyncPoolingLLM`, whose `encode` pools (hybridkv/engine/async_pooling.py)."""
+        if engine_args.pooling_kind():
+            return AsyncPoolingLLM(engine_args.create_pooling_engine())
         return cls(LLMEngine.from_engine_args(engine_args), owns_model=True)
 
     def __init__(self, llm: LLMEngine, owns_model: bool = False) -> None:

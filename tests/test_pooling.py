@@ -280,3 +280,111 @@ def test_generative_architectures_named_like_embedders_generate_and_unknown_modu
     ]))  # fmt: skip
     with pytest.raises(ValueError, match=r"modules \['Dense'\] are not run here"):
         LLM(model=str(dense), runner="pooling")
+
+
+def test_the_async_engine_pools_concurrent_requests_as_the_offline_calls_do(causal_lm, classifier):
+    import asyncio
+
+    from hybridkv import AsyncEngineArgs
+    from hybridkv.async_engine import AsyncLLM
+
+    async def run(engine, params, ids):
+        async def one(text, request_id):
+            outputs = [out async for out in engine.encode(text, params, request_id)]
+            assert len(outputs) == 1 and outputs[0].finished and outputs[0].request_id == request_id
+            return outputs[0]
+
+        return await asyncio.gather(*(one(text, request_id) for text, request_id in zip(TEXTS, ids, strict=True)))
+
+    offline = LLM(model=causal_lm, runner="pooling")
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=causal_lm, runner="pooling"))
+    try:
+        # A prompt too long for a batch fails alone (its batch runs again one prompt at a time); the others pass.
+        short = AsyncLLM.from_engine_args(AsyncEngineArgs(model=causal_lm, runner="pooling", max_model_len=12))
+
+        async def each():
+            async def one(text, request_id):
+                (out,) = [out async for out in short.encode(text, None, request_id)]
+                return out
+
+            return await asyncio.gather(*(one(t, f"s{i}") for i, t in enumerate(TEXTS)), return_exceptions=True)
+
+        for text, result in zip(TEXTS, asyncio.run(each()), strict=True):
+            try:
+                expected = LLM(model=causal_lm, runner="pooling", max_model_len=12).embed(text, use_tqdm=False)[0]
+            except ValueError as error:
+                assert isinstance(result, ValueError) and str(result) == str(error)
+            else:
+                torch.testing.assert_close(result.outputs.data, torch.tensor(expected.outputs.embedding))
+        short.shutdown()
+        outputs = asyncio.run(run(engine, PoolingParams(task="embed"), [f"e{i}" for i in range(len(TEXTS))]))
+        for out, text in zip(outputs, TEXTS, strict=True):
+            torch.testing.assert_close(out.outputs.data, offline.encode(text, pooling_task="embed", use_tqdm=False)[0]
+                                       .outputs.data, rtol=0, atol=1e-5)  # fmt: skip
+        with pytest.raises(ValueError, match="generates nothing; use encode"):
+            asyncio.run(anext(engine.generate("a", None, "g")))
+
+        async def bad_beside_good():  # a task the model does not serve fails alone; its batch's other request runs
+            return await asyncio.gather(
+                run(engine, PoolingParams(task="classify"), ["c0", "c1", "c2", "c3"]),
+                run(engine, None, ["d0", "d1", "d2", "d3"]),
+                return_exceptions=True,
+            )
+
+        refused, served = asyncio.run(bad_beside_good())
+        assert isinstance(refused, ValueError) and "not 'classify'" in str(refused)
+        assert [out.request_id for out in served] == ["d0", "d1", "d2", "d3"]
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
+    classify = AsyncLLM.from_engine_args(AsyncEngineArgs(model=classifier[3]))
+    try:
+        (out,) = asyncio.run(run(classify, None, ["x0", "x1", "x2", "x3"]))[:1]  # the default task: classify
+        alone = LLM(model=classifier[3]).classify(TEXTS[0], use_tqdm=False)[0].outputs.probs
+        torch.testing.assert_close(out.outputs.data, torch.tensor(alone), rtol=0, atol=1e-5)  # batched: rounding
+    finally:
+        classify.shutdown()
+
+
+def test_sleep_gives_a_loaded_pooling_models_weights_back_and_wake_up_restores_them(causal_lm, monkeypatch):
+    from hybridkv.execution import weight_memory
+
+    llm = LLM(model=causal_lm, runner="pooling")
+    expected = llm.embed(TEXTS, use_tqdm=False)
+    # On the CPU the loaded weights are mapped from the file (nothing to free in place): the weights are taken as
+    # a device's are (storages emptied in place), as tests/test_vllm_entrypoints.py's sleep tests do.
+    llm.llm_engine.weights.include_host = True
+    monkeypatch.setattr(weight_memory, "_host_copy", lambda storage: storage.clone())
+    for tensor in llm.model.parameters():  # own, resizable storages, as a GPU's are
+        tensor.data = tensor.data.clone()
+    for level in (1, 2):
+        llm.sleep(level=level)
+        assert llm.is_sleeping() and all(p.untyped_storage().nbytes() == 0 for p in llm.model.parameters())
+        with pytest.raises(RuntimeError, match=r"asleep.*wake_up\(\)"):
+            llm.embed(TEXTS[0])
+        llm.wake_up(tags=["kv_cache"])  # a pooling model has no KV cache: still asleep
+        assert llm.is_sleeping()
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        again = llm.embed(TEXTS, use_tqdm=False)
+        assert [o.outputs.embedding for o in again] == [o.outputs.embedding for o in expected], level
+    with pytest.raises(ValueError, match="level must be 1 or 2"):
+        llm.sleep(level=3)
+    with pytest.raises(ValueError, match="wake_up tags"):
+        llm.wake_up(tags=["other"])
+
+
+def test_a_pooling_model_in_hand_keeps_its_weights_asleep_and_says_so_once(causal_lm):
+    model = AutoModel.from_pretrained(causal_lm).eval()
+    llm = LLM(model, AutoTokenizer.from_pretrained(causal_lm), runner="pooling")
+    with pytest.warns(UserWarning, match="weights stay where they are: they are the tensors of a model the caller"):
+        llm.sleep()
+    assert llm.is_sleeping()
+    llm.wake_up()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.sleep()  # said once
+    llm.wake_up()
+    assert len(llm.embed(TEXTS[0], use_tqdm=False)[0].outputs.embedding) == model.config.hidden_size

@@ -65,6 +65,22 @@ def test_embeddings_as_floats_and_base64_are_the_engines(checkpoints):
     assert refused.status_code == 400 and "serves embed" in refused.json()["error"]["message"]
 
 
+def test_the_pooling_route_runs_any_task_of_the_model(checkpoints):
+    llm = LLM(model=checkpoints["score"])
+    client = TestClient(build_pooling_app(llm.llm_engine, "clf"))
+    reply = client.post("/pooling", json={"input": TEXTS}).json()  # the model's default task: classify
+    assert reply["object"] == "list" and [item["object"] for item in reply["data"]] == ["pooling", "pooling"]
+    probs = [out.outputs.probs for out in llm.classify(TEXTS, use_tqdm=False)]
+    assert [item["data"] for item in reply["data"]] == probs
+    per_token = client.post("/pooling", json={"input": TEXTS[0], "task": "token_classify"}).json()["data"][0]["data"]
+    assert per_token == llm.reward(TEXTS[0], use_tqdm=False)[0].outputs.data.tolist()
+    packed = client.post("/pooling", json={"input": TEXTS[0], "task": "token_classify", "encoding_format": "base64"})
+    unpacked = np.frombuffer(base64.b64decode(packed.json()["data"][0]["data"]), dtype="<f4")
+    np.testing.assert_array_equal(unpacked, np.asarray(per_token, dtype=np.float32).flatten())
+    refused = client.post("/pooling", json={"input": TEXTS[0], "task": "embed"})
+    assert refused.status_code == 400 and "not 'embed'" in refused.json()["error"]["message"]
+
+
 def test_score_rerank_and_classify_are_the_cross_encoders(checkpoints):
     llm = LLM(model=checkpoints["score"])
     client = TestClient(build_pooling_app(llm.llm_engine, "rerank"))

@@ -243,10 +243,12 @@ def load_pooling_model(
     tokenizer_revision: str | None = None,
     load_format: str = "auto",
     download_dir: str | None = None,
+    on_host: bool = False,
 ) -> Checkpoint:
     """A checkpoint loaded for pooling (`kind`: "classify", its `*ForSequenceClassification` model; "embed", its base
-    model, without a language-model head) and its tokenizer. A weight the checkpoint lacks (a classification head a
-    causal LM's checkpoint has none of) is a ValueError: it would be random."""
+    model, without a language-model head) and its tokenizer, on the GPU where there is one (`on_host`: left in host
+    memory). A weight the checkpoint lacks (a classification head a causal LM's checkpoint has none of) is a
+    ValueError: it would be random."""
     from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
     dtype = _check_loading(dtype, load_format)
@@ -267,7 +269,7 @@ def load_pooling_model(
                 f"{type(model).__name__} needs (it would be random): "
                 + ("classify needs a *ForSequenceClassification checkpoint" if kind == "classify" else "check the path")
             )
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not on_host:
         model = model.to("cuda")
     source, revision = _tokenizer_source(path, tokenizer, revision, tokenizer_revision)
     return Checkpoint(model.eval(), AutoTokenizer.from_pretrained(source, revision=revision, **hub))
@@ -475,13 +477,21 @@ class EngineArgs:
         the others concern generation and change nothing here."""
         kind = self.pooling_kind(model)
         pooling = None
-        if model is None:
+        loads = model is None
+        if loads:
             self.seed_torch()
             checkpoint = load_pooling_model(self.model, kind, self.dtype, **self._loading())
             model, tokenizer = checkpoint.model, checkpoint.tokenizer
             pooling = sentence_transformers_pooling(self.model, revision=self.revision, cache_dir=self.download_dir)
         sizes = {name: self.settings[name] for name in _POOLING_SETTINGS if name in self.settings}
-        return PoolingEngine(model, tokenizer, kind=kind, pooling=pooling, **sizes)
+        engine = PoolingEngine(model, tokenizer, kind=kind, pooling=pooling, **sizes)
+        if loads:  # the engine's own model: sleep may give its weights back, and wake_up load them again
+            engine.own_weights(None if self.load_format == "dummy" else lambda: self._pooling_weights(kind))
+        return engine
+
+    def _pooling_weights(self, kind: str) -> dict[str, torch.Tensor]:
+        """The pooling checkpoint's weights loaded again into host memory (a pooling engine's level-2 wake-up)."""
+        return load_pooling_model(self.model, kind, self.dtype, **self._loading(), on_host=True).model.state_dict()
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """The checkpoint's weights loaded again on the CPU (`checkpoint_weights`)."""

@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from hybridkv.execution.eval_semantics import evaluating
 from hybridkv.execution.inputs import plain_prompt, prompt_list, token_ids
 from hybridkv.execution.progress import progress_bar
+from hybridkv.execution.weight_memory import WeightMemory
 from hybridkv.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -51,7 +53,7 @@ from hybridkv.outputs import (
 POOLING_TASKS = ("embed", "classify", "token_classify", "token_embed")
 POOLING_METHODS = ("last", "mean", "cls")
 # The generative engine's calls, which a pooling model refuses naming the fix.
-GENERATIVE_CALLS = frozenset({"generate", "chat", "beam_search", "add_request", "step", "stream", "sleep", "wake_up"})
+GENERATIVE_CALLS = frozenset({"generate", "chat", "beam_search", "add_request", "step", "stream"})
 
 
 @dataclasses.dataclass
@@ -65,6 +67,7 @@ class PoolingParams:
     normalize: bool | None = None
     use_activation: bool | None = None
     truncate_prompt_tokens: int | None = None
+    task: str | None = None  # vLLM's: the pooling task, where the call does not name it (`AsyncLLM.encode`)
 
     def __post_init__(self) -> None:
         for name in ("normalize", "use_activation"):
@@ -135,6 +138,9 @@ class PoolingEngine:
         self.matryoshka = bool(getattr(model.config, "is_matryoshka", False) or getattr(model.config,
                                "matryoshka_dimensions", None))  # fmt: skip
         self._ids = itertools.count()
+        self.weights: WeightMemory | None = None  # the model's weights, where the engine loaded it (`own_weights`)
+        self.sleeping = False
+        self._said_weights_stay = False
 
     # ---- vLLM's calls ----------------------------------------------------------------------------------------
 
@@ -179,11 +185,14 @@ class PoolingEngine:
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: `pooling_task` ("embed", "classify", "token_classify", "token_embed") for each prompt,
         `outputs.data` a tensor. `pooling_params`: one for all prompts or one each."""
+        prompts = prompt_list(prompts)
+        params = _params_list(pooling_params, len(prompts))
+        if pooling_task is None:  # vLLM's PoolingParams.task, where every prompt's names the same one
+            named = {p.task for p in params}
+            pooling_task = named.pop() if len(named) == 1 else None
         self._check_task(pooling_task)
         if lora_request is not None:
             raise ValueError("a pooling model serves no LoRA adapters here; merge the adapter into the model first")
-        prompts = prompt_list(prompts)
-        params = _params_list(pooling_params, len(prompts))
         ids = [self._token_ids(prompt, tokenization_kwargs, truncate_prompt_tokens, params) for prompt in prompts]
         return self._outputs(ids, None, pooling_task, params, use_tqdm)
 
@@ -245,6 +254,48 @@ class PoolingEngine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    @property
+    def default_task(self) -> str:
+        """The task a call that names none runs: "classify" on a classifier, "embed" otherwise."""
+        return "classify" if self.classifies else "embed"
+
+    # ---- sleep ------------------------------------------------------------------------------------------------
+
+    def own_weights(self, reload: Callable[[], dict[str, torch.Tensor]] | None) -> None:
+        """The engine loaded the model itself: `sleep` may give its weights back, and level 2's wake-up loads them
+        again with `reload` (None: random weights, kept in host memory at either level)."""
+        self.weights = WeightMemory(self.model, reload)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep` on a pooling model (it holds no KV cache): the weights of a model the engine loaded
+        itself go, to host memory at level 1, discarded at level 2 (`wake_up` loads them again); a model the caller
+        holds, or weights already in host memory (the CPU), stay (said once). Calls are refused until `wake_up`."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2 (vLLM's sleep levels), got {level!r}")
+        if self.weights is None:
+            why = "they are the tensors of a model the caller holds (hybridkv gives back the weights of a model it "
+            why += "loaded itself: LLM(model=path, runner='pooling'))"
+        else:
+            why = self.weights.sleep(level)
+        self.sleeping = True
+        if why and not self._said_weights_stay:
+            self._said_weights_stay = True
+            warnings.warn(f"sleep(level={level}): the pooling model's weights stay where they are: {why}", stacklevel=2)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: the weights back (copied from host memory or loaded again); `tags` as vLLM's
+        ("weights", "kv_cache": a pooling model has no KV cache to wake)."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags are vLLM's 'weights' and 'kv_cache', got {sorted(unknown)}")
+        if tags is None or "weights" in tags:
+            if self.weights is not None:
+                self.weights.wake_up()
+            self.sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
     def __getattr__(self, name: str) -> Any:
         if name in GENERATIVE_CALLS:
             raise AttributeError(
@@ -258,6 +309,8 @@ class PoolingEngine:
     def _run(
         self, ids: list[list[int]], types: list[list[int]] | None, task: str, params: list[PoolingParams], use_tqdm: Any
     ) -> list[Any]:
+        if self.sleeping:
+            raise RuntimeError("the engine is asleep (sleep()): call wake_up() before embed, classify, score or encode")
         device = next(self.model.parameters()).device
         results: list[Any] = [None] * len(ids)
         bar = progress_bar(len(ids), bool(use_tqdm), desc="hybridkv pooling")

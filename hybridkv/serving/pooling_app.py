@@ -4,9 +4,11 @@ checkpoint), over a `PoolingEngine` (hybridkv/engine/pooling.py).
 Routes, in OpenAI's and vLLM's shapes: `POST /v1/embeddings` (OpenAI's: `input` a text, texts, token ids or lists of
 them; `encoding_format` "float" or "base64", little-endian float32 as OpenAI sends; `dimensions` for a matryoshka
 model), vLLM's `POST /classify` (each input's `probs` and its most likely `label`), `POST /score` and `/v1/score`
-(`text_1` against `text_2`) and `POST /rerank`, `/v1/rerank` (`query`, `documents`, `top_n`: Jina's and Cohere's
-shape), with `GET /v1/models` and `GET /health`. The generating routes answer a 400 naming the fix. The calls run in
-FastAPI's thread pool, one forward at a time (a lock), so the event loop never waits on the model.
+(`text_1` against `text_2`), `POST /rerank`, `/v1/rerank` (`query`, `documents`, `top_n`: Jina's and Cohere's shape)
+and `POST /pooling` (any pooling `task`, the model's default otherwise: each input's values, one vector or one per
+token, as floats or base64), with `GET /v1/models` and `GET /health`. The generating routes answer a 400 naming the
+fix. The calls run in FastAPI's thread pool, one forward at a time (a lock), so the event loop never waits on the
+model.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ class ScoreRequest(BaseModel):
     text_1: str | list[str]
     text_2: str | list[str]
     model: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class PoolingRequest(BaseModel):
+    input: Inputs
+    model: str | None = None
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
 
 
@@ -116,6 +127,19 @@ def build_pooling_app(engine: PoolingEngine, model_name: str, api_key: str | Non
                 {"index": index, "label": labels.get(best, str(best)), "probs": probs, "num_classes": len(probs)}
             )
         return answer("classify", data, sum(len(out.prompt_token_ids) for out in outputs))
+
+    @app.post("/pooling")
+    def pooling(body: PoolingRequest) -> dict[str, Any]:
+        check_model(body.model)
+        task = body.task or engine.default_task
+        params = PoolingParams(dimensions=body.dimensions, task=task)
+        outputs = run(engine.encode, body.input, params, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        data = []
+        for index, out in enumerate(outputs):
+            values = out.outputs.data  # one vector, or one per token (token_embed, token_classify)
+            encoded = _encoded(values.flatten().tolist(), "base64") if body.encoding_format == "base64" else None
+            data.append({"index": index, "object": "pooling", "data": encoded or values.tolist()})
+        return answer("pool", data, sum(len(out.prompt_token_ids) for out in outputs))
 
     def score(body: ScoreRequest) -> dict[str, Any]:
         check_model(body.model)
