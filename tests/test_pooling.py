@@ -346,16 +346,13 @@ def test_the_async_engine_pools_concurrent_requests_as_the_offline_calls_do(caus
         classify.shutdown()
 
 
-def test_sleep_gives_a_loaded_pooling_models_weights_back_and_wake_up_restores_them(causal_lm, monkeypatch):
-    from hybridkv.execution import weight_memory
-
+def test_sleep_gives_a_loaded_pooling_models_weights_back_and_wake_up_restores_them(causal_lm):
     llm = LLM(model=causal_lm, runner="pooling")
     expected = llm.embed(TEXTS, use_tqdm=False)
-    # On the CPU the loaded weights are mapped from the file (nothing to free in place): the weights are taken as
-    # a device's are (storages emptied in place), as tests/test_vllm_entrypoints.py's sleep tests do.
+    # On the CPU the loaded weights are mapped from the file (nothing to free in place): here they are taken as a
+    # device's are, in storages of their own emptied in place, as tests/test_vllm_entrypoints.py's sleep tests do.
     llm.llm_engine.weights.include_host = True
-    monkeypatch.setattr(weight_memory, "_host_copy", lambda storage: storage.clone())
-    for tensor in llm.model.parameters():  # own, resizable storages, as a GPU's are
+    for tensor in llm.model.parameters():
         tensor.data = tensor.data.clone()
     for level in (1, 2):
         llm.sleep(level=level)
