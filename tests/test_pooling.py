@@ -334,6 +334,23 @@ def test_the_async_engine_pools_concurrent_requests_as_the_offline_calls_do(caus
         refused, served = asyncio.run(bad_beside_good())
         assert isinstance(refused, ValueError) and "not 'classify'" in str(refused)
         assert [out.request_id for out in served] == ["d0", "d1", "d2", "d3"]
+
+        async def abort_one_waiting():  # "b" waits behind "a"'s batch (held), is aborted, and its stream ends empty
+            async def collect(request_id, text):
+                return [out async for out in engine.encode(text, None, request_id)]
+
+            engine._lock.acquire()
+            first = asyncio.create_task(collect("a", TEXTS[0]))
+            await asyncio.sleep(0.2)
+            second = asyncio.create_task(collect("b", TEXTS[1]))
+            await asyncio.sleep(0.05)
+            await engine.abort(["b", "unknown"])
+            engine._lock.release()
+            return await first, await second
+
+        ran, aborted = asyncio.run(abort_one_waiting())
+        assert [out.request_id for out in ran] == ["a"] and aborted == []
+        assert engine._queued == {}  # nothing kept of the aborted, the finished or the unknown ids
     finally:
         engine.shutdown()
     assert not engine.is_running

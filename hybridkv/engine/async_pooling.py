@@ -5,8 +5,8 @@ one): `async for output in engine.encode(prompt, pooling_params, request_id)` yi
 One background thread owns the `PoolingEngine` (hybridkv/engine/pooling.py). Requests that arrive while it runs a
 batch wait in its inbox and run together next, grouped by what their batch must share (the task, truncation and
 tokenizer settings), so that concurrent callers share forwards as vLLM's continuous batching shares them. A request
-whose batch fails is run again alone, so that a bad request fails alone. A request aborted, or whose caller stops
-waiting, before its batch runs is dropped.
+whose batch fails is run again alone, so that a bad request fails alone. A request aborted before its batch runs is
+dropped, its stream ending with no output; one whose caller stops waiting is dropped too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hybridkv.engine.pooling import PoolingEngine, PoolingParams
 from hybridkv.outputs import PoolingRequestOutput
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt: Any
@@ -33,6 +33,7 @@ class _Request:
     options: dict[str, Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(repr=False)
+    cancelled: bool = False  # aborted, or its caller stopped waiting: its batch passes it over
 
     @property
     def batch_key(self) -> tuple[Any, ...]:
@@ -47,7 +48,8 @@ class AsyncPoolingLLM:
     def __init__(self, engine: PoolingEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
-        self._aborted: set[str] = set()
+        self._queued: dict[str, list[_Request]] = {}  # by id, the requests no batch has taken yet (`abort`)
+        self._queued_lock = threading.Lock()
         self._lock = threading.Lock()  # one engine call at a time: a batch, or sleep / wake_up
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hybridkv-pooling", daemon=True)
@@ -84,13 +86,16 @@ class AsyncPoolingLLM:
             loop,
             loop.create_future(),
         )
+        with self._queued_lock:
+            self._queued.setdefault(request.request_id, []).append(request)
         self._inbox.put(request)
         try:
             output = await request.future
         except asyncio.CancelledError:
-            self._aborted.add(request.request_id)  # the caller stopped waiting: its batch passes it over
+            request.cancelled = True  # the caller stopped waiting
             raise
-        yield output
+        if output is not None:  # None: aborted before its batch ran
+            yield output
 
     async def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         raise ValueError(
@@ -100,8 +105,11 @@ class AsyncPoolingLLM:
         yield  # an async generator, as vLLM's generate is
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Drop requests not run yet (a running batch finishes)."""
-        self._aborted.update([request_id] if isinstance(request_id, str) else request_id)
+        """Drop requests not run yet (a running batch finishes; an id that finished or is unknown changes nothing)."""
+        with self._queued_lock:
+            for one in [request_id] if isinstance(request_id, str) else request_id:
+                for request in self._queued.get(one, ()):
+                    request.cancelled = True
 
     async def sleep(self, level: int = 1) -> None:
         await asyncio.to_thread(self._locked, self.engine.sleep, level)
@@ -147,12 +155,18 @@ class AsyncPoolingLLM:
                 for request in requests:
                     _deliver(request, RuntimeError("the engine is shut down"))
                 return
+            with self._queued_lock:  # taken into a batch: no longer abortable
+                for request in requests:
+                    queued = self._queued[request.request_id]
+                    queued.remove(request)
+                    if not queued:
+                        del self._queued[request.request_id]
             groups: dict[tuple[Any, ...], list[_Request]] = {}
             for request in requests:
-                if request.request_id in self._aborted:
-                    self._aborted.discard(request.request_id)
-                    continue
-                groups.setdefault(request.batch_key, []).append(request)
+                if request.cancelled:  # aborted: its stream ends with no output (a caller that gave up waits for none)
+                    _deliver(request, None)
+                else:
+                    groups.setdefault(request.batch_key, []).append(request)
             for group in groups.values():
                 self._run_batch(group)
 
