@@ -81,6 +81,28 @@ def test_the_pooling_route_runs_any_task_of_the_model(checkpoints):
     assert refused.status_code == 400 and "not 'embed'" in refused.json()["error"]["message"]
 
 
+def test_vllms_dev_endpoints_sleep_and_wake_a_pooling_server(checkpoints, monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    llm = LLM(model=checkpoints["embed"], runner="pooling")
+    client = TestClient(build_pooling_app(llm.llm_engine, "emb"))
+    expected = client.post("/v1/embeddings", json={"input": TEXTS}).json()["data"]
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert client.post("/sleep", params={"level": 1}).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+    asleep = client.post("/v1/embeddings", json={"input": TEXTS})
+    assert asleep.status_code == 503 and "wake_up()" in asleep.json()["error"]["message"]
+    assert client.post("/wake_up", params=[("tags", "weights")]).status_code == 200
+    assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert client.post("/v1/embeddings", json={"input": TEXTS}).json()["data"] == expected
+    assert client.post("/reset_prefix_cache").status_code == 200
+    refused = client.post("/sleep", params={"level": 3})
+    assert refused.status_code == 400 and "level must be 1 or 2" in refused.json()["error"]["message"]
+    rpc = client.post("/collective_rpc", json={"method": "reload_weights"})
+    assert rpc.status_code == 400 and "without a worker" in rpc.json()["error"]["message"]
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    assert TestClient(build_pooling_app(llm.llm_engine, "emb")).post("/sleep").status_code == 404
+
+
 def test_score_rerank_and_classify_are_the_cross_encoders(checkpoints):
     llm = LLM(model=checkpoints["score"])
     client = TestClient(build_pooling_app(llm.llm_engine, "rerank"))

@@ -6,13 +6,14 @@ them; `encoding_format` "float" or "base64", little-endian float32 as OpenAI sen
 model), vLLM's `POST /classify` (each input's `probs` and its most likely `label`), `POST /score` and `/v1/score`
 (`text_1` against `text_2`), `POST /rerank`, `/v1/rerank` (`query`, `documents`, `top_n`: Jina's and Cohere's shape)
 and `POST /pooling` (any pooling `task`, the model's default otherwise: each input's values, one vector or one per
-token, as floats or base64), with `GET /v1/models` and `GET /health`. The generating routes answer a 400 naming the
-fix. The calls run in FastAPI's thread pool, one forward at a time (a lock), so the event loop never waits on the
-model.
+token, as floats or base64), with `GET /v1/models` and `GET /health`; vLLM's development endpoints (`/sleep`,
+`/wake_up`, `/is_sleeping`) under `VLLM_SERVER_DEV_MODE=1`. The generating routes answer a 400 naming the fix. The
+calls run in FastAPI's thread pool, one forward at a time (a lock), so the event loop never waits on the model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import threading
 import time
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 
 from hybridkv.engine.pooling import PoolingEngine, PoolingParams
 from hybridkv.serving.app import guard
+from hybridkv.serving.dev_endpoints import add_dev_endpoints, dev_mode
 from hybridkv.serving.protocol import APIError
 
 Inputs = str | list[str] | list[int] | list[list[int]]
@@ -69,11 +71,42 @@ class RerankRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
 
 
+class PoolingDevCalls:
+    """What vLLM's development endpoints call (hybridkv/serving/dev_endpoints.py), on a pooling engine, each under the
+    server's lock in a thread: `sleep`, `wake_up` and `is_sleeping` are the engine's; a pooling model caches no prefix
+    (`reset_prefix_cache` has nothing to reset) and has no worker to call."""
+
+    def __init__(self, engine: PoolingEngine, lock: threading.Lock) -> None:
+        self.engine, self.lock = engine, lock
+
+    def _locked(self, call: Any, *args: Any) -> Any:
+        with self.lock:
+            return call(*args)
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.to_thread(self._locked, self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await asyncio.to_thread(self._locked, self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def collective_rpc(self, method: str, timeout: float | None, args: tuple, kwargs: dict[str, Any]) -> list:
+        raise RuntimeError("a pooling model is served without a worker: collective_rpc has nothing to call")
+
+
 def build_pooling_app(engine: PoolingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The pooling server's app (the module docstring): requests for `model_name` run on `engine`."""
+    """The pooling server's app (the module docstring): requests for `model_name` run on `engine`; vLLM's development
+    endpoints too under `VLLM_SERVER_DEV_MODE=1` (`PoolingDevCalls`)."""
     app = FastAPI(title="hybridkv", description="An OpenAI-compatible server over a pooling model")
     guard(app, api_key)
     lock = threading.Lock()
+    if dev_mode():
+        add_dev_endpoints(app, PoolingDevCalls(engine, lock))  # type: ignore[arg-type]
 
     def run(call: Any, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -81,6 +114,8 @@ def build_pooling_app(engine: PoolingEngine, model_name: str, api_key: str | Non
                 return call(*args, use_tqdm=False, **kwargs)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from None
+        except RuntimeError as error:  # asleep: the message names wake_up
+            raise APIError(503, str(error)) from None
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
