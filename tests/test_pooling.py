@@ -339,13 +339,13 @@ def test_the_async_engine_pools_concurrent_requests_as_the_offline_calls_do(caus
             async def collect(request_id, text):
                 return [out async for out in engine.encode(text, None, request_id)]
 
-            engine._lock.acquire()
+            engine.lock.acquire()
             first = asyncio.create_task(collect("a", TEXTS[0]))
             await asyncio.sleep(0.2)
             second = asyncio.create_task(collect("b", TEXTS[1]))
             await asyncio.sleep(0.05)
             await engine.abort(["b", "unknown"])
-            engine._lock.release()
+            engine.lock.release()
             return await first, await second
 
         ran, aborted = asyncio.run(abort_one_waiting())

@@ -41,16 +41,39 @@ class _Request:
         return self.task, repr(sorted(self.options.items()))
 
 
-class AsyncPoolingLLM:
+class LockedPoolingCalls:
+    """A pooling engine's calls between its forwards, as coroutines: each runs in a thread under `lock`, the lock its
+    forwards run under (`AsyncPoolingLLM`'s, or the pooling server's: hybridkv/serving/pooling_app.py)."""
+
+    def __init__(self, engine: PoolingEngine, lock: threading.Lock) -> None:
+        self.engine, self.lock = engine, lock
+
+    def locked(self, call: Any, *args: Any) -> Any:
+        with self.lock:
+            return call(*args)
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.to_thread(self.locked, self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await asyncio.to_thread(self.locked, self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    async def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+
+class AsyncPoolingLLM(LockedPoolingCalls):
     """vLLM's `AsyncLLM` of a pooling model (the module docstring): `encode`, `abort`, `sleep`, `wake_up`,
     `is_sleeping`, `get_tokenizer`, `shutdown`; `generate` names the generative engine."""
 
     def __init__(self, engine: PoolingEngine) -> None:
-        self.engine = engine
+        super().__init__(engine, threading.Lock())  # one engine call at a time: a batch, or sleep / wake_up
         self._inbox: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self._queued: dict[str, list[_Request]] = {}  # by id, the requests no batch has taken yet (`abort`)
         self._queued_lock = threading.Lock()
-        self._lock = threading.Lock()  # one engine call at a time: a batch, or sleep / wake_up
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hybridkv-pooling", daemon=True)
         self._thread.start()
@@ -111,18 +134,6 @@ class AsyncPoolingLLM:
                 for request in self._queued.get(one, ()):
                     request.cancelled = True
 
-    async def sleep(self, level: int = 1) -> None:
-        await asyncio.to_thread(self._locked, self.engine.sleep, level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await asyncio.to_thread(self._locked, self.engine.wake_up, tags)
-
-    async def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping()
-
-    async def get_tokenizer(self) -> Any:
-        return self.engine.get_tokenizer()
-
     @property
     def is_running(self) -> bool:
         return not self._stopping and self._thread.is_alive()
@@ -136,10 +147,6 @@ class AsyncPoolingLLM:
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout)
-
-    def _locked(self, call: Any, *args: Any) -> Any:
-        with self._lock:
-            return call(*args)
 
     def _run(self) -> None:
         while True:
@@ -186,7 +193,7 @@ class AsyncPoolingLLM:
 
     def _encode(self, group: list[_Request]) -> list[PoolingRequestOutput]:
         first = group[0]
-        with self._lock:
+        with self.lock:
             return self.engine.encode(
                 [r.prompt for r in group],
                 [r.params for r in group],

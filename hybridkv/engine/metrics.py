@@ -35,6 +35,16 @@ ENGINE_METRICS = (
 )  # fmt: skip
 
 
+# vLLM's speculative decoding counters, where a speculative_config is set: (vLLM's name, stats() key, help); and its
+# series of the checks that kept their proposal at each position (stats()' spec_accepted_per_position).
+SPEC_DECODE_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Checks of proposals (a request's step that checked any)."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Proposed tokens checked."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Proposed tokens kept."),
+)
+SPEC_DECODE_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
 def kv_cache_usage(stats: dict[str, Any]) -> float:
     """vLLM's `kv_cache_usage_perc`: the share of the pool's usable blocks in use (1 = all)."""
     return stats["blocks_in_use"] / max(stats["num_blocks"] - 1, 1)
@@ -92,10 +102,6 @@ def engine_metrics(stats: dict[str, Any]) -> list[Metric]:
     for tier, counters in stats["prefix_cache_tiers"].items():
         metrics.append(Counter("hybridkv_prefix_cache_tier_hits", {"tier": tier}, value=counters["hit_tokens"]))
     if stats["spec_method"] is not None:  # vLLM's speculative decoding series, there only with a speculative_config
-        metrics += [
-            Counter("vllm:spec_decode_num_drafts", value=stats["spec_num_drafts"]),
-            Counter("vllm:spec_decode_num_draft_tokens", value=stats["spec_num_draft_tokens"]),
-            Counter("vllm:spec_decode_num_accepted_tokens", value=stats["spec_num_accepted_tokens"]),
-            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", values=list(stats["spec_accepted_per_position"])),
-        ]
+        metrics += [Counter(name, value=stats[key]) for name, key, _ in SPEC_DECODE_COUNTERS]
+        metrics.append(Vector(SPEC_DECODE_PER_POSITION, values=list(stats["spec_accepted_per_position"])))
     return metrics

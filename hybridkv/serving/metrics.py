@@ -16,17 +16,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hybridkv.engine.metrics import ENGINE_METRICS, kv_cache_usage
+from hybridkv.engine.metrics import ENGINE_METRICS, SPEC_DECODE_COUNTERS, SPEC_DECODE_PER_POSITION, kv_cache_usage
 from hybridkv.outputs import RequestOutput
 
 TTFT_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 PER_TOKEN_BUCKETS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-# (vLLM's name, stats() key, help) of the speculative decoding counters.
-SPEC_DECODE_COUNTERS = (
-    ("vllm:spec_decode_num_drafts", "spec_num_drafts", "Checks of proposals (a request's step that checked any)."),
-    ("vllm:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Proposed tokens checked."),
-    ("vllm:spec_decode_num_accepted_tokens", "spec_num_accepted_tokens", "Proposed tokens kept."),
-)
 
 
 class EngineCollector(Collector):
@@ -73,7 +67,7 @@ class EngineCollector(Collector):
             for name, key, help_text in SPEC_DECODE_COUNTERS:
                 yield CounterMetricFamily(name, help_text, value=stats[key])
             per_position = CounterMetricFamily(
-                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                SPEC_DECODE_PER_POSITION,
                 "Checks that kept their proposal at each position.",
                 labels=["position"],
             )

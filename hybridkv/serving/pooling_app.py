@@ -13,7 +13,6 @@ calls run in FastAPI's thread pool, one forward at a time (a lock), so the event
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import threading
 import time
@@ -24,6 +23,7 @@ import numpy as np
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from hybridkv.engine.async_pooling import LockedPoolingCalls
 from hybridkv.engine.pooling import PoolingEngine, PoolingParams
 from hybridkv.serving.app import guard
 from hybridkv.serving.dev_endpoints import add_dev_endpoints, dev_mode
@@ -71,26 +71,10 @@ class RerankRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
 
 
-class PoolingDevCalls:
-    """What vLLM's development endpoints call (hybridkv/serving/dev_endpoints.py), on a pooling engine, each under the
-    server's lock in a thread: `sleep`, `wake_up` and `is_sleeping` are the engine's; a pooling model caches no prefix
-    (`reset_prefix_cache` has nothing to reset) and has no worker to call."""
-
-    def __init__(self, engine: PoolingEngine, lock: threading.Lock) -> None:
-        self.engine, self.lock = engine, lock
-
-    def _locked(self, call: Any, *args: Any) -> Any:
-        with self.lock:
-            return call(*args)
-
-    async def sleep(self, level: int = 1) -> None:
-        await asyncio.to_thread(self._locked, self.engine.sleep, level)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await asyncio.to_thread(self._locked, self.engine.wake_up, tags)
-
-    async def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping()
+class PoolingDevCalls(LockedPoolingCalls):
+    """What vLLM's development endpoints call (hybridkv/serving/dev_endpoints.py) on a pooling engine, under the
+    server's lock: `sleep`, `wake_up` and `is_sleeping` are the engine's (`LockedPoolingCalls`); a pooling model caches
+    no prefix (`reset_prefix_cache` has nothing to reset) and has no worker to call."""
 
     async def reset_prefix_cache(self) -> bool:
         return True
@@ -109,13 +93,14 @@ def build_pooling_app(engine: PoolingEngine, model_name: str, api_key: str | Non
         add_dev_endpoints(app, PoolingDevCalls(engine, lock))  # type: ignore[arg-type]
 
     def run(call: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            with lock:
+        with lock:
+            if engine.is_sleeping():
+                raise APIError(503, "the engine is asleep (POST /sleep): POST /wake_up before embed, classify, score "
+                               "or pooling (the engine's wake_up())")  # fmt: skip
+            try:
                 return call(*args, use_tqdm=False, **kwargs)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error)) from None
-        except RuntimeError as error:  # asleep: the message names wake_up
-            raise APIError(503, str(error)) from None
+            except (ValueError, TypeError) as error:
+                raise APIError(400, str(error)) from None
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
