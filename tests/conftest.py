@@ -23,7 +23,11 @@ def pytest_configure(config):
     """Two OpenMP threads on this 2-core machine spin against any other busy process: tiny-model steps measured 50x
     slower. The tests' tensors are small, one thread is the fast setting. Set where tests run: in each worker, or in
     the one process without workers; pytest-xdist's controller runs none and imports neither torch nor hybridkv
-    (seconds before the workers start)."""
+    (seconds before the workers start). The fast tier is told it is one (tests/fast_tier.py) before tests are
+    collected."""
+    import fast_tier
+
+    fast_tier.FAST = "not slow" in (config.option.markexpr or "")
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     import torch

@@ -19,6 +19,7 @@ from hybridkv.memory.integrity import check_coordinator
 from hybridkv.memory.kv_request import KVRequest
 
 from alloc_helpers import make_coordinator
+from fast_tier import examples
 
 PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9, 9, 9), tuple(range(10, 30))]
 
@@ -209,7 +210,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 MACHINE_SETTINGS = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(60), stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

@@ -271,7 +271,8 @@ def peak_blocks(llm, prompt, params) -> int:
     ("family", "overrides", "ratio"),  # the peaks README.md's Limitations gives
     [
         ("llama", {}, 1.18),
-        ("gemma3", {"sliding_window": 512}, 1.29),  # Gemma 3's own window
+        # Gemma 3's own window, longer than these requests: llama's path with another ratio
+        pytest.param("gemma3", {"sliding_window": 512}, 1.29, marks=pytest.mark.slow),
         pytest.param("gemma3", {}, 1.78, marks=pytest.mark.slow),  # a 16-token window: a window for each beam
     ],
 )

@@ -272,6 +272,7 @@ def test_switching_adapters_switches_programs_and_back(patched, eager_pieces):
     assert llm.core.runner.compiled.program is first and llm.stats()["compiled_from"] == "memory"
 
 
+@pytest.mark.slow  # two traces of the forward (8 s): the fast tier traces one in tests/test_graph_ready.py
 def test_a_model_in_training_mode_is_served_by_its_eval_program_and_left_in_its_mode(patched, eager_pieces):
     """Rollouts of a policy being trained run as inference: dropout is never in the graph, so switching the model to
     training mode takes the same program (no trace), and the tokens are eval mode's; the model stays in training."""

@@ -15,7 +15,7 @@ import pytest
 from hybridkv.memory.integrity import check_coordinator
 from hybridkv.memory.kv_request import KVRequest
 
-from alloc_helpers import free_order, make_coordinator
+from alloc_helpers import free_order, make_coordinator, run_prefill
 
 LAYOUTS = [
     ([None, 8, 8], 2),
@@ -137,3 +137,36 @@ def test_fast_path_gives_the_general_paths_blocks(windows, block_size, caching):
         num_cached_fast += cached_fast
     assert num_fast > 20  # the fast paths were taken, often
     assert num_cached_fast > 20 if caching else num_cached_fast == 0
+
+
+@pytest.mark.parametrize(
+    ("windows", "kv_heads"),
+    [([None, 8, 8], None), ([5, None, 5, 3, None], [2, 1, 2, 4, 1])],  # one block size; three (2, 4 and 8 tokens)
+)
+def test_decode_needs_names_the_requests_allocate_slots_would_not_pass_at_its_first_test(windows, kv_heads):
+    """`decode_needs` asks each group once for the whole batch; it must name exactly the requests whose one token
+    `_needs_nothing` does not pass, in order, with one block size or several (the group reaching least decides)."""
+    rng = random.Random(0)
+    coordinator = make_coordinator(windows, 200, 2, kv_heads=kv_heads)
+    assert coordinator._one_block_size == (kv_heads is None)
+    requests = []
+    for index in range(6):
+        request = KVRequest(f"r{index}", [rng.randint(0, 6) for _ in range(rng.randint(1, 20))], 2)
+        assert run_prefill(coordinator, request)
+        requests.append(request)
+    num_named = 0
+    for _ in range(40):
+        for request in requests:
+            request.append_token(rng.randint(0, 6))
+        needs = coordinator.decode_needs(requests)
+        expected = [r for r in requests if not coordinator._needs_nothing(r.request_id, r.num_computed_tokens + 1)]
+        assert needs == expected
+        num_named += len(needs)
+        for request in requests:
+            assert coordinator.allocate_slots(request, 1)
+            request.num_computed_tokens += 1
+        coordinator.update_computed_many(requests)
+    assert 0 < num_named < 40 * len(requests)  # some steps start a block, most do not
+    requests[0].append_token(1)
+    requests[0].append_token(1)  # two tokens short: not a decode step of one token
+    assert coordinator.decode_needs(requests) is None

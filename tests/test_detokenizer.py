@@ -3,6 +3,7 @@ from hypothesis import given, settings
 
 from hybridkv.scheduling.detokenizer import IncrementalDetokenizer
 
+from fast_tier import examples
 from tiny_tokenizer import tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
@@ -22,7 +23,7 @@ def feed(tokens, prompt=(), stop=()):
     return detok, streamed
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(1, len(TOKENIZER) - 1), max_size=30), st.lists(st.integers(1, 200), max_size=8))
 def test_incremental_text_equals_a_full_decode(tokens, prompt):
     detok, streamed = feed(tokens, prompt)
@@ -30,7 +31,7 @@ def test_incremental_text_equals_a_full_decode(tokens, prompt):
     assert streamed == detok.text
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.sampled_from(TEXTS), st.sampled_from(TEXTS))
 def test_text_of_real_words_survives_token_by_token(first, second):
     tokens = TOKENIZER.encode(first + second)

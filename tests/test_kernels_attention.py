@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hybridkv.kernels import cpu_decode, paged_attention
 from hybridkv.kernels.metadata import KeyLimits
 
+from fast_tier import examples
 from kernel_reference import make_paged_batch, max_abs_error, on_device, reference_attention
 
 # "torch-loop": the torch path with the CPU decode kernel off (its own per-sequence loop for decode rows).
@@ -263,20 +264,20 @@ def _check_drawn_shape(shape, backend):
     assert error <= FP32_TOLERANCE
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shape=paged_shapes())
 def test_torch_path_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch")
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(shape=paged_shapes())
 def test_torch_path_without_the_decode_kernel_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch-loop")
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shape=paged_shapes())
 def test_triton_kernel_matches_reference_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "triton")

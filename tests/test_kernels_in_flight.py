@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from hybridkv.kernels import PagedAttentionMetadata, paged_attention, write_kv
 
+from fast_tier import examples
 from kernel_reference import DEVICE, make_paged_batch, max_abs_error, on_device, reference_attention
 
 BACKENDS = ["torch", "triton"]
@@ -164,14 +165,14 @@ def _check_drawn_shape(shape, backend):
     assert error <= FP32_TOLERANCE
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(shape=in_flight_shapes())
 def test_torch_path_reads_in_flight_correctly_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "torch")
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(shape=in_flight_shapes())
 def test_triton_kernel_reads_in_flight_correctly_on_drawn_shapes(shape):
     _check_drawn_shape(shape, "triton")

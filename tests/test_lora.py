@@ -65,7 +65,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("name", slow_except(list(MODELS), fast=("llama", "gemma3", "qwen3_5", "minicpm3")))
+@pytest.mark.parametrize("name", slow_except(list(MODELS), fast=("llama", "qwen3_5", "minicpm3")))
 def test_mixed_adapters_in_one_batch_equal_peft_per_adapter(name, built):
     model, _, batch, which, expected = built(name)
     assert len({tuple(t) for t in expected}) == len(expected)  # every adapter changes the tokens

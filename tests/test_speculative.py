@@ -476,7 +476,8 @@ def test_a_request_can_turn_speculation_off(patched):
         SamplingParams(speculative=1)
 
 
-@pytest.mark.parametrize("name", slow_except(["llama", "gemma3_text", "deepseek_v3"]))
+@pytest.mark.slow  # a trace of the forward per family: the fast tier traces one in tests/test_graph_ready.py
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "deepseek_v3"])
 def test_the_compiled_program_checks_proposals_as_eager_mode_does(name, patched, eager_pieces):
     """compile=True (its pieces run as traced: `eager_pieces`): the steps that check proposals run through the same
     program, their rows storing K/V (Llama), storing none (Gemma 3's sliding windows) or storing latents (DeepSeek-V3),

@@ -556,28 +556,28 @@ class KVCacheCoordinator:
         take, its state slot held, nothing shared), in order, which the caller allocates for, and no other: the
         rest need nothing (a few requests a step start a block). One pass, where a call of `allocate_slots` per
         request would cost more than its first test (`_needs_nothing`), which is the one made here."""
-        needs = []
-        # `_needs_nothing`'s test, its lookups bound once for the batch: a call of it per request cost about 3 us a
-        # step of 32 decode rows (benchmarks/RESULTS.md, issue 62's host work).
-        shared, covered = self._may_share, self._covered
+        request_ids = [request.request_id for request in requests]
+        # `_needs_nothing`'s test for the batch: each group is asked once for every request's reach (a call per
+        # request was the largest part of the step's host work: benchmarks/RESULTS.md, issue 62).
+        if self._one_block_size:
+            reached = self._first.tokens_reached(request_ids)
+        else:
+            reached = list(map(min, *(manager.tokens_reached(request_ids) for manager in self.managers)))
+        shared = self._may_share
         held = self.state_slots.held if self.state_slots is not None else None
-        for request in requests:
+        needs = []
+        for request, request_id, num_reached in zip(requests, request_ids, reached, strict=True):
             num_tokens = request.num_computed_tokens + 1
             if num_tokens != len(request.token_ids) + request.num_pending_tokens:
                 return None
-            request_id = request.request_id
-            if (
-                request_id in shared
-                or (held is not None and request_id not in held)
-                or not covered(request_id, num_tokens)
-            ):
+            if num_tokens > num_reached or request_id in shared or (held is not None and request_id not in held):
                 needs.append(request)
         return needs
 
     def _needs_nothing(self, request_id: str, num_tokens: int) -> bool:
         """Whether a step of the request up to num_tokens tokens, without a cache hit, takes nothing: every group's
         list covers them, the request holds its state slot and may share no block it writes. The first test of
-        `allocate_slots`, and of `decode_needs` for each request of a batch."""
+        `allocate_slots` (`decode_needs` makes it for a batch at once)."""
         slots = self.state_slots
         return (
             request_id not in self._may_share
@@ -817,10 +817,12 @@ class KVCacheCoordinator:
             return False
         before = full - 1
         managers = self.managers
+        blocks = []
         for manager in managers:
-            if manager.num_cached(request_id) != before:
+            block = manager.block_to_cache(request_id, before)
+            if block is None:
                 return False
-        blocks = [manager.blocks_of(request_id)[before] for manager in managers]
+            blocks.append(block)
         for manager in managers:
             manager.set_num_cached_blocks(request_id, full)
         self.pool.cache_block_per_group(blocks, block_hashes[before])

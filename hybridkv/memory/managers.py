@@ -107,9 +107,22 @@ class SingleTypeManager(ABC):
         """Whether the request's list already reaches num_tokens tokens: a step up to there takes no block here."""
         return num_tokens <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
 
+    def tokens_reached(self, request_ids: Sequence[str]) -> list[int]:
+        """Per request, the tokens its list reaches (`covers` of each at once: a step up to there takes no block
+        here); 0 for a request with no list."""
+        lists, size = self.req_to_blocks, self.block_size
+        return [len(lists.get(request_id, ())) * size for request_id in request_ids]
+
     def num_cached(self, request_id: str) -> int:
         """How many of the request's first blocks are registered under their hashes."""
         return self.num_cached_blocks.get(request_id, 0)
+
+    def block_to_cache(self, request_id: str, index: int) -> KVBlock | None:
+        """The request's block `index` when its first `index` blocks, and no more, are registered under their hashes
+        (the next one to register); else None."""
+        if self.num_cached_blocks.get(request_id, 0) != index:
+            return None
+        return self.req_to_blocks[request_id][index]
 
     def num_blocks_in_use(self) -> int:
         """Distinct real blocks this group's requests hold."""
