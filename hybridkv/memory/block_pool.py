@@ -153,11 +153,12 @@ class FreeBlockQueue:
         self.run_sizes[2] += 1
         self.num_free_blocks += 1
 
-    def keep(self, blocks: Iterable[KVBlock]) -> None:
+    def keep(self, blocks: Iterable[KVBlock | None]) -> None:
         """Move the free blocks of little worth among `blocks` to the tail, in order (now the most recently used of
-        the cached ones); the others stay where they are."""
+        the cached ones); the others stay where they are, and a None (a hash no block is cached under) is passed
+        over."""
         for block in blocks:
-            if block.prev_free is not None and block.free_run == 1:
+            if block is not None and block.prev_free is not None and block.free_run == 1:
                 self._unlink(block)
                 self.append(block)
 
@@ -183,17 +184,21 @@ class FreeBlockQueue:
                 head.next_free = block
                 block.free_run = 0
                 num_unhashed += 1
-            else:
-                block_end, block_run = end, run
-                if low and block.was_hit:  # a block some request took as a hit is worth keeping wherever a window
-                    block_end, block_run = tail, 2  # left it (a shared prefix's end)
-                    num_kept += 1
-                last = block_end.prev_free
+            elif low and block.was_hit:  # a block some request took as a hit is worth keeping wherever a window
+                last = tail.prev_free  # left it (a shared prefix's end)
                 last.next_free = block
                 block.prev_free = last
-                block.next_free = block_end
-                block_end.prev_free = block
-                block.free_run = block_run
+                block.next_free = tail
+                tail.prev_free = block
+                block.free_run = 2
+                num_kept += 1
+            else:
+                last = end.prev_free
+                last.next_free = block
+                block.prev_free = last
+                block.next_free = end
+                end.prev_free = block
+                block.free_run = run
         run_sizes = self.run_sizes
         run_sizes[0] += num_unhashed
         run_sizes[2] += num_kept

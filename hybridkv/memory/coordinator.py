@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from hybridkv.memory.block_pool import BlockLookup, BlockPool, KVBlock, cdiv
 from hybridkv.memory.grouping import KVCacheConfig
@@ -24,6 +25,7 @@ from hybridkv.memory.window_managers import ChunkedLocalManager, SlidingWindowMa
 # update_computed's next changes for a request it has not updated yet (both of its parts run), and the number of
 # computed tokens of a change that never comes (no group with a window or chunk: `_next_change_after`).
 _NOW = (0, 0, 0)
+_request_id = attrgetter("request_id")
 _NEVER = sys.maxsize
 
 # The manager of each attention type (`KVCacheGroupSpec.attention_type`; vLLM's `spec_manager_map`).
@@ -556,13 +558,16 @@ class KVCacheCoordinator:
         take, its state slot held, nothing shared), in order, which the caller allocates for, and no other: the
         rest need nothing (a few requests a step start a block). One pass, where a call of `allocate_slots` per
         request would cost more than its first test (`_needs_nothing`), which is the one made here."""
-        request_ids = [request.request_id for request in requests]
-        # `_needs_nothing`'s test for the batch: each group is asked once for every request's reach (a call per
-        # request was the largest part of the step's host work: benchmarks/RESULTS.md, issue 62).
+        request_ids = list(map(_request_id, requests))
+        # `_needs_nothing`'s test for the batch: each group is asked once for every request's reach, in loops of C
+        # (a call per request was the largest part of the step's host work: benchmarks/RESULTS.md, issue 62).
         if self._one_block_size:
-            reached = self._first.tokens_reached(request_ids)
-        else:
-            reached = list(map(min, *(manager.tokens_reached(request_ids) for manager in self.managers)))
+            size, reached = self._first.block_size, self._first.num_positions_each(request_ids)
+        else:  # in tokens: the group that reaches least
+            size = 1
+            reached = list(
+                map(min, *([num * m.block_size for num in m.num_positions_each(request_ids)] for m in self.managers))
+            )
         shared = self._may_share
         held = self.state_slots.held if self.state_slots is not None else None
         needs = []
@@ -570,7 +575,7 @@ class KVCacheCoordinator:
             num_tokens = request.num_computed_tokens + 1
             if num_tokens != len(request.token_ids) + request.num_pending_tokens:
                 return None
-            if num_tokens > num_reached or request_id in shared or (held is not None and request_id not in held):
+            if num_tokens > num_reached * size or request_id in shared or (held is not None and request_id not in held):
                 needs.append(request)
         return needs
 
@@ -919,7 +924,7 @@ class KVCacheCoordinator:
         for manager in self._windowed:
             found = cached[manager.group_id].get
             read = manager.block_hashes_between(hashes, manager.first_needed_block(end), end // manager.block_size)
-            keep([block for block in map(found, read) if block is not None])
+            keep(map(found, read))
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in every group."""

@@ -3,6 +3,7 @@ hashes. The scheduler's `Request` (hybridkv/scheduling/request.py) extends it; t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from hybridkv.memory.hashing import hash_full_blocks, root_hash
@@ -23,6 +24,7 @@ class KVRequest:
     """
 
     __slots__ = (
+        "_next_full",
         "_root_hash",
         "adapter_id",
         "adapter_key",
@@ -85,6 +87,7 @@ class KVRequest:
         self.adapter_id = parent.adapter_id
         self._root_hash = parent._root_hash
         self.block_hashes = list(parent.block_hashes)
+        self._next_full = parent._next_full
 
     @property
     def num_tokens(self) -> int:
@@ -99,26 +102,28 @@ class KVRequest:
         """`append_token_ids([token_id])`, for the step loop: one token, and a hash only when it fills a block."""
         token_ids = self.token_ids
         token_ids.append(token_id)
-        if self.block_size is not None and len(token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+        if len(token_ids) >= self._next_full:
             self._hash_new_full_blocks()
 
     def _hash_new_full_blocks(self) -> None:
-        if self.block_size is None:
+        """Hash the blocks the tokens filled since the last call, and note when the next one fills (`_next_full`:
+        the token count `append_token` compares with, never reached without prefix caching)."""
+        size = self.block_size
+        if size is None:
+            self._next_full = sys.maxsize
             return
         done = len(self.block_hashes)
-        if len(self.token_ids) < (done + 1) * self.block_size:
-            return
-        parent = self.block_hashes[-1] if done else self._root_hash
-        keys = self.multimodal.block_keys(self.block_size) if self.multimodal is not None else None
-        if not keys or done > max(keys):
-            self.block_hashes.extend(hash_full_blocks(self.token_ids, self.block_size, parent, done))
-            return
-        # A block where an image starts joins its content hash: the chain carries it to every later block.
-        size = self.block_size
-        for block in range(done, len(self.token_ids) // size):
-            tokens = self.token_ids[block * size : (block + 1) * size]
-            (parent,) = hash_full_blocks(tokens, size, parent, 0, keys.get(block, b""))
-            self.block_hashes.append(parent)
+        if len(self.token_ids) >= (done + 1) * size:
+            parent = self.block_hashes[-1] if done else self._root_hash
+            keys = self.multimodal.block_keys(size) if self.multimodal is not None else None
+            if not keys or done > max(keys):
+                self.block_hashes.extend(hash_full_blocks(self.token_ids, size, parent, done))
+            else:  # a block where an image starts joins its content hash: the chain carries it to every later block
+                for block in range(done, len(self.token_ids) // size):
+                    tokens = self.token_ids[block * size : (block + 1) * size]
+                    (parent,) = hash_full_blocks(tokens, size, parent, 0, keys.get(block, b""))
+                    self.block_hashes.append(parent)
+        self._next_full = (len(self.block_hashes) + 1) * size
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import KeysView, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 from hybridkv.memory.block_pool import NULL_BLOCK_ID, BlockLookup, BlockPool, KVBlock, cdiv
@@ -107,11 +108,10 @@ class SingleTypeManager(ABC):
         """Whether the request's list already reaches num_tokens tokens: a step up to there takes no block here."""
         return num_tokens <= len(self.req_to_blocks.get(request_id, ())) * self.block_size
 
-    def tokens_reached(self, request_ids: Sequence[str]) -> list[int]:
-        """Per request, the tokens its list reaches (`covers` of each at once: a step up to there takes no block
-        here); 0 for a request with no list."""
-        lists, size = self.req_to_blocks, self.block_size
-        return [len(lists.get(request_id, ())) * size for request_id in request_ids]
+    def num_positions_each(self, request_ids: Sequence[str]) -> list[int]:
+        """`num_positions` of each request at once, 0 for one with no list (its list reaches that many times
+        `block_size` tokens: `covers` of a batch)."""
+        return list(map(len, map(self.req_to_blocks.get, request_ids, repeat((), len(request_ids)))))
 
     def num_cached(self, request_id: str) -> int:
         """How many of the request's first blocks are registered under their hashes."""
