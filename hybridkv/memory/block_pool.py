@@ -184,21 +184,17 @@ class FreeBlockQueue:
                 head.next_free = block
                 block.free_run = 0
                 num_unhashed += 1
-            elif low and block.was_hit:  # a block some request took as a hit is worth keeping wherever a window
-                last = tail.prev_free  # left it (a shared prefix's end)
-                last.next_free = block
-                block.prev_free = last
-                block.next_free = tail
-                tail.prev_free = block
-                block.free_run = 2
-                num_kept += 1
             else:
-                last = end.prev_free
+                block_end, block_run = end, run
+                if low and block.was_hit:  # a block some request took as a hit is worth keeping wherever a window
+                    block_end, block_run = tail, 2  # left it (a shared prefix's end)
+                    num_kept += 1
+                last = block_end.prev_free
                 last.next_free = block
                 block.prev_free = last
-                block.next_free = end
-                end.prev_free = block
-                block.free_run = run
+                block.next_free = block_end
+                block_end.prev_free = block
+                block.free_run = block_run
         run_sizes = self.run_sizes
         run_sizes[0] += num_unhashed
         run_sizes[2] += num_kept
