@@ -560,7 +560,7 @@ class KVCacheCoordinator:
         request would cost more than its first test (`_needs_nothing`), which is the one made here."""
         request_ids = list(map(_request_id, requests))
         # `_needs_nothing`'s test for the batch: each group is asked once for every request's reach, in loops of C
-        # (a call per request was the largest part of the step's host work: benchmarks/RESULTS.md, issue 62).
+        # (a call per request was the largest difference from the code before issue 62: benchmarks/RESULTS.md).
         if self._one_block_size:
             size, reached = self._first.block_size, self._first.num_positions_each(request_ids)
         else:  # in tokens: the group that reaches least
