@@ -26,6 +26,7 @@ the split), alternated in one process; the block tables must come out the same.
 
     python benchmarks/allocator.py [--requests 10000]
     python benchmarks/allocator.py --decode [--pairs 6]
+    python benchmarks/allocator.py --pool 262143 [--pairs 6]   # a pool's blocks made (patch()'s start-up)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import statistics
 import time
 from collections import deque
 
+from hybridkv.memory.block_pool import BlockPool, KVBlock, make_blocks
 from hybridkv.memory.coordinator import KVCacheCoordinator
 from hybridkv.memory.grouping import group_layers
 from hybridkv.memory.integrity import check_coordinator
@@ -173,14 +175,42 @@ def decode_main(pairs: int) -> None:
     )
 
 
+def pool_main(num_blocks: int, pairs: int) -> None:
+    """A pool's blocks made as `BlockPool` makes them (`make_blocks`: the cycle collector paused) and with the collector
+    running, alternated; then a whole `BlockPool` (its free queue's links too)."""
+    times: dict[str, list[float]] = {"paused": [], "running": []}
+    for pair in range(pairs):
+        for way in ("paused", "running") if pair % 2 else ("running", "paused"):
+            gc.collect()
+            start = time.perf_counter()
+            blocks = make_blocks(num_blocks) if way == "paused" else [KVBlock(i) for i in range(num_blocks)]
+            times[way].append(time.perf_counter() - start)
+            del blocks
+    ratios = [r / p for r, p in zip(times["running"], times["paused"], strict=True)]
+    gc.collect()
+    start = time.perf_counter()
+    BlockPool(num_blocks, 6)
+    pool_seconds = time.perf_counter() - start
+    print(
+        f"{num_blocks:,} blocks: collector running {statistics.median(times['running']):.3f} s, paused "
+        f"{statistics.median(times['paused']):.3f} s; running / paused per pair "
+        f"{' '.join(f'{r:.1f}' for r in ratios)}, median {statistics.median(ratios):.1f}x; "
+        f"a whole BlockPool of 6 groups {pool_seconds:.3f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--decode", action="store_true", help="decode steps, with and without the fast path")
+    parser.add_argument("--pool", type=int, help="time making a pool of this many blocks (patch()'s start-up)")
     parser.add_argument("--pairs", type=int, default=6)
     args = parser.parse_args()
     if args.decode:
         decode_main(args.pairs)
+        return
+    if args.pool:
+        pool_main(args.pool, args.pairs)
         return
     hash_us = hashing_us_per_block()
     print(f"hashing alone: {hash_us:.2f} us per block (vLLM reference {VLLM_HASH_US_PER_BLOCK} us)")

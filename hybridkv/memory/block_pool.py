@@ -19,6 +19,7 @@ tests/test_kernels_backend.py pins the two equal.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -57,6 +58,19 @@ class KVBlock:
     def __repr__(self) -> str:
         digest = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
+
+
+def make_blocks(num_blocks: int) -> list[KVBlock]:
+    """Blocks 0..num_blocks-1, made with Python's cycle collector paused (and left as it was after): a small model's
+    pool holds hundreds of thousands of blocks, and the collector, running at every few hundred new objects over the
+    growing list, took most of their making (`python benchmarks/allocator.py --pool N`)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return [KVBlock(i) for i in range(num_blocks)]
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class BlockLookup(Protocol):
@@ -247,7 +261,7 @@ class BlockPool:
             raise ValueError(f"num_blocks={num_blocks}: need at least 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = make_blocks(num_blocks)
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: list[dict[bytes, KVBlock]] = [{} for _ in range(num_groups)]
