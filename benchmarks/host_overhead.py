@@ -228,12 +228,12 @@ class ArgmaxTimer:
 
 @contextlib.contextmanager
 def argmax_timed(package, timed: bool) -> Iterator[ArgmaxTimer | None]:
-    """With `timed`, `package.sampler.greedy_tokens` adds its time to the yielded timer (the sampler looks it up
-    in its module at each call: every version since issue 16's numpy argmax does)."""
+    """With `timed`, the package's `sampling.sampler.greedy_tokens` adds its time to the yielded timer (the engine
+    looks it up in that module at each call: every version since the subpackages of issue 48 does)."""
     if not timed:
         yield None
         return
-    sampler, timer = package.sampler, ArgmaxTimer()
+    sampler, timer = importlib.import_module(f"{package.__name__}.sampling.sampler"), ArgmaxTimer()
     greedy_tokens = sampler.greedy_tokens
 
     def timed_greedy_tokens(logits):

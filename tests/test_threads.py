@@ -48,7 +48,7 @@ class FakeMachine:
 
 
 def _threads_in_a_step(threads: StepThreads) -> int:
-    with threads.for_step():
+    with threads:
         return torch.get_num_threads()
 
 

@@ -206,6 +206,8 @@ class EngineCore:
         compiled = compiled and (config.compile is True or not layout.latent) and not config.enable_lora
         # Tensor parallel: every rank holds its own KV heads in a pool of the same block count.
         self.tp = TensorParallel(model) if tensor_parallel_size(model) > 1 else None
+        # The rank of a tensor-parallel worker (every rank but 0), which runs the steps rank 0 sends; else None.
+        self.worker_rank = None if self.tp is None or self.tp.driver else self.tp.rank
         if config.enable_lora and self.tp is not None:
             raise ValueError(
                 "enable_lora=True is not supported for a tensor-parallel model yet (each rank would need its shard of "
@@ -471,11 +473,6 @@ class EngineCore:
         return self.tp is None and [device.type for device in self.runner.devices] == ["cuda"]
 
     @property
-    def worker_rank(self) -> int | None:
-        """The rank of a tensor-parallel worker (every rank but 0), which runs the steps rank 0 sends; else None."""
-        return None if self.tp is None or self.tp.driver else self.tp.rank
-
-    @property
     def asleep(self) -> bool:
         """Whether `sleep` gave the pages back (until `wake_up`)."""
         return self.runner.asleep
@@ -591,8 +588,8 @@ class EngineCore:
         and the prompt logprobs the step gives."""
         if not (plan.scheduled or plan.swap_out or plan.swap_in):
             return ModelOutput(None, [])
-        wanted = self._prompt_logprob_rows(plan) if self.prompt_logprobs_pending else []
-        extra_rows = [row for _, _, rows in wanted for row in rows]
+        wanted = self._prompt_logprob_rows(plan) if self.prompt_logprobs_pending else ()
+        extra_rows = [row for _, _, rows in wanted for row in rows] if wanted else ()
         if self.tp is None:
             logits = self.runner.execute(plan, extra_rows=extra_rows)
         else:

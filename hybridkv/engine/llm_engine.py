@@ -747,21 +747,22 @@ class LLMEngine:
         """Run one scheduling step. Returns the state of every request that produced tokens or
         finished in it (finished ones for the last time): each request's live record, updated in place
         by later steps; a request added with output_kind FINAL_ONLY only when it finished."""
-        with self.core.step_threads.for_step():
+        with self.core.step_threads:
             start = time.perf_counter()
             if not self._layout_checked:
                 self.check_layout()
             if self.async_steps is not None:  # step N+1 launched before step N's tokens are read
                 reports = self.async_steps.step()
             else:
-                if self.model_check_due():
+                if self.core.model_check_due(self._model_checked):
                     self.follow_model()
                 touched = self.outputs.take_unreported()
                 reports = self._run(self.core.schedule(), touched)
             self.step_seconds += time.perf_counter() - start
             if self.core.disk_store is not None and not self.has_unfinished_requests():
                 self.core.disk_store.flush()  # idle: the last step's blocks to disk now, not at the next request
-            self.core.publish_kv_events()
+            if self.core.kv_events is not None:
+                self.core.publish_kv_events()
         unclaimed, self.unclaimed = self.unclaimed, []
         reports = unclaimed + reports
         if self.final_only:  # reported once, finished
@@ -779,7 +780,8 @@ class LLMEngine:
         alone = plan.greedy_alone and not touched and not plan.spec_tokens
         try:
             output = core.execute(plan)
-            self.record_prompt_logprobs(output.prompt_logprobs)
+            if output.prompt_logprobs:
+                self.record_prompt_logprobs(output.prompt_logprobs)
             sampled = core.sample(plan, output.logits, alone)
         except Exception as exc:  # the model, a kernel or another rank failed: fail this step's requests (and
             # those its swap copies touched: they may not have run), keep serving.
@@ -833,7 +835,8 @@ class LLMEngine:
         for request, status, state in stopped:
             self.core.finish(request, status)
             self.outputs.output(state)
-        self.core.propose()  # a step that checked no proposal: the next one's
+        if self.core.speculator is not None:  # a step that checked no proposal: the next one's
+            self.core.propose()
         return reports
 
     # ---- loops over steps: generate, chat, beam_search, stream ---------------------------------------

@@ -258,6 +258,8 @@ class OutputProcessor:
 
     def take_unreported(self) -> dict[str, RequestState]:
         """The requests that ended outside a step, by id (the next step's reports start with them)."""
+        if not self.unreported:  # most steps
+            return {}
         touched = {state.group.request_id: state for state in self.unreported}
         self.unreported = []
         return touched

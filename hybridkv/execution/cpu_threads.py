@@ -12,10 +12,9 @@ the thread count it set. A number fixes the steps' thread count; None leaves tor
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +41,7 @@ def read_proc_stat() -> tuple[float, float] | None:
 
 
 class StepThreads:
-    """The thread count of an engine's steps: ``for_step()`` sets it around a step and puts torch's back.
+    """The thread count of an engine's steps: ``with step_threads:`` sets it around a step and puts torch's back.
 
     ``setting`` is "auto", a positive int, or None (see the module's docstring). ``read`` and ``clock``
     are the machine's by default; tests pass their own.
@@ -61,22 +60,23 @@ class StepThreads:
         self._last = (clock(), read()) if setting == "auto" else None
         self.threads = setting if isinstance(setting, int) else self.cap
         self.others_busy_cores = 0.0
+        self._outside = self.cap  # torch's thread count outside the step under way
 
-    @contextlib.contextmanager
-    def for_step(self) -> Iterator[None]:
+    def __enter__(self) -> None:
+        """A step begins: its thread count set (a class's own `__enter__`, two calls a step where a generator-based
+        context manager makes five)."""
         if self.setting is None:
-            yield
             return
         if self.setting == "auto":
             self._sample()
-        outside = torch.get_num_threads()
-        if self.threads != outside:
+        self._outside = torch.get_num_threads()
+        if self.threads != self._outside:
             torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            if self.threads != outside:
-                torch.set_num_threads(outside)
+
+    def __exit__(self, *exc_info: object) -> None:
+        """The step ended, however: torch's own thread count back."""
+        if self.setting is not None and self.threads != self._outside:
+            torch.set_num_threads(self._outside)
 
     def _sample(self) -> None:
         now = self._clock()

@@ -95,16 +95,35 @@ class LayoutWatch:
         # The fields the config held, read together by one `itemgetter` (a KeyError once one is deleted), and those
         # it lacked, which must stay out of its `__dict__`.
         held = [(key, patched) for key, patched in self.patched_values.values() if patched is not _ABSENT]
-        self._read_held = _tuple_getter([key for key, _ in held])
-        self._held = tuple(patched for _, patched in held)
+        self._read_held, self._held = _values_getter([key for key, _ in held]), _values_as_read([p for _, p in held])
         self._absent = frozenset(key for key, patched in self.patched_values.values() if patched is _ABSENT)
+        # The implementations as `check` reads them (None where the property alone says: never equal to a list).
+        self._installed = [ATTN_IMPLEMENTATION] * len(self._implementations) if self._implementations else None
+
+    def check(self) -> None:
+        """Raise `ModelReshaped`, naming the fix, if anything changed (`changed`). While nothing did (every step but
+        one after a change) it is one function: a comparison each of the implementations and the held fields and one
+        set test, each in C (a step pays microseconds for each function it enters after a forward has evicted their
+        code: benchmarks/RESULTS.md)."""
+        values = self._values
+        try:
+            if (
+                list(map(_read_implementation, self._implementations)) == self._installed
+                and self._read_held(values) == self._held
+                and values.keys().isdisjoint(self._absent)
+            ):
+                return
+        except KeyError:  # a field was deleted: `changed` names it
+            pass
+        reason = self.changed()
+        if reason is not None:
+            raise ModelReshaped(
+                f"{reason}: call hybridkv.patch(model) again (it builds the engine for the model as it is now, or "
+                "says why it cannot), or set the value back"
+            )
 
     def changed(self) -> str | None:
         """What changed since the model was patched, for a person; None while nothing did."""
-        if self._implementations and all(
-            stored[_IMPLEMENTATION_KEY] == ATTN_IMPLEMENTATION for stored in self._implementations
-        ):
-            return self._changed_field()
         for config in self.attention_configs:
             implementation = config._attn_implementation
             if implementation != ATTN_IMPLEMENTATION:
@@ -113,15 +132,7 @@ class LayoutWatch:
                     f"(model.set_attn_implementation) where hybridkv.patch installed {ATTN_IMPLEMENTATION!r}, "
                     "through which the engine's steps attend over their pages"
                 )
-        return self._changed_field()
-
-    def _changed_field(self) -> str | None:
         values = self._values
-        try:  # one comparison and one set test while nothing changed
-            if self._read_held(values) == self._held and values.keys().isdisjoint(self._absent):
-                return None
-        except KeyError:  # a field was deleted: found below
-            pass
         for name, (key, patched) in self.patched_values.items():
             now = values.get(key, _ABSENT)
             if now != patched:
@@ -131,21 +142,18 @@ class LayoutWatch:
                 )
         return None
 
-    def check(self) -> None:
-        """Raise `ModelReshaped`, naming the fix, if anything changed (`changed`)."""
-        reason = self.changed()
-        if reason is not None:
-            raise ModelReshaped(
-                f"{reason}: call hybridkv.patch(model) again (it builds the engine for the model as it is now, or "
-                "says why it cannot), or set the value back"
-            )
+
+_read_implementation = itemgetter(_IMPLEMENTATION_KEY)
 
 
-def _tuple_getter(keys: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """A dict's values at `keys`, as a tuple (`itemgetter` gives a bare value for one key); KeyError for one missing."""
-    if len(keys) > 1:
-        return itemgetter(*keys)
-    return lambda values: tuple(values[key] for key in keys)
+def _values_getter(keys: list[str]) -> Callable[[dict[str, Any]], Any]:
+    """A dict's values at `keys` as `itemgetter` gives them (a bare value for one key; `_values_as_read` gives the
+    patched values alike); KeyError for one missing."""
+    return itemgetter(*keys) if keys else lambda values: ()
+
+
+def _values_as_read(values: list[Any]) -> Any:
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _copy(value: Any) -> Any:
