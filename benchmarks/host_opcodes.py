@@ -5,8 +5,13 @@ version of hybridkv.
 change of a few percent needs dozens of pairs to show. This counts instead: the workload of `host_overhead.py`
 (`benchmarks/throughput.py`'s hybrid model, greedy, the model's forward replaced by ready logits) runs once through
 each version to warm its caches and once more counted, every bytecode of each `step()` tallied by the function that
-runs it (`sys.settrace` with opcode events), and the count is the same from run to run. Printed: bytecodes per step of
-each version, then the functions whose count differs most, with their calls per step.
+runs it (`sys.settrace` with opcode events), and the count is the same from run to run. Printed: bytecodes, Python
+calls and distinct functions entered per step of each version, then the functions whose count differs most, with their
+calls per step.
+
+The distinct functions are what a step pays for after a forward has evicted their code and data from the caches: on
+this machine each trivial function entered cold adds about 0.7-0.8 us, the time of 120 warm bytecodes, the first one
+of a chain 1.5 us (`python benchmarks/cold_calls.py`), so a step's host time follows them as much as its bytecodes.
 
 A bytecode is not a unit of time: a call is one bytecode and costs the time of several, a C builtin's loop none
 (issue 62 found a batch of comprehensions that ran fewer calls and more bytecodes slower than the calls; numpy's argmax
@@ -34,14 +39,19 @@ import hybridkv
 from throughput import hybrid_model, workload
 
 
-def count(package, model: torch.nn.Module, prompts: list[list[int]], max_new: int) -> tuple[int, Counter, Counter]:
-    """(steps, bytecodes by function, calls by function) of the second of two runs of the prompts."""
+def count(
+    package, model: torch.nn.Module, prompts: list[list[int]], max_new: int
+) -> tuple[int, Counter, Counter, int]:
+    """(steps, bytecodes by function, calls by function, distinct functions entered summed over the steps) of the
+    second of two runs of the prompts."""
     opcodes: Counter = Counter()
     calls: Counter = Counter()
+    entered: set = set()  # the functions (code objects) the step under way entered
     name = package.__name__
 
     def tracer(frame, event, arg):
         code = frame.f_code
+        entered.add(code)
         key = f"{re.sub(rf'.*/{name}/', '', code.co_filename)}:{code.co_name}"
         calls[key] += 1
         frame.f_trace_opcodes = True
@@ -54,7 +64,7 @@ def count(package, model: torch.nn.Module, prompts: list[list[int]], max_new: in
         return local
 
     llm = package.patch(model, max_model_len=8192, num_blocks=4096, swap_space=0)
-    steps = 0
+    steps = distinct = 0
     with ready_logits(model, True):
         for round_ in range(2):
             for index, prompt in enumerate(prompts):
@@ -70,8 +80,10 @@ def count(package, model: torch.nn.Module, prompts: list[list[int]], max_new: in
                 finally:
                     sys.settrace(None)
                 steps += 1
+                distinct += len(entered)
+                entered.clear()
     package.unpatch(model)
-    return steps, opcodes, calls
+    return steps, opcodes, calls, distinct
 
 
 def main() -> None:
@@ -86,9 +98,12 @@ def main() -> None:
     base = load_renamed(args.against)
     figures = {}
     for label, package in (("base", base), ("this", hybridkv)):
-        steps, opcodes, calls = count(package, model, prompts, max_new)
+        steps, opcodes, calls, distinct = count(package, model, prompts, max_new)
         figures[label] = (steps, opcodes, calls)
-        print(f"{label}: {sum(opcodes.values()) / steps:,.0f} bytecodes per step, {steps} steps")
+        print(
+            f"{label}: {sum(opcodes.values()) / steps:,.0f} bytecodes per step, {sum(calls.values()) / steps:.0f} "
+            f"Python calls, {distinct / steps:.0f} distinct functions entered; {steps} steps"
+        )
     (base_steps, base_ops, base_calls), (steps, ops, this_calls) = figures["base"], figures["this"]
     rows = sorted(
         ((ops[key] / steps - base_ops[key] / base_steps, key) for key in set(ops) | set(base_ops)),

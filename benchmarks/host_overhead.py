@@ -193,6 +193,13 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
                 f"{name:<7} {what}: base {statistics.median(old):.3f} ms, this {statistics.median(new):.3f} ms; "
                 f"this / base per pair {' '.join(f'{r:.2f}' for r in ratios)}, median {statistics.median(ratios):.3f}"
             )
+            # The machine's interference only adds time: each version's fastest quarter of runs is its least
+            # disturbed, and their ratio moves less from run to run than the pairs' median.
+            low_old, low_new = (statistics.quantiles(runs, n=4)[0] for runs in (old, new))
+            print(
+                f"{name:<7} {what}, lower quartiles: base {low_old:.3f} ms, this {low_new:.3f} ms, "
+                f"ratio {low_new / low_old:.3f}"
+            )
 
 
 @contextlib.contextmanager
