@@ -29,12 +29,16 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 30 --argmax-apart
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 16 --async-scheduling
     python benchmarks/host_overhead.py --against DIR --workloads mixed,shared --pairs 12 --kv-events
+    python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 20 --phases
 
 `--async-scheduling` runs this checkout with the next step planned before the last one's tokens are read
 (hybridkv/engine/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
 
 `--kv-events` runs this checkout publishing vLLM's KV events (`kv_events_config`, to an ipc:// socket no one reads):
 against a copy of this same checkout (`--against DIR`), the ratio is what recording and sending the events costs.
+
+`--phases` also splits each version's steps into planning, running less the forward, updating and the rest (the
+step's entry, its checks of the model, its reports), each timed around the methods that do it in that version.
 
 `--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
 prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.
@@ -83,6 +87,9 @@ def main() -> None:
         "--argmax-apart", action="store_true", help="with --against: also host per decode step without the argmax"
     )
     parser.add_argument("--kv-events", action="store_true", help="this checkout publishes vLLM's KV events")
+    parser.add_argument(
+        "--phases", action="store_true", help="with --against: also each step's plan, run and update apart"
+    )
     args = parser.parse_args()
     args.events_config = None
     if args.kv_events:
@@ -164,15 +171,21 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
         if package is hybridkv and args.events_config is not None:
             ours["kv_events_config"] = args.events_config
         llm = package.patch(model, max_model_len=8192, enable_prefix_caching=prefix_caching, **ours)
+        phases = phase_timers(llm) if args.phases else None
         with ready_logits(model, args.ready_logits), argmax_timed(package, args.argmax_apart) as argmax:
             decode_host, decode_steps = run_steps(
                 llm, prompts, package.SamplingParams(temperature=0, max_tokens=max_new), argmax
             )
-        host = (llm.step_seconds - engine_runner(llm).forward_seconds) / llm.num_steps
+        forward = engine_runner(llm).forward_seconds
+        host = (llm.step_seconds - forward) / llm.num_steps
         package.unpatch(model)
         figures = (host * 1e3, decode_host / decode_steps * 1e3)
         if args.argmax_apart:
             figures += ((decode_host - argmax.decode_seconds) / decode_steps * 1e3,)
+        if phases is not None:
+            plan, run_, update = phases["plan"], phases["run"] - forward, phases["update"]
+            rest = llm.step_seconds - forward - plan - run_ - update
+            figures += tuple(seconds / llm.num_steps * 1e3 for seconds in (plan, run_, update, rest))
         return figures
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; this checkout against {base.__file__}")
@@ -186,6 +199,7 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
             for label, package in order if pair % 2 == 0 else reversed(order):
                 results[label].append(run(package, prompts, max_new))
         figures = ["host per step", "host per decode step"] + ["  without the argmax"] * args.argmax_apart
+        figures += ["  planning", "  running, less the forward", "  updating", "  the rest of the step"] * args.phases
         for index, what in enumerate(figures):
             old, new = ([r[index] for r in results[label]] for label in ("base", "new"))
             ratios = [b / a for a, b in zip(old, new, strict=True)]
@@ -255,6 +269,33 @@ def argmax_timed(package, timed: bool) -> Iterator[ArgmaxTimer | None]:
         yield timer
     finally:
         sampler.greedy_tokens = greedy_tokens
+
+
+def phase_timers(llm) -> dict[str, float]:
+    """Seconds each phase of `llm`'s steps takes, summed as they run: planning (the scheduler's plan), running (the
+    forward and sampling: the forward's own time is taken off by the caller) and updating (the requests and their
+    blocks after it); the rest of a step is what its entry, its checks of the model and its reports take. The
+    phases are the core's public steps since issue 62 and the engine's private ones before it (5c251f4)."""
+    seconds = {"plan": 0.0, "run": 0.0, "update": 0.0}
+    core = getattr(llm, "core", None)
+    if core is not None:
+        timed = [(core, "schedule", "plan"), (core, "execute", "run"), (core, "sample", "run")]
+        timed += [(llm, "_finish_alone", "update"), (llm, "finish_step", "update")]
+    else:
+        timed = [(llm.scheduler, "schedule", "plan"), (llm, "_execute", "run")]
+        timed += [(llm, "_update_alone", "update"), (llm, "_update", "update")]
+    for owner, name, phase in timed:
+        method = getattr(owner, name)
+
+        def timed_method(*args, _method=method, _phase=phase, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                seconds[_phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed_method)
+    return seconds
 
 
 def engine_runner(llm):
