@@ -39,9 +39,7 @@ import hybridkv
 from throughput import hybrid_model, workload
 
 
-def count(
-    package, model: torch.nn.Module, prompts: list[list[int]], max_new: int
-) -> tuple[int, Counter, Counter, int]:
+def count(package, model: torch.nn.Module, prompts: list[list[int]], max_new: int) -> tuple[int, Counter, Counter, int]:
     """(steps, bytecodes by function, calls by function, distinct functions entered summed over the steps) of the
     second of two runs of the prompts."""
     opcodes: Counter = Counter()

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import save_chat_checkpoint, wait_for_health
@@ -30,6 +29,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.engine.chat import chat_prompt
+
+from lazy_modules import lazy_import
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = (

@@ -17,7 +17,6 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
@@ -27,6 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.engine.chat import ChatOptions, chat_prompt, render_chat
+
+from lazy_modules import lazy_import
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 512

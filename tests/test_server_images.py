@@ -9,13 +9,16 @@ import io
 import time
 
 import numpy as np
-import openai
 import pytest
 from PIL import Image
 
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.tiny import tiny_vision_model
+
+from lazy_modules import lazy_import
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 MODEL = "tiny-gemma3-vision"
 DEADLINE_SECONDS = 30

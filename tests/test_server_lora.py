@@ -14,7 +14,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 from lora_adapters import make_adapters
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,6 +23,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.serving import cli
+
+from lazy_modules import lazy_import
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 MODEL = "tiny-llama"
 CHAT_TEMPLATE = (

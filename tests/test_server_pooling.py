@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import numpy as np
-import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -21,7 +20,10 @@ from hybridkv import LLM
 from hybridkv.serving.pooling_app import build_pooling_app
 from hybridkv.tiny import tiny_config, tiny_model
 
+from lazy_modules import lazy_import
 from tiny_tokenizer import tiny_tokenizer
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 TEXTS = ["Hello, my name is", "The capital of France is"]
 

@@ -8,16 +8,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 import hybridkv
 from hybridkv import SamplingParams
 from hybridkv.rollouts import TRLRollouts, trl_rollout_func
 from hybridkv.tiny import tiny_model
 
+from lazy_modules import lazy_import
 from tiny_tokenizer import tiny_tokenizer
+
+# Loaded by the first test that uses them (tests/lazy_modules.py).
+datasets, trl = lazy_import("datasets"), lazy_import("trl")
 
 PROMPTS = ["The quick brown", "Once upon a time", "Sliding windows forget", "héllo wörld"]
 NEW = 8
@@ -57,7 +59,7 @@ class FollowsTheWeights(TrainerCallback):
 
 
 def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, config_args=None, **trainer_args):
-    config = GRPOConfig(
+    config = trl.GRPOConfig(
         **(config_args or {}),
         output_dir=str(tmp_path),
         per_device_train_batch_size=8,
@@ -76,11 +78,11 @@ def grpo(tmp_path, policy, tokenizer, rollouts, callbacks=(), steps=3, config_ar
         # generate's attention in bf16, hybridkv's in its fp32 pages, and bf16 flips near-tied greedy tokens (README).
         bf16=False,
     )
-    trainer = GRPOTrainer(
+    trainer = trl.GRPOTrainer(
         model=policy,
         reward_funcs=distinct_characters,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=tokenizer,
         rollout_func=rollouts,
         callbacks=list(callbacks),

@@ -19,7 +19,6 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
 import torch
 from pydantic import BaseModel
@@ -32,7 +31,10 @@ from hybridkv.async_engine import AsyncLLMEngine
 from hybridkv.outputs import Logprob
 from hybridkv.tiny import tiny_model
 
+from lazy_modules import lazy_import
 from tiny_tokenizer import tiny_tokenizer
+
+openai = lazy_import("openai")  # loaded by the first test that uses it (tests/lazy_modules.py)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}"
