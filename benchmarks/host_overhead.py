@@ -37,8 +37,8 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
 `--kv-events` runs this checkout publishing vLLM's KV events (`kv_events_config`, to an ipc:// socket no one reads):
 against a copy of this same checkout (`--against DIR`), the ratio is what recording and sending the events costs.
 
-`--phases` also splits each version's steps into planning, running less the forward, updating and the rest (the
-step's entry, its checks of the model, its reports), each timed around the methods that do it in that version.
+`--phases` also splits each version's steps into planning, running less the forward, updating, checking the model
+and the rest (the step's entry, its reports), each timed around the methods that do it in that version.
 
 `--argmax-apart` times each version's greedy argmax (`greedy_tokens`, numpy's over the step's float32 logits) and
 prints the host per decode step without it too: on a GPU that argmax is a kernel on the device, not host work.
@@ -183,9 +183,9 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
         if args.argmax_apart:
             figures += ((decode_host - argmax.decode_seconds) / decode_steps * 1e3,)
         if phases is not None:
-            plan, run_, update = phases["plan"], phases["run"] - forward, phases["update"]
-            rest = llm.step_seconds - forward - plan - run_ - update
-            figures += tuple(seconds / llm.num_steps * 1e3 for seconds in (plan, run_, update, rest))
+            plan, run_, update, checks = phases["plan"], phases["run"] - forward, phases["update"], phases["checks"]
+            rest = llm.step_seconds - forward - plan - run_ - update - checks
+            figures += tuple(seconds / llm.num_steps * 1e3 for seconds in (plan, run_, update, checks, rest))
         return figures
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; this checkout against {base.__file__}")
@@ -199,7 +199,9 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
             for label, package in order if pair % 2 == 0 else reversed(order):
                 results[label].append(run(package, prompts, max_new))
         figures = ["host per step", "host per decode step"] + ["  without the argmax"] * args.argmax_apart
-        figures += ["  planning", "  running, less the forward", "  updating", "  the rest of the step"] * args.phases
+        figures += [
+            "  planning", "  running, less the forward", "  updating", "  checking the model", "  the rest of the step"
+        ] * args.phases  # fmt: skip
         for index, what in enumerate(figures):
             old, new = ([r[index] for r in results[label]] for label in ("base", "new"))
             ratios = [b / a for a, b in zip(old, new, strict=True)]
@@ -273,17 +275,19 @@ def argmax_timed(package, timed: bool) -> Iterator[ArgmaxTimer | None]:
 
 def phase_timers(llm) -> dict[str, float]:
     """Seconds each phase of `llm`'s steps takes, summed as they run: planning (the scheduler's plan), running (the
-    forward and sampling: the forward's own time is taken off by the caller) and updating (the requests and their
-    blocks after it); the rest of a step is what its entry, its checks of the model and its reports take. The
-    phases are the core's public steps since issue 62 and the engine's private ones before it (5c251f4)."""
-    seconds = {"plan": 0.0, "run": 0.0, "update": 0.0}
+    forward and sampling: the forward's own time is taken off by the caller), updating (the requests and their
+    blocks after it) and checking the model (its weights and adapters where a request is admitted; since issue 61
+    also its attention layout, at every `step()` call); the rest of a step is its entry and its reports. The phases
+    are the core's public steps since issue 62 and the engine's private ones before it (5c251f4)."""
+    seconds = {"plan": 0.0, "run": 0.0, "update": 0.0, "checks": 0.0}
     core = getattr(llm, "core", None)
     if core is not None:
         timed = [(core, "schedule", "plan"), (core, "execute", "run"), (core, "sample", "run")]
         timed += [(llm, "_finish_alone", "update"), (llm, "finish_step", "update")]
+        timed += [(core, "check_layout", "checks"), (core, "follow_model", "checks")]
     else:
         timed = [(llm.scheduler, "schedule", "plan"), (llm, "_execute", "run")]
-        timed += [(llm, "_update_alone", "update"), (llm, "_update", "update")]
+        timed += [(llm, "_update_alone", "update"), (llm, "_update", "update"), (llm, "_follow_model", "checks")]
     for owner, name, phase in timed:
         method = getattr(owner, name)
 
