@@ -754,7 +754,7 @@ class LLMEngine:
             if self.async_steps is not None:  # step N+1 launched before step N's tokens are read
                 reports = self.async_steps.step()
             else:
-                if self.core.model_check_due(self._model_checked):
+                if self.model_check_due():
                     self.follow_model()
                 touched = self.outputs.take_unreported()
                 reports = self._run(self.core.schedule(), touched)

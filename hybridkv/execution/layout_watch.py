@@ -95,7 +95,8 @@ class LayoutWatch:
         # The fields the config held, read together by one `itemgetter` (a KeyError once one is deleted), and those
         # it lacked, which must stay out of its `__dict__`.
         held = [(key, patched) for key, patched in self.patched_values.values() if patched is not _ABSENT]
-        self._read_held, self._held = _values_getter([key for key, _ in held]), _values_as_read([p for _, p in held])
+        self._read_held = _tuple_getter([key for key, _ in held])
+        self._held = tuple(patched for _, patched in held)
         self._absent = frozenset(key for key, patched in self.patched_values.values() if patched is _ABSENT)
         # The implementations as `check` reads them (None where the property alone says: never equal to a list).
         self._installed = [ATTN_IMPLEMENTATION] * len(self._implementations) if self._implementations else None
@@ -146,14 +147,11 @@ class LayoutWatch:
 _read_implementation = itemgetter(_IMPLEMENTATION_KEY)
 
 
-def _values_getter(keys: list[str]) -> Callable[[dict[str, Any]], Any]:
-    """A dict's values at `keys` as `itemgetter` gives them (a bare value for one key; `_values_as_read` gives the
-    patched values alike); KeyError for one missing."""
-    return itemgetter(*keys) if keys else lambda values: ()
-
-
-def _values_as_read(values: list[Any]) -> Any:
-    return values[0] if len(values) == 1 else tuple(values)
+def _tuple_getter(keys: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """A dict's values at `keys`, as a tuple (`itemgetter` gives a bare value for one key); KeyError for one missing."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return lambda values: tuple(values[key] for key in keys)
 
 
 def _copy(value: Any) -> Any:
