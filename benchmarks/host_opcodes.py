@@ -11,7 +11,8 @@ calls per step.
 
 The distinct functions are what a step pays for after a forward has evicted their code and data from the caches: on
 this machine each trivial function entered cold adds about 0.7-0.8 us, the time of 120 warm bytecodes, the first one
-of a chain 1.5 us (`python benchmarks/cold_calls.py`), so a step's host time follows them as much as its bytecodes.
+of a chain 1.5 us (`python benchmarks/cold_calls.py`), so they are counted beside the bytecodes (13 fewer a step
+were still within the noise of `host_overhead.py`: benchmarks/RESULTS.md).
 
 A bytecode is not a unit of time: a call is one bytecode and costs the time of several, a C builtin's loop none
 (issue 62 found a batch of comprehensions that ran fewer calls and more bytecodes slower than the calls; numpy's argmax
