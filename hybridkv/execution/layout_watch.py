@@ -102,10 +102,10 @@ class LayoutWatch:
         self._installed = [ATTN_IMPLEMENTATION] * len(self._implementations) if self._implementations else None
 
     def check(self) -> None:
-        """Raise `ModelReshaped`, naming the fix, if anything changed (`changed`). While nothing did (every step but
-        one after a change) it is one function: a comparison each of the implementations and the held fields and one
-        set test, each in C (a step pays microseconds for each function it enters after a forward has evicted their
-        code: benchmarks/RESULTS.md)."""
+        """Raise `ModelReshaped`, naming the fix, if anything changed (`changed`). While nothing did it is one
+        function: a comparison each of the implementations and the held fields and one set test, each in C (a step
+        pays about a microsecond for each function it enters after a forward has evicted their code:
+        benchmarks/cold_calls.py)."""
         values = self._values
         try:
             if (
