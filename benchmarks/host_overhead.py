@@ -20,6 +20,9 @@ not the model's), so host work runs with its code and data still in the caches: 
 what a forward's eviction costs it. `--requests N` keeps the workload's first N requests (host work per request
 is the slope).
 
+`--max-num-seqs N` patches both versions with `max_num_seqs=N`: with fewer seats than the workload's 32 requests, most
+steps run a full batch while requests wait (the regime of a loaded server).
+
 `--model qwen3_5` or `nemotron_h` runs benchmarks/state_layers.py's models with state layers instead (their
 state checkpoints' planning is host work too: compare with `--no-prefix-caching`).
 
@@ -30,6 +33,7 @@ state checkpoints' planning is host work too: compare with `--no-prefix-caching`
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 16 --async-scheduling
     python benchmarks/host_overhead.py --against DIR --workloads mixed,shared --pairs 12 --kv-events
     python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 20 --phases
+    python benchmarks/host_overhead.py --against DIR --workloads mixed --pairs 10 --max-num-seqs 8
 
 `--async-scheduling` runs this checkout with the next step planned before the last one's tokens are read
 (hybridkv/engine/async_steps.py): on the CPU the forward runs at launch, so what it adds is the path's own host work.
@@ -79,6 +83,9 @@ def main() -> None:
     parser.add_argument("--ready-logits", action="store_true", help="ready logits instead of the forward")
     parser.add_argument("--requests", type=int, help="the workload's first N requests only")
     parser.add_argument(
+        "--max-num-seqs", type=int, help="patch(max_num_seqs=N): a full batch with requests waiting (both versions)"
+    )
+    parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         help="this checkout's async_scheduling (default: the engine's, off on the CPU)",
@@ -102,6 +109,7 @@ def main() -> None:
         from state_layers import MODELS
 
         model = MODELS[args.model]()
+    seats = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     if args.against is not None:
         compare(model, load_renamed(args.against), args.pairs, args.workloads.split(","), args.prefix_caching, args)
         return
@@ -117,6 +125,7 @@ def main() -> None:
                 enable_prefix_caching=args.prefix_caching,
                 async_scheduling=args.async_scheduling,
                 kv_events_config=args.events_config,
+                **seats,
             )
             with ready_logits(model, args.ready_logits):
                 decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
@@ -165,7 +174,7 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
 
     def run(package, prompts, max_new) -> tuple[float, ...]:
         # --async-scheduling sets this checkout's (versions before issue 47 have no such setting).
-        ours = {}
+        ours = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
         if package is hybridkv and args.async_scheduling is not None:
             ours["async_scheduling"] = args.async_scheduling
         if package is hybridkv and args.events_config is not None:

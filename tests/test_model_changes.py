@@ -281,6 +281,37 @@ def test_a_request_admitted_after_a_change_never_reuses_blocks_computed_before(p
     assert llm.stats()["blocks_in_use"] == 0
 
 
+def test_a_full_batch_checks_the_model_once_a_seat_frees(patched):
+    """While max_num_seqs sequences run, a step with requests waiting does not check the model (it can admit none);
+    the step after a seat frees checks it before admitting: a request that waited through a weight change computes
+    with the new weights and hits none of the blocks computed before."""
+    model = FAMILIES["llama"]()
+    llm = patched(model, max_num_seqs=1, **settings_for(model, "default"))
+    before = references(model, BATCH[:1])
+    old = llm.add_request(new_request_id(), BATCH[0], GREEDY)
+    llm.step()  # admits it (the model is checked first) and computes its prompt
+    new = llm.add_request(new_request_id(), BATCH[0], GREEDY)
+    watch = llm.core.model_watch
+    checks = watch.num_checks
+    UPDATES["no_grad_edit"](model)
+    done = {}
+    while old not in done:
+        assert watch.num_checks == checks and llm.core.scheduler.waiting
+        for output in llm.step():
+            if output.finished:
+                done[output.request_id] = output
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            done[output.request_id] = output
+    assert watch.num_checks == checks + 1
+    (expected,) = references(model, BATCH[:1])
+    assert expected[0] != before[0][0]
+    assert done[new].outputs[0].token_ids == expected[0]
+    assert done[new].metrics.num_cached_tokens == 0
+    assert len(done[old].outputs[0].token_ids) == MAX_NEW
+    assert llm.stats()["blocks_in_use"] == 0
+
+
 def test_a_request_preempted_by_recompute_recomputes_under_the_new_weights(patched):
     """A request preempted before the change, admitted again after it, recomputes its prompt and outputs with the
     new weights: its next tokens are transformers' greedy continuation of them under the new model."""

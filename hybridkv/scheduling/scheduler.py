@@ -129,6 +129,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         return min(threshold, budget) if threshold else budget
 
+    def may_admit(self) -> bool:
+        """Whether the next plan may admit a waiting request: one waits and a seat is free. A group's seats count
+        its unfinished samples, running or waiting (a beam search's, its width), so with max_num_seqs sequences
+        running no seat is left for anyone, a sample waiting for its running leader included."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (see the module docstring); the plan carries the block-table rows."""
         out = SchedulerOutput()
