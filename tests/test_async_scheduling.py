@@ -286,3 +286,33 @@ def test_each_request_is_reported_once_when_a_step_in_flight_meets_a_synchronous
         assert llm.stats()["blocks_in_use"] == 0
     finally:
         hybridkv.unpatch(llm.model)
+
+
+def test_a_full_batch_with_requests_waiting_keeps_overlapping() -> None:
+    """While max_num_seqs sequences run, a waiting request cannot be admitted, so no step checks the model
+    (`Scheduler.may_admit`) and none finishes the step in flight for it: every step but those after a seat frees
+    is planned ahead of its tokens, and the tokens are the synchronous engine's."""
+    tokenizer = tiny_tokenizer()
+    settings = dict(block_size=4, max_model_len=64, max_num_seqs=2, compile=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 9, 11 + i, 3] for i in range(6)]
+    results = []
+    for flag in (False, True):
+        model = tiny_model("llama", vocab_size=len(tokenizer)).to(DEVICE)
+        llm = hybridkv.patch(model, tokenizer=tokenizer, async_scheduling=flag, **settings)
+        try:
+            ids = [llm.add_request(new_request_id(), prompt, params) for prompt in prompts]
+            done = {}
+            while llm.has_unfinished_requests():
+                for output in llm.step():
+                    done[output.request_id] = output.outputs[0].token_ids
+            results.append([done[request_id] for request_id in ids])
+            assert llm.core.model_watch.num_checks == 3  # one per pair of seats freed: the three admissions
+            if flag:
+                # 6 requests, two at a time, 12 tokens each: 39 steps, 36 of them overlapped here (24 when every step
+                # with a request waiting checked the model and finished the step in flight first).
+                assert llm.async_steps.num_overlapped >= 30, llm.async_steps.num_overlapped
+            assert llm.stats()["blocks_in_use"] == 0
+        finally:
+            hybridkv.unpatch(model)
+    assert results[0] == results[1]
