@@ -291,9 +291,10 @@ def test_each_request_is_reported_once_when_a_step_in_flight_meets_a_synchronous
 def test_a_full_batch_with_requests_waiting_keeps_overlapping() -> None:
     """While max_num_seqs sequences run, a waiting request cannot be admitted, so no step checks the model
     (`Scheduler.may_admit`) and none finishes the step in flight for it: every step but those after a seat frees
-    is planned ahead of its tokens, and the tokens are the synchronous engine's."""
+    is planned ahead of its tokens, and the tokens are the synchronous engine's. Eager: a captured graph's replay is
+    checked at every step (`EngineCore.model_check_due`)."""
     tokenizer = tiny_tokenizer()
-    settings = dict(block_size=4, max_model_len=64, max_num_seqs=2, compile=False)
+    settings = dict(block_size=4, max_model_len=64, max_num_seqs=2, compile=False, enforce_eager=True)  # no graphs
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5 + i, 9, 11 + i, 3] for i in range(6)]
     results = []
