@@ -8,7 +8,10 @@ twice the tensors). Prints the median microseconds of each part over `--repeats`
 `add_request` of a 100-token prompt on the same model for scale (`benchmarks/host_overhead.py --against` gives
 the host work per step with and without the check).
 
-    python benchmarks/model_watch.py [--layers 26] [--lora] [--repeats 2000]
+`--cold` times each call after a 64 MiB read instead, one call at a time: what a step pays after a forward has evicted
+the watch's code and the tensors' objects (benchmarks/cold_calls.py).
+
+    python benchmarks/model_watch.py [--layers 26] [--lora] [--repeats 2000] [--cold]
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 import hybridkv
@@ -36,12 +40,27 @@ def timed(function, repeats: int) -> float:
     return statistics.median(batches)
 
 
+def timed_cold(function, repeats: int) -> float:
+    """Median microseconds of `function()` called once after each of `repeats` reads of 64 MiB."""
+    evict = np.ones(64 << 18, dtype=np.float32)
+    function()
+    times = []
+    for _ in range(repeats):
+        evict.sum()
+        start = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=26)
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--cold", action="store_true", help="each call after a 64 MiB read")
     args = parser.parse_args()
+    time_it = timed_cold if args.cold else timed
     torch.set_num_threads(1)
     model = tiny_model("gemma3", num_hidden_layers=args.layers, hidden_size=64, intermediate_size=128)
     if args.lora:
@@ -53,6 +72,7 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, 1 thread; {type(model).__name__}, {args.layers} layers, "
         f"{len(watch._slots)} tensors, {len(watch._tuner_layers)} PEFT tuner layers; median microseconds"
+        f"{', each call cold' if args.cold else ''}"
     )
     sampled = watch._read_samples()
     parts = {
@@ -63,7 +83,7 @@ def main() -> None:
         "whole check, nothing changed": watch.check,
     }
     for name, function in parts.items():
-        print(f"  {name:<46} {timed(function, args.repeats):9.1f}")
+        print(f"  {name:<46} {time_it(function, args.repeats):9.1f}")
     watch.close()
 
     llm = hybridkv.patch(model, max_model_len=512)
@@ -73,8 +93,8 @@ def main() -> None:
     def add_and_abort() -> None:
         llm.abort(llm.add_request("timed", prompt, params))
 
-    check = timed(llm.core.model_watch.check, args.repeats)
-    add = timed(add_and_abort, args.repeats // 4)
+    check = time_it(llm.core.model_watch.check, args.repeats)
+    add = time_it(add_and_abort, args.repeats // 4)
     print(f"  {'engine add_request + abort (no check)':<46} {add:9.1f}")
     print(f"  whole check / add_request: {check / add:.2f}x (a check runs once per call, however many requests)")
     hybridkv.unpatch(model)
