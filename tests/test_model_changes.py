@@ -258,6 +258,17 @@ def test_merged_and_unmerged_adapters_are_followed(family, patched):
 # ---- requests that live across a change ----------------------------------------------------------------------
 
 
+def assert_admitted_under_the_new_weights(llm, model, before, old, new):
+    """`old` ran to its end across a weight change; `new`, admitted after it with the same prompt, has the new model's
+    greedy tokens and no prefix-cache hit; every block is back."""
+    (expected,) = references(model, BATCH[:1])
+    assert expected[0] != before[0][0]
+    assert new.outputs[0].token_ids == expected[0]
+    assert new.metrics.num_cached_tokens == 0
+    assert len(old.outputs[0].token_ids) == MAX_NEW
+    assert llm.stats()["blocks_in_use"] == 0
+
+
 def test_a_request_admitted_after_a_change_never_reuses_blocks_computed_before(patched):
     """A request running when the weights change finishes with the K/V it has (vLLM's behaviour); one admitted
     after the change, with the same prompt, computes with the new weights and hits none of the old blocks."""
@@ -273,12 +284,7 @@ def test_a_request_admitted_after_a_change_never_reuses_blocks_computed_before(p
     while llm.has_unfinished_requests():
         for output in llm.step():
             done[output.request_id] = output
-    (expected,) = references(model, BATCH[:1])
-    assert expected[0] != before[0][0]
-    assert done[new].outputs[0].token_ids == expected[0]
-    assert done[new].metrics.num_cached_tokens == 0
-    assert len(done[old].outputs[0].token_ids) == MAX_NEW
-    assert llm.stats()["blocks_in_use"] == 0
+    assert_admitted_under_the_new_weights(llm, model, before, done[old], done[new])
 
 
 def test_a_full_batch_checks_the_model_once_a_seat_frees(patched):
@@ -304,12 +310,7 @@ def test_a_full_batch_checks_the_model_once_a_seat_frees(patched):
         for output in llm.step():
             done[output.request_id] = output
     assert watch.num_checks == checks + 1
-    (expected,) = references(model, BATCH[:1])
-    assert expected[0] != before[0][0]
-    assert done[new].outputs[0].token_ids == expected[0]
-    assert done[new].metrics.num_cached_tokens == 0
-    assert len(done[old].outputs[0].token_ids) == MAX_NEW
-    assert llm.stats()["blocks_in_use"] == 0
+    assert_admitted_under_the_new_weights(llm, model, before, done[old], done[new])
 
 
 def test_a_request_preempted_by_recompute_recomputes_under_the_new_weights(patched):
