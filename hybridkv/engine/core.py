@@ -539,8 +539,8 @@ class EngineCore:
         """Whether the step about to be planned must check the model first (`follow_model`): it was not `checked`
         in this call, and a request may be admitted (and hit the prefix cache: `Scheduler.may_admit`) or a graph
         replayed. A full batch with requests waiting is not checked until a seat frees: a check reads every tensor
-        of the model (about 0.5 ms on the CPU for a tiny model after a forward), which such a step would pay for
-        an admission it cannot make."""
+        of the model, which such a step would pay for an admission it cannot make (benchmarks/RESULTS.md, "Host
+        work in a loaded step loop")."""
         scheduler = self.scheduler
         return not checked and (
             scheduler.may_admit() or (self.runner.graphs is not None and bool(scheduler.running or scheduler.swapped))

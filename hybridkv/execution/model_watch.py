@@ -221,8 +221,8 @@ class ModelWatch:
         return list(groups.values())
 
     def _read_samples(self) -> list[Any]:
-        """Each group's sample: the bytes of the CPU's (compared by one `bytes` comparison: numpy's `array_equal`
-        costs four times as much after a forward, `benchmarks/model_watch.py --cold`), a device's tensor."""
+        """Each group's sample: the bytes of the CPU's (compared as `bytes`: benchmarks/RESULTS.md, 'Choices in the
+        code'), a device's tensor."""
         return [
             np.concatenate(views).tobytes() if isinstance(views[0], np.ndarray) else torch.cat(views)
             for views in self._sample_views
