@@ -109,7 +109,8 @@ def main() -> None:
         from state_layers import MODELS
 
         model = MODELS[args.model]()
-    seats = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    # Both versions' settings beyond the defaults (every version since the engine-step refactor takes max_num_seqs).
+    args.seats = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
     if args.against is not None:
         compare(model, load_renamed(args.against), args.pairs, args.workloads.split(","), args.prefix_caching, args)
         return
@@ -125,7 +126,7 @@ def main() -> None:
                 enable_prefix_caching=args.prefix_caching,
                 async_scheduling=args.async_scheduling,
                 kv_events_config=args.events_config,
-                **seats,
+                **args.seats,
             )
             with ready_logits(model, args.ready_logits):
                 decode_host, decode_steps = run_steps(llm, prompts, SamplingParams(temperature=0, max_tokens=max_new))
@@ -174,7 +175,7 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
 
     def run(package, prompts, max_new) -> tuple[float, ...]:
         # --async-scheduling sets this checkout's (versions before issue 47 have no such setting).
-        ours = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+        ours = dict(args.seats)
         if package is hybridkv and args.async_scheduling is not None:
             ours["async_scheduling"] = args.async_scheduling
         if package is hybridkv and args.events_config is not None:
