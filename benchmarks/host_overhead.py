@@ -221,6 +221,8 @@ def compare(model, base, pairs: int, workloads: list[str], prefix_caching: bool,
             )
             # The machine's interference only adds time: each version's fastest quarter of runs is its least
             # disturbed, and their ratio moves less from run to run than the pairs' median.
+            if pairs < 2:  # a quartile needs two runs
+                continue
             low_old, low_new = (statistics.quantiles(runs, n=4)[0] for runs in (old, new))
             print(
                 f"{name:<7} {what}, lower quartiles: base {low_old:.3f} ms, this {low_new:.3f} ms, "
